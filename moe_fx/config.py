@@ -1,0 +1,47 @@
+"""User-facing configuration of moe_fx (one dataclass; recipes are fields, not new verbs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["MoEConfig"]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """How moe_fx rewrites and runs the MoE blocks of a model.
+
+    Attributes:
+        kernel: expert-GEMM kernel request: ``"auto"`` (the lowering picks: DeepGEMM, Triton, or the
+            torch reference on CPU), ``"reference"``, ``"triton"`` or ``"deepgemm"``.
+        quantize: ``None`` keeps the model's expert weights; ``"fp8"`` quantises bf16 expert weights
+            once, at rewrite time, to fp8 e4m3 with 128x128 block scales.
+        verify: check every matched region numerically against the reference op on random probes
+            before rewriting it (``"auto"``: when the probe is cheap enough, see ``verify_max_flops``).
+        verify_max_flops: the largest probe (in flops) ``verify="auto"`` runs; above it a region is
+            rewritten on its structural match alone.
+        enabled: ``False`` turns every pass off (the backend then behaves like plain Inductor).
+        ep_group: process group for expert parallelism (``None``: no expert parallelism).
+        max_tokens_per_rank: the most tokens one rank sends per step under expert parallelism.
+        inductor_options: extra options handed to Inductor's ``compile_fx``.
+    """
+
+    kernel: Literal["auto", "reference", "triton", "deepgemm"] = "auto"
+    quantize: Literal[None, "fp8"] = None
+    verify: Literal["auto", "always", "never"] = "auto"
+    verify_max_flops: float = 2e10
+    enabled: bool = True
+    ep_group: Any = None
+    max_tokens_per_rank: int = 128
+    inductor_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kernel not in ("auto", "reference", "triton", "deepgemm"):
+            raise ValueError(f"MoEConfig.kernel must be auto/reference/triton/deepgemm, got {self.kernel!r}")
+        if self.quantize not in (None, "fp8"):
+            raise ValueError(f"MoEConfig.quantize must be None or 'fp8', got {self.quantize!r}")
+        if self.verify not in ("auto", "always", "never"):
+            raise ValueError(f"MoEConfig.verify must be auto/always/never, got {self.verify!r}")
+        if self.max_tokens_per_rank <= 0:
+            raise ValueError(f"MoEConfig.max_tokens_per_rank must be positive, got {self.max_tokens_per_rank}")

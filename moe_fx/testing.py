@@ -1,0 +1,231 @@
+"""Tiny MoE models for the demo, the tests and the benchmarks (random weights, nothing downloaded).
+
+Two kinds:
+
+* transformers 5.x language models from small configs: :func:`tiny_hf_model` for the families
+  ``"mixtral"``, ``"qwen3_moe"`` and ``"deepseek_v3"``;
+* user-written MoE blocks in the forms the pass must recognise: :class:`TitanGroupedMoE`
+  (torchtitan-like sort-and-permute with ``torch._grouped_mm``), :class:`DenseBmmMoE` (a dense
+  ``bmm`` over all experts) and :class:`LoopMoE` (a fixed ``range(E)`` loop over an
+  ``nn.ModuleList`` of SwiGLU experts, the transformers 4.x / OLMoE shape).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "HF_FAMILIES",
+    "DenseBmmMoE",
+    "LoopMoE",
+    "SwiGLUExpert",
+    "TitanGroupedMoE",
+    "tiny_hf_config",
+    "tiny_hf_model",
+]
+
+HF_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
+
+
+def tiny_hf_config(
+    family: str,
+    *,
+    num_layers: int = 2,
+    hidden: int = 32,
+    intermediate: int = 16,
+    num_experts: int = 8,
+    top_k: int = 2,
+    experts_implementation: str = "grouped_mm",
+    vocab: int = 128,
+    **overrides: Any,
+):
+    """Build a small transformers config of ``family`` (one of :data:`HF_FAMILIES`)."""
+    import transformers
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(
+            intermediate_size=intermediate, num_local_experts=num_experts, num_experts_per_tok=top_k, **common
+        )
+    elif family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(
+            intermediate_size=4 * intermediate,
+            moe_intermediate_size=intermediate,
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            head_dim=hidden // 4,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **common,
+        )
+    elif family == "deepseek_v3":
+        cfg = transformers.DeepseekV3Config(
+            intermediate_size=4 * intermediate,
+            moe_intermediate_size=intermediate,
+            n_routed_experts=num_experts,
+            num_experts_per_tok=top_k,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=0,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            **{**common, "num_key_value_heads": 4},
+        )
+    else:
+        raise ValueError(f"unknown family {family!r}; known: {HF_FAMILIES}")
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    cfg._experts_implementation = experts_implementation
+    return cfg
+
+
+def tiny_hf_model(family: str, *, dtype: torch.dtype = torch.float32, seed: int = 0, **kwargs: Any) -> nn.Module:
+    """A randomly initialised tiny causal LM of ``family`` in eval mode (see :func:`tiny_hf_config`).
+
+    DeepSeek-V3's router bias starts at zero in transformers; it is randomised here so that the
+    selection-only correction bias is exercised.
+    """
+    import transformers
+
+    cfg = tiny_hf_config(family, **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.rand_like(buf) * 0.1)
+        for name, p in model.named_parameters():
+            # transformers initialises some routers and experts with zeros/empty; make every weight random.
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2 if p.dim() == 3 or "gate" in name else 0.05)
+    return model.to(dtype).eval()
+
+
+class SwiGLUExpert(nn.Module):
+    """One SwiGLU expert: ``down(silu(gate(x)) * up(x))`` with separate bias-free linears."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _RoutedBlock(nn.Module):
+    """Softmax top-k router shared by the user-written blocks; input ``[B, S, H]`` or ``[T, H]``."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk: bool = True) -> None:
+        super().__init__()
+        self.hidden, self.num_experts, self.top_k, self.norm_topk = hidden, num_experts, top_k, norm_topk
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+
+class TitanGroupedMoE(_RoutedBlock):
+    """torchtitan-like block: sort tokens by expert, ``torch._grouped_mm`` with offsets, scatter back.
+
+    Weights are stored torchtitan-style, transposed for ``x @ w``: ``w13 [E, H, 2I]``, ``w2 [E, I, H]``.
+    ``activation`` other than ``"silu"`` or ``weight_output=False`` make near-miss variants for tests.
+    """
+
+    def __init__(
+        self,
+        hidden: int = 32,
+        inter: int = 16,
+        num_experts: int = 8,
+        top_k: int = 2,
+        activation: str = "silu",
+        weight_output: bool = True,
+    ) -> None:
+        super().__init__(hidden, num_experts, top_k)
+        self.w13 = nn.Parameter(torch.randn(num_experts, hidden, 2 * inter) * 0.2)
+        self.w2 = nn.Parameter(torch.randn(num_experts, inter, hidden) * 0.2)
+        self.activation, self.weight_output = activation, weight_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.hidden)
+        weights, ids = self.route(x)
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts)
+        offsets = torch.cumsum(counts, dim=0).to(torch.int32)
+        routed = x[order // self.top_k]
+        h = torch._grouped_mm(routed, self.w13, offs=offsets)
+        gate, up = h.chunk(2, dim=-1)
+        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate)
+        y = torch._grouped_mm(act * up, self.w2, offs=offsets)
+        if self.weight_output:
+            y = y * weights.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros_like(y).index_copy(0, order, y)
+        return out.view(-1, self.top_k, self.hidden).sum(dim=1).reshape(shape)
+
+
+class DenseBmmMoE(_RoutedBlock):
+    """Every token through every expert with ``bmm``, combined with a dense ``[T, E]`` weight matrix."""
+
+    def __init__(self, hidden: int = 32, inter: int = 16, num_experts: int = 8, top_k: int = 2) -> None:
+        super().__init__(hidden, num_experts, top_k)
+        self.gate_up = nn.Parameter(torch.randn(num_experts, 2 * inter, hidden) * 0.2)
+        self.down = nn.Parameter(torch.randn(num_experts, hidden, inter) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.hidden)
+        weights, ids = self.route(x)
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
+        dense = dense.scatter(1, ids, weights)
+        xe = x.unsqueeze(0).expand(self.num_experts, -1, -1)
+        h = torch.bmm(xe, self.gate_up.transpose(1, 2))
+        gate, up = h.chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, self.down.transpose(1, 2))
+        out = (y * dense.t().unsqueeze(-1)).sum(dim=0)
+        return out.reshape(shape)
+
+
+class LoopMoE(_RoutedBlock):
+    """transformers 4.x / OLMoE shape: a fixed ``range(E)`` loop over an ``nn.ModuleList`` of experts."""
+
+    def __init__(self, hidden: int = 32, inter: int = 16, num_experts: int = 8, top_k: int = 2) -> None:
+        super().__init__(hidden, num_experts, top_k)
+        self.experts = nn.ModuleList(SwiGLUExpert(hidden, inter) for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.hidden)
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=self.num_experts).permute(2, 1, 0)
+        for e in range(self.num_experts):
+            slot, tok = torch.where(mask[e])
+            y = self.experts[e](x[tok]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(x.dtype))
+        return out.reshape(shape)
