@@ -91,7 +91,9 @@ def test_dtype_block_and_activation_rules():
     c = decide_experts_kernel(bad_block, H100)
     assert c.kernel == "reference" and "128x128" in c.reasons["deepgemm"] and "128x128" in c.reasons["triton"]
     c = decide_experts_kernel(problem(activation="gelu"), H100)
-    assert c.kernel == "reference" and "silu" in c.reasons["deepgemm"]
+    assert c.kernel == "triton" and "silu" in c.reasons["deepgemm"]
+    c = decide_experts_kernel(problem(activation="relu2"), H100)
+    assert c.kernel == "reference" and "relu2" in c.reasons["triton"]
 
 
 def test_explicit_requests():

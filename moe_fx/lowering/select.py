@@ -7,7 +7,8 @@ The rule (DESIGN.md, "Choosing kernels"), in order of preference for ``kernel="a
   newer, activations are bfloat16, the activation is SwiGLU (``"silu"``), both GEMMs' N and K are
   multiples of 128 (GEMM1: N = 2I, K = H; GEMM2: N = H, K = I) and, for fp8 weights, the weight
   block is 128x128;
-* ``"triton"``: moe_fx's own Triton kernels when a CUDA GPU and Triton are present;
+* ``"triton"``: moe_fx's own Triton kernels when a CUDA GPU and Triton are present (fp8 weights
+  need SM89+ there);
 * ``"reference"``: the torch reference (CPU, or anything else).
 
 Each candidate answers small capability questions with "ok" or the reason it cannot run
@@ -51,6 +52,9 @@ SUPPORTED_FP8_BLOCK = (128, 128)
 #: Activation dtypes each GPU kernel accepts (fp8 weights need bf16 activations in both).
 _TRITON_DTYPES = ("bfloat16", "float16", "float32")
 _TRITON_FP8_DTYPES = ("bfloat16",)
+#: Gated activations fused by the Triton kernels (all of moe_fx.ops.ACTIVATIONS) and by the DeepGEMM path.
+_TRITON_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+_DEEPGEMM_ACTIVATIONS = ("silu",)
 #: Environment switch for users and benchmarks: ``MOE_FX_DISABLE_DEEPGEMM=1`` makes "auto" skip DeepGEMM.
 DISABLE_DEEPGEMM_ENV = "MOE_FX_DISABLE_DEEPGEMM"
 #: Where users learn how to install a DeepGEMM that matches their torch.
@@ -159,7 +163,7 @@ def _check_deepgemm(problem: ExpertsProblem, caps: Capabilities) -> str | None:
         return f"needs SM90 or newer (Hopper), GPU is {cap}"
     if problem.dtype != "bfloat16":
         return f"needs bfloat16 activations, got {problem.dtype}"
-    if problem.activation != "silu":
+    if problem.activation not in _DEEPGEMM_ACTIVATIONS:
         return f"only the SwiGLU ('silu') activation is fused, got {problem.activation!r}"
     bad = _unaligned(problem)
     if bad:
@@ -185,8 +189,8 @@ def _check_triton(problem: ExpertsProblem, caps: Capabilities) -> str | None:
             return f"fp8 GEMMs need SM89 or newer, GPU is {cap}"
     elif problem.dtype not in _TRITON_DTYPES:
         return f"unsupported activation dtype {problem.dtype}"
-    if problem.activation != "silu":
-        return f"only the SwiGLU ('silu') activation is fused, got {problem.activation!r}"
+    if problem.activation not in _TRITON_ACTIVATIONS:
+        return f"activation {problem.activation!r} is not fused; fused: {', '.join(_TRITON_ACTIVATIONS)}"
     return None
 
 
