@@ -97,11 +97,5 @@ def test_expected_m_follows_design():
     assert L.expected_m(0, 2, 8, 256) == 16
 
 
-def test_masked_capacity():
-    # Small problems: max_m = T rounded to 256, no host sync.
-    assert L.masked_capacity(1, 8, 4096) == (256, False)
-    assert L.masked_capacity(300, 8, 4096) == (512, False)
-    # Large ones ask for the exact count, then round it.
-    assert L.masked_capacity(8192, 128, 2048)[1] is True
-    assert L.masked_capacity(8192, 128, 2048, max_count=700) == (768, False)
-    assert L.masked_capacity(8192, 128, 2048, max_count=0) == (256, False)
+def test_masked_rows():
+    assert [L.masked_rows(t) for t in (0, 1, 256, 257, 4096, 5000)] == [256, 256, 256, 512, 4096, 5120]

@@ -65,6 +65,8 @@ def test_unaligned_shapes_take_triton_and_say_which_dim(h, i, bad):
 def test_missing_library_takes_triton_with_the_library_reason():
     c = decide_experts_kernel(problem(), NO_DG)
     assert (c.kernel, c.reasons["deepgemm"]) == ("triton", "deep_gemm is not installed")
+    c = decide_experts_kernel(problem(), Capabilities("cuda", (9, 0), None, "triton is not installed"))
+    assert c.kernel == "reference" and "need Triton: triton is not installed" in c.reasons["deepgemm"]
     c = decide_experts_kernel(problem(), NO_DG_NO_TRITON)
     assert c.kernel == "reference" and c.reasons["triton"] == "triton is not installed"
 
@@ -90,10 +92,9 @@ def test_dtype_block_and_activation_rules():
     bad_block = ExpertsProblem("cuda", "bfloat16", 8, 256, 512, (64, 64))
     c = decide_experts_kernel(bad_block, H100)
     assert c.kernel == "reference" and "128x128" in c.reasons["deepgemm"] and "128x128" in c.reasons["triton"]
-    c = decide_experts_kernel(problem(activation="gelu"), H100)
-    assert c.kernel == "triton" and "silu" in c.reasons["deepgemm"]
+    assert decide_experts_kernel(problem(activation="gelu"), H100).kernel == "deepgemm"
     c = decide_experts_kernel(problem(activation="relu2"), H100)
-    assert c.kernel == "reference" and "relu2" in c.reasons["triton"]
+    assert c.kernel == "reference" and "relu2" in c.reasons["triton"] and "relu2" in c.reasons["deepgemm"]
 
 
 def test_explicit_requests():

@@ -27,7 +27,7 @@ __all__ = [
     "empty_mn_major_scales",
     "expected_m",
     "is_mn_major_tma_aligned",
-    "masked_capacity",
+    "masked_rows",
     "per_token_group_quant_fp8_reference",
     "prepare_deepgemm_weights",
     "prepare_expert_weights",
@@ -174,25 +174,12 @@ def expected_m(num_tokens: int, top_k: int, num_experts: int, max_m: int) -> int
     return max(1, min(max(m, 16), max_m))
 
 
-def masked_capacity(
-    num_tokens: int,
-    num_experts: int,
-    width: int,
-    max_count: int | None = None,
-    *,
-    budget_bytes: int = 256 << 20,
-) -> tuple[int, bool]:
-    """Rows per expert (``max_m``) of the local masked layout, and whether an exact count is needed first.
+def masked_rows(num_tokens: int) -> int:
+    """Rows per expert (``max_m``) of the local masked layout DeepGEMM reads: ``T`` rounded up to 256.
 
-    A token sends at most one row to an expert, so ``max_m = T`` (rounded up to
-    :data:`MASKED_M_ALIGN`) is always enough and needs no host synchronisation (decode, CUDA graphs).
-    When that would allocate more than ``budget_bytes`` for one ``[E, max_m, width]`` bf16 buffer,
-    the caller should count the busiest expert's rows (one host sync) and call again with
-    ``max_count``. Returns ``(max_m, need_count)``.
+    A token sends at most one row to an expert (top-k ids are distinct), so ``T`` rows always suffice
+    and the bound depends on the shape alone: no host synchronisation, CUDA-graph safe (the Triton
+    path uses the same bound). The round-up to :data:`MASKED_M_ALIGN` keeps DeepGEMM's whole-tile
+    stores inside each expert's rows. Padding rows cost memory only; no kernel visits them.
     """
-    align = MASKED_M_ALIGN
-    if max_count is not None:
-        return max(align, _cdiv(max_count, align) * align), False
-    max_m = max(align, _cdiv(num_tokens, align) * align)
-    return max_m, num_experts * max_m * width * 2 > budget_bytes and num_experts > 1
-
+    return max(MASKED_M_ALIGN, _cdiv(num_tokens, MASKED_M_ALIGN) * MASKED_M_ALIGN)

@@ -4,7 +4,8 @@ The rule (DESIGN.md, "Choosing kernels"), in order of preference for ``kernel="a
 
 * ``"deepgemm"``: DeepGEMM's masked grouped GEMMs (``m_grouped_bf16_gemm_nt_masked`` /
   ``m_grouped_fp8_gemm_nt_masked``) when ``deep_gemm`` imports, the device is a CUDA GPU of SM90 or
-  newer, activations are bfloat16, the activation is SwiGLU (``"silu"``), both GEMMs' N and K are
+  newer, activations are bfloat16, the gated activation is one the Triton activation kernel fuses
+  (``silu``, ``gelu``, ``gelu_tanh``), both GEMMs' N and K are
   multiples of 128 (GEMM1: N = 2I, K = H; GEMM2: N = H, K = I) and, for fp8 weights, the weight
   block is 128x128;
 * ``"triton"``: moe_fx's own Triton kernels when a CUDA GPU and Triton are present (fp8 weights
@@ -54,7 +55,7 @@ _TRITON_DTYPES = ("bfloat16", "float16", "float32")
 _TRITON_FP8_DTYPES = ("bfloat16",)
 #: Gated activations fused by the Triton kernels (all of moe_fx.ops.ACTIVATIONS) and by the DeepGEMM path.
 _TRITON_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-_DEEPGEMM_ACTIVATIONS = ("silu",)
+_DEEPGEMM_ACTIVATIONS = _TRITON_ACTIVATIONS  # the activation between the GEMMs is the Triton kernel
 #: Environment switch for users and benchmarks: ``MOE_FX_DISABLE_DEEPGEMM=1`` makes "auto" skip DeepGEMM.
 DISABLE_DEEPGEMM_ENV = "MOE_FX_DISABLE_DEEPGEMM"
 #: Where users learn how to install a DeepGEMM that matches their torch.
@@ -156,6 +157,9 @@ def _unaligned(problem: ExpertsProblem) -> list[str]:
 def _check_deepgemm(problem: ExpertsProblem, caps: Capabilities) -> str | None:
     if caps.deep_gemm_error is not None:
         return caps.deep_gemm_error
+    if caps.triton_error is not None:
+        # Dispatch, activation and combine around DeepGEMM's GEMMs are moe_fx's Triton kernels.
+        return f"its dispatch/activation/combine kernels need Triton: {caps.triton_error}"
     if problem.device_type != "cuda" or caps.device_type != "cuda":
         return f"needs a CUDA GPU, device is {problem.device_type}"
     if caps.capability is None or caps.capability < (9, 0):
@@ -164,7 +168,7 @@ def _check_deepgemm(problem: ExpertsProblem, caps: Capabilities) -> str | None:
     if problem.dtype != "bfloat16":
         return f"needs bfloat16 activations, got {problem.dtype}"
     if problem.activation not in _DEEPGEMM_ACTIVATIONS:
-        return f"only the SwiGLU ('silu') activation is fused, got {problem.activation!r}"
+        return f"activation {problem.activation!r} is not fused; fused: {', '.join(_DEEPGEMM_ACTIVATIONS)}"
     bad = _unaligned(problem)
     if bad:
         return f"N and K of both GEMMs must be multiples of {DEEPGEMM_ALIGN}: {', '.join(bad)}"
