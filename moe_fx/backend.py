@@ -1,0 +1,98 @@
+"""The ``moe_fx`` torch.compile backend: moe_fx passes on Dynamo's graph, then Inductor.
+
+Registered under the ``torch_dynamo_backends`` entry point, so ``torch.compile(m, backend="moe_fx")``
+works without importing moe_fx first.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from moe_fx.config import MoEConfig
+from moe_fx.passes.manager import PassContext, run_passes
+from moe_fx.passes.report import RegionReport
+
+__all__ = ["make_backend", "moe_fx_backend", "passes_fingerprint"]
+
+log = logging.getLogger("moe_fx")
+
+
+@functools.cache
+def passes_fingerprint() -> str:
+    """A hash of moe_fx's own source (passes, ops, lowering): changes whenever the rewrite may change."""
+    import moe_fx
+
+    root = Path(moe_fx.__file__).parent
+    digest = hashlib.sha256(moe_fx.__version__.encode())
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _cache_salt():
+    """An Inductor custom pass that does nothing but put :func:`passes_fingerprint` in the cache key."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class MoEFxCacheSalt(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            return None
+
+        def uuid(self) -> str:
+            return "moe_fx-" + passes_fingerprint()
+
+    return MoEFxCacheSalt()
+
+
+def _run_moe_passes(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], config: MoEConfig, sink: list[RegionReport] | None
+) -> PassContext:
+    import moe_fx.lowering  # noqa: F401  (registers device kernels for the ops)
+
+    ctx = PassContext(config=config, example_inputs=list(example_inputs))
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs):
+        # The moe_fx ops have no backward; a graph traced for training stays as it is.
+        ctx.report.append(RegionReport(layer="<graph>", reason="grad mode is on (training is not supported); "
+                                                                "run under torch.no_grad() or inference_mode()"))
+        log.info("moe_fx: graph left untouched: grad mode is on and inputs require grad")
+    else:
+        run_passes(gm, ctx)
+    if sink is not None:
+        sink.extend(ctx.report)
+    return ctx
+
+
+def make_backend(
+    config: MoEConfig | None = None, *, sink: list[RegionReport] | None = None, inductor: bool = True
+) -> Callable:
+    """A torch.compile backend that runs the moe_fx passes with ``config``, then Inductor.
+
+    ``sink`` collects the pass reports of every graph compiled; ``inductor=False`` returns the
+    rewritten graph's Python code instead of compiling it (for explain and graph tests).
+    """
+    config = config or MoEConfig()
+
+    def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        _run_moe_passes(gm, example_inputs, config, sink)
+        if not inductor:
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = {"post_grad_custom_post_pass": _cache_salt(), **config.inductor_options}
+        return compile_fx(gm, list(example_inputs), config_patches=patches)
+
+    backend.moe_fx_config = config  # type: ignore[attr-defined]
+    return backend
+
+
+def moe_fx_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """The default ``backend="moe_fx"``: moe_fx passes with the default :class:`MoEConfig`, then Inductor."""
+    return make_backend()(gm, example_inputs)

@@ -1,0 +1,132 @@
+"""Small read-only helpers over Dynamo FX graphs: node values, op names, in-place ops, data flow.
+
+Dynamo's graphs are torch-level (``call_function`` on torch functions and operators, ``call_method``
+on tensors), and they keep in-place ops such as ``out.index_add_(...)`` whose later readers use the
+mutated node itself. :class:`DataFlow` adds those hidden edges (mutator -> later readers) so region
+analysis sees where values really flow.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+
+import torch
+import torch.fx as fx
+
+__all__ = ["DataFlow", "is_factory", "is_matmul", "is_mutation", "node_value", "op_name", "tensor_value"]
+
+_FACTORIES = frozenset(
+    {"zeros", "zeros_like", "empty", "empty_like", "new_zeros", "new_empty", "full", "full_like",
+     "ones", "ones_like", "new_full", "new_ones", "arange"}
+)
+_MATMULS = frozenset({"linear", "_grouped_mm", "grouped_mm", "grouped_mm_fallback", "bmm", "matmul", "mm", "einsum"})
+_INPLACE_OPERATORS = {
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.setitem,
+}
+
+
+def node_value(node: fx.Node):
+    """The example value Dynamo (``example_value``) or AOT (``val``) recorded for ``node``, or None."""
+    meta = node.meta
+    return meta.get("example_value", meta.get("val"))
+
+
+def tensor_value(node: object) -> torch.Tensor | None:
+    """The (fake) tensor value of ``node`` if it is an FX node producing one tensor, else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    v = node_value(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def op_name(node: fx.Node) -> str:
+    """A short name for what ``node`` computes: ``"linear"``, ``"index_add_"``, ``"getitem"``, ...
+
+    ``call_function`` on torch functions, ``operator`` functions and ``torch.ops`` overloads, and
+    ``call_method`` all map to the same vocabulary (``torch.sort(x)`` and ``x.sort()`` are both ``sort``).
+    """
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op != "call_function":
+        return node.op
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._opname
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def is_mutation(node: fx.Node) -> bool:
+    """True if ``node`` writes into its first argument (``x.add_()``, ``x[i] = v``, ``x /= y``)."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__")
+    if node.op == "call_function":
+        if node.target in _INPLACE_OPERATORS:
+            return True
+        name = op_name(node)
+        return name.endswith("_") and not name.startswith("_") and not name.endswith("__")
+    return False
+
+
+def is_factory(node: fx.Node) -> bool:
+    """True if ``node`` creates a tensor from shapes alone (``zeros_like``, ``empty``, ``arange``, ...)."""
+    return op_name(node) in _FACTORIES
+
+
+def is_matmul(node: fx.Node) -> bool:
+    """True if ``node`` is a matrix product (``linear``, ``bmm``, ``_grouped_mm``, ...)."""
+    return op_name(node) in _MATMULS
+
+
+def _input_nodes(node: fx.Node) -> list[fx.Node]:
+    return list(node.all_input_nodes)
+
+
+class DataFlow:
+    """Data-flow view of a graph in which a reader of a mutated tensor also depends on its mutators."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.nodes: list[fx.Node] = list(graph.nodes)
+        self.order: dict[fx.Node, int] = {n: i for i, n in enumerate(self.nodes)}
+        self.mutators: dict[fx.Node, list[fx.Node]] = {}
+        for n in self.nodes:
+            if is_mutation(n) and n.args and isinstance(n.args[0], fx.Node):
+                self.mutators.setdefault(n.args[0], []).append(n)
+
+    def base(self, node: fx.Node) -> fx.Node | None:
+        """The tensor a mutation node writes into, or None for a pure node."""
+        if is_mutation(node) and node.args and isinstance(node.args[0], fx.Node):
+            return node.args[0]
+        return None
+
+    def deps(self, node: fx.Node) -> list[fx.Node]:
+        """Inputs of ``node`` plus the mutators of those inputs that run before ``node``."""
+        out = _input_nodes(node)
+        pos = self.order[node]
+        for inp in list(out):
+            out.extend(m for m in self.mutators.get(inp, ()) if self.order[m] < pos and m is not node)
+        return out
+
+    def users(self, node: fx.Node) -> list[fx.Node]:
+        """Users of ``node``; for a mutation node also the later readers of the tensor it wrote."""
+        out = list(node.users)
+        base = self.base(node)
+        if base is not None:
+            pos = self.order[node]
+            out.extend(u for u in base.users if self.order[u] > pos)
+        return out
+
+    def forward_closure(self, roots: Iterable[fx.Node]) -> set[fx.Node]:
+        """Every node whose value depends on one of ``roots`` (roots excluded)."""
+        seen: set[fx.Node] = set()
+        stack = list(roots)
+        while stack:
+            n = stack.pop()
+            for u in self.users(n):
+                if u not in seen:
+                    seen.add(u)
+                    stack.append(u)
+        return seen

@@ -1,0 +1,55 @@
+"""What the passes found: one :class:`RegionReport` per candidate MoE region, matched or not."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["RegionReport"]
+
+
+@dataclass
+class RegionReport:
+    """The outcome of looking at one candidate MoE region (a group of expert weights).
+
+    Attributes:
+        layer: module path of the experts (from Dynamo's ``nn_module_stack``) or the weight names.
+        matched: whether the region was rewritten into a moe_fx op.
+        form: how the experts were written (``grouped_mm``, ``batched_mm``, ``dense_bmm``,
+            ``expert_loop``, ...), as far as it was recognised.
+        family: the experts module class without its ``Experts`` suffix (``Mixtral``), or ``""``.
+        num_experts, top_k, hidden, intermediate: E, K, H, I (0 where unknown).
+        dtype: dtype of the hidden states.
+        activation: gated activation found (``silu``, ...).
+        weights_on_input: True when routing weights scale the expert input (Llama 4 style).
+        reason: why the region was not rewritten (empty when matched).
+        kernel: kernel the lowering will pick (filled by explain / the backend).
+        kernel_reasons: why the other kernels were not picked.
+        verified: how the region was checked (``"numerics"`` or ``"structure"``).
+    """
+
+    layer: str
+    matched: bool = False
+    form: str = ""
+    family: str = ""
+    num_experts: int = 0
+    top_k: int = 0
+    hidden: int = 0
+    intermediate: int = 0
+    dtype: str = ""
+    activation: str = ""
+    weights_on_input: bool = False
+    reason: str = ""
+    kernel: str = ""
+    kernel_reasons: dict[str, str] = field(default_factory=dict)
+    verified: str = ""
+
+    def one_line(self) -> str:
+        """A single log line describing the outcome."""
+        if self.matched:
+            return (
+                f"{self.layer}: matched {self.family or '?'}/{self.form} E={self.num_experts} K={self.top_k} "
+                f"H={self.hidden} I={self.intermediate} {self.dtype} act={self.activation}"
+                + (" weights_on_input" if self.weights_on_input else "")
+                + (f" kernel={self.kernel}" if self.kernel else "")
+            )
+        return f"{self.layer}: not matched ({self.form or 'unknown form'}): {self.reason}"

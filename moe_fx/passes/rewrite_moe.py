@@ -1,0 +1,224 @@
+"""The pass ``rewrite_moe_regions``: replace every recognised experts region by ``moe_fx::experts``.
+
+For each group of expert weights (:mod:`find_experts`), cut out the region from routing results to
+combined output (:mod:`extract_region`), check it (:mod:`verify_region`), and if every guard says
+yes, insert one ``torch.ops.moe_fx.experts`` call and delete the region. Routing stays as written.
+
+Per-expert weights (``nn.ModuleList`` experts) are stacked once into ``w13 [E, 2I, H]`` and
+``w2 [E, H, I]``; the module's own parameters are then made views into the stacked tensors, so no
+second copy of the experts stays in memory. Stacked weights are used as they are (a transposed
+layout is passed as a transposed view, not copied).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
+
+from moe_fx.passes.extract_region import Region, extract_region
+from moe_fx.passes.find_experts import ExpertWeights, find_expert_weights
+from moe_fx.passes.graph_utils import DataFlow, op_name, tensor_value
+from moe_fx.passes.manager import PassContext
+from moe_fx.passes.report import RegionReport
+from moe_fx.passes.verify_region import (
+    ProbeResult,
+    activation_hypotheses,
+    check_ops,
+    estimate_probe_flops,
+    probe_region,
+)
+
+__all__ = ["rewrite_moe_regions"]
+
+log = logging.getLogger("moe_fx.passes")
+
+
+def _module_of(node: fx.Node) -> tuple[str, str]:
+    """(module path, class name) of the innermost ``*Experts`` module around ``node``, else the innermost."""
+    stack = node.meta.get("nn_module_stack") or {}
+    entries = []
+    for key, value in stack.items():
+        path, cls = value if isinstance(value, tuple) else (key, value)
+        name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
+        entries.append((str(path), name))
+    if not entries:
+        return "", ""
+    for path, name in reversed(entries):
+        if name.endswith("Experts"):
+            return path, name
+    return entries[-1]
+
+
+def _clean_path(path: str) -> str:
+    # Dynamo spells module paths as L['self'].model.layers[0].mlp or L__self___model_layers_0_mlp.
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path)
+
+
+def _form(region: Region) -> str:
+    ops = region.ops
+    if region.anchors.kind == "per_expert":
+        return "expert_loop"
+    if ops & {"_grouped_mm", "grouped_mm", "grouped_mm_fallback"}:
+        return "grouped_mm"
+    weight_indexed = any(op_name(u) == "getitem" for w in region.anchors.nodes for u in w.users)
+    return "batched_mm" if weight_indexed else "dense_bmm"
+
+
+def _stack_per_expert(anchors: ExpertWeights, ctx: PassContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+    gate = [ctx.real_value(n) for n in anchors.gate]
+    up = [ctx.real_value(n) for n in anchors.up]
+    down = [ctx.real_value(n) for n in anchors.down]
+    if any(not isinstance(t, torch.Tensor) for t in gate + up + down):
+        return None
+    with torch.no_grad():
+        w13 = torch.stack([torch.cat([g, u], dim=0) for g, u in zip(gate, up, strict=True)])
+        w2 = torch.stack(down)
+    return w13, w2
+
+
+def _stacked_weights(region: Region, ctx: PassContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+    a = region.anchors
+    if a.kind == "per_expert":
+        return _stack_per_expert(a, ctx)
+    w13, w2 = ctx.real_value(a.w13), ctx.real_value(a.w2)
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
+        return None
+    return (w13.transpose(1, 2), w2.transpose(1, 2)) if a.transposed else (w13, w2)
+
+
+def _share_storage(anchors: ExpertWeights, ctx: PassContext, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """Make per-expert parameters views into the stacked tensors, so only one copy stays alive."""
+    inter = anchors.intermediate
+    with torch.no_grad():
+        for e, (g, u, d) in enumerate(zip(anchors.gate, anchors.up, anchors.down, strict=True)):
+            ctx.real_value(g).data = w13[e, :inter]
+            ctx.real_value(u).data = w13[e, inter:]
+            ctx.real_value(d).data = w2[e]
+
+
+def _fake_mode(values: list[object]):
+    """The fake mode Dynamo made the graph's example values with (not necessarily the ambient one)."""
+    for v in values:
+        if isinstance(v, FakeTensor):
+            return v.fake_mode
+    return detect_fake_mode(values)
+
+
+def _fake(t: torch.Tensor, like: fx.Node) -> torch.Tensor:
+    mode = _fake_mode([tensor_value(like)])
+    return mode.from_tensor(t, static_shapes=True) if mode is not None else t
+
+
+def _insert_op(
+    gm: fx.GraphModule, flow: DataFlow, region: Region, probe: ProbeResult, ctx: PassContext,
+    stacked: tuple[torch.Tensor, torch.Tensor], index: int,
+) -> fx.Node:
+    g = gm.graph
+    a = region.anchors
+    with g.inserting_before(region.output):
+        if a.kind == "per_expert":
+            w13, w2 = stacked
+            names = (f"moe_fx_w13_{index}", f"moe_fx_w2_{index}")
+            gm.register_buffer(names[0], w13)
+            gm.register_buffer(names[1], w2)
+            w13_node, w2_node = g.get_attr(names[0]), g.get_attr(names[1])
+            w13_node.meta["example_value"] = _fake(w13, region.hidden)
+            w2_node.meta["example_value"] = _fake(w2, region.hidden)
+        elif a.transposed:
+            w13_node = g.call_method("transpose", (a.w13, 1, 2))
+            w2_node = g.call_method("transpose", (a.w2, 1, 2))
+            w13_node.meta["example_value"] = tensor_value(a.w13).transpose(1, 2)
+            w2_node.meta["example_value"] = tensor_value(a.w2).transpose(1, 2)
+        else:
+            w13_node, w2_node = a.w13, a.w2
+        kwargs = {"activation": probe.activation, "weights_on_input": probe.weights_on_input,
+                  "kernel": ctx.config.kernel}
+        op = g.call_function(
+            torch.ops.moe_fx.experts.default,
+            (region.hidden, region.ids, region.weights, w13_node, w2_node),
+            kwargs,
+        )
+    fake_args = [tensor_value(n) for n in (region.hidden, region.ids, region.weights, w13_node, w2_node)]
+    mode = _fake_mode(fake_args)
+    with mode if mode is not None else torch.no_grad():
+        op.meta["example_value"] = torch.ops.moe_fx.experts.default(*fake_args, **kwargs)
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in region.output.meta:
+            op.meta[key] = region.output.meta[key]
+    op.meta["moe_fx"] = {"form": _form(region), "E": a.num_experts, "K": region.top_k}
+    for reader in region.output_readers(flow):
+        reader.replace_input_with(region.output, op)
+        if region.output_base is not None:
+            reader.replace_input_with(region.output_base, op)
+    for n in sorted(region.nodes, key=flow.order.__getitem__, reverse=True):
+        g.erase_node(n)
+    return op
+
+
+def _report_for(anchors: ExpertWeights, region: Region | None) -> RegionReport:
+    node = region.output if region is not None else anchors.nodes[-1]
+    path, cls = _module_of(node) if region is not None else ("", "")
+    if not path:
+        path, cls = _module_of(next(iter(anchors.nodes[-1].users), anchors.nodes[-1]))
+    family = cls[: -len("Experts")] if cls.endswith("Experts") else cls
+    return RegionReport(
+        layer=_clean_path(path) or anchors.name, family=family, num_experts=anchors.num_experts,
+        hidden=anchors.hidden, intermediate=anchors.intermediate,
+    )
+
+
+def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked) -> ProbeResult:
+    """Structural and numerical checks; the ProbeResult says yes (with the semantics) or why not."""
+    bad = check_ops(region)
+    if bad:
+        return ProbeResult(False, reason=bad)
+    acts = activation_hypotheses(region)
+    if not acts:
+        return ProbeResult(False, reason="no gated activation (silu/gelu) inside the region")
+    mode = ctx.config.verify
+    if mode == "never" or (mode == "auto" and estimate_probe_flops(region) > ctx.config.verify_max_flops):
+        return ProbeResult(True, acts[0], False, reason="structure")
+    return probe_region(region, flow, ctx.real_value, stacked, acts)
+
+
+def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
+    """Replace every verified experts region of ``gm`` by ``moe_fx::experts``; return how many."""
+    if not ctx.config.enabled:
+        return 0
+    count = 0
+    flow = DataFlow(gm.graph)
+    for anchors in find_expert_weights(gm.graph, flow):
+        found = extract_region(flow, anchors)
+        region = found if isinstance(found, Region) else None
+        report = _report_for(anchors, region)
+        ctx.report.append(report)
+        if region is None:
+            report.reason = str(found)
+            log.info("moe_fx: left %s untouched: %s", report.layer, report.reason)
+            continue
+        report.form, report.top_k = _form(region), region.top_k
+        report.dtype = str(tensor_value(region.hidden).dtype).replace("torch.", "")
+        stacked = _stacked_weights(region, ctx)
+        if stacked is None:
+            report.reason = "the real expert weights are not available to the pass"
+            continue
+        probe = _guard(region, ctx, flow, stacked)
+        if not probe.ok:
+            report.reason = probe.reason
+            log.info("moe_fx: left %s untouched: %s", report.layer, report.reason)
+            continue
+        if region.anchors.kind == "per_expert":
+            _share_storage(region.anchors, ctx, *stacked)
+        _insert_op(gm, flow, region, probe, ctx, stacked, count)
+        report.matched, report.activation, report.weights_on_input = True, probe.activation, probe.weights_on_input
+        report.verified = "structure" if probe.reason == "structure" else f"numerics (rel err {probe.error:.1e})"
+        count += 1
+        log.info("moe_fx: rewrote %s", report.one_line())
+        flow = DataFlow(gm.graph)  # node positions changed
+    return count
