@@ -1,0 +1,325 @@
+"""Triton kernels of the masked-layout MoE pipeline (no Python wrappers here: see the sibling modules).
+
+This module is loaded twice where needed (see :mod:`moe_fx.lowering.triton._loader`): compiled for
+CUDA tensors, and under Triton's interpreter for CPU tensors. Keep it free of module state.
+
+Masked layout: activations ``[E, max_m, H]`` plus ``masked_m [E]`` int32, rows ``>= masked_m[e]`` of
+expert ``e`` are garbage and never read as data. The GEMM and activation kernels are persistent:
+every program reads ``masked_m`` once, lays the *valid* tiles of all experts end to end
+(expert-major, a cumulative sum of ``cdiv(masked_m[e], BLOCK_M) * num_n``) and strides over them,
+so no program is ever spent on a tile that starts beyond ``masked_m[e]`` (with ``max_m = T`` most of
+the ``[E, max_m]`` rectangle is padding; launching a program per padded tile would cost more than
+the work at decode sizes).
+"""
+
+import triton
+import triton.language as tl
+
+# Only builtins of triton.language are used (tl.sum / tl.max / tl.cumsum / tl.cdiv are themselves
+# @triton.jit functions, compiled-mode objects that the CPU interpreter copy of this module cannot
+# call); reductions go through tl.reduce / tl.associative_scan with the combine functions below.
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_EPS = 1e-10  # floor of the fp8 group scale, so an all-zero group gives scale > 0 (no 0/0)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _maxf(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _valid_tiles(masked_m_ptr, E, M, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """Rows and row tiles of every expert: (expert offsets, rows, inclusive cumsum of row tiles)."""
+    offs_e = tl.arange(0, E_POW2)
+    rows = tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0)
+    rows = tl.minimum(tl.maximum(rows, 0), M)  # never trust a count beyond the buffer
+    tiles = (rows + BLOCK_M - 1) // BLOCK_M
+    return offs_e, rows, tiles, tl.associative_scan(tiles, 0, _add)
+
+
+@triton.jit
+def _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M: tl.constexpr):
+    """Expert, rows of that expert, and (pid_m, pid_n) of valid tile number ``t``.
+
+    Tiles of one expert are ordered in groups of GROUP_M row tiles (column tiles inner) so that
+    programs running together share the rows of A and the columns of B in L2.
+    """
+    e = tl.reduce((cum * num_n <= t).to(tl.int32), 0, _add)
+    start = tl.reduce(tl.where(offs_e == e, cum - tiles, 0), 0, _add) * num_n
+    num_m = tl.reduce(tl.where(offs_e == e, tiles, 0), 0, _add)
+    m_e = tl.reduce(tl.where(offs_e == e, rows, 0), 0, _add)
+    local = t - start
+    width = GROUP_M * num_n
+    first_m = (local // width) * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (local % width) % gsize
+    pid_n = (local % width) // gsize
+    return e, m_e, pid_m, pid_n
+
+
+@triton.jit
+def masked_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, masked_m_ptr,
+    E, M, N, K,
+    s_ag, s_am, s_ak,
+    s_bg, s_bn, s_bk,
+    s_cg, s_cm, s_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, E_POW2: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """c[g, :m_g, :] = a[g, :m_g, :] @ b[g]^T, fp32 accumulation, stored in c's dtype."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_e, rows, tiles, cum = _valid_tiles(masked_m_ptr, E, M, BLOCK_M, E_POW2)
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    total = tl.reduce(tiles, 0, _add) * num_n
+    for t in range(pid, total, nprog):
+        e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
+        e64 = e.to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_m = offs_m < m_e
+        mask_n = offs_n < N
+        a_ptrs = a_ptr + e64 * s_ag + offs_m[:, None] * s_am + offs_k[None, :] * s_ak
+        b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+                b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
+            if UPCAST:  # the CPU interpreter's dot mis-reads bf16 / fp8 operands; fp32 is exact there
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if IEEE or UPCAST:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * s_ak
+            b_ptrs += BLOCK_K * s_bk
+        c_ptrs = c_ptr + e64 * s_cg + offs_m[:, None] * s_cm + offs_n[None, :] * s_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def masked_gemm_fp8_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, masked_m_ptr,
+    E, M, N, K,
+    s_ag, s_am, s_ak,
+    s_asg, s_asm, s_ask,
+    s_bg, s_bn, s_bk,
+    s_bsg, s_bsn, s_bsk,
+    s_cg, s_cm, s_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, E_POW2: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """fp8 x fp8 -> bf16: a with 1x128 per-row group scales, b with 128x128 block scales.
+
+    BLOCK_K divides 128, so each k step lies in one scale group: the partial product of the step
+    is scaled by a_scale[row, k//128] * b_scale[col//128, k//128] before it joins the accumulator.
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_e, rows, tiles, cum = _valid_tiles(masked_m_ptr, E, M, BLOCK_M, E_POW2)
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    total = tl.reduce(tiles, 0, _add) * num_n
+    for t in range(pid, total, nprog):
+        e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
+        e64 = e.to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_m = offs_m < m_e
+        mask_n = offs_n < N
+        a_ptrs = a_ptr + e64 * s_ag + offs_m[:, None] * s_am + offs_k[None, :] * s_ak
+        b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
+        as_ptrs = as_ptr + e64 * s_asg + offs_m * s_asm
+        bs_ptrs = bs_ptr + e64 * s_bsg + (offs_n // 128) * s_bsn
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+                b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
+            kg = k0 // 128
+            a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_m, other=0.0)
+            b_s = tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)
+            if UPCAST:
+                acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee") * a_s[:, None] * b_s[None, :]
+            else:
+                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            a_ptrs += BLOCK_K * s_ak
+            b_ptrs += BLOCK_K * s_bk
+        c_ptrs = c_ptr + e64 * s_cg + offs_m[:, None] * s_cm + offs_n[None, :] * s_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _gated(g, u, ACT: tl.constexpr):
+    """act(g) * u in fp32; ACT: 0 silu, 1 gelu (erf), 2 gelu (tanh)."""
+    if ACT == 0:
+        y = g / (1.0 + tl.exp(-g))
+    elif ACT == 1:
+        y = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    else:
+        inner = tl.clamp(0.7978845608028654 * (g + 0.044715 * g * g * g), -20.0, 20.0)  # tanh is +-1 there
+        # tanh(z) = 2 * sigmoid(2z) - 1, written with exp so the interpreter and every backend agree
+        y = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+    return y * u
+
+
+@triton.jit
+def act_mul_kernel(
+    x_ptr, y_ptr, ys_ptr, masked_m_ptr,
+    E, M, I,
+    s_xg, s_xm, s_xn,
+    s_yg, s_ym, s_yn,
+    s_sg, s_sm, s_sn,
+    ACT: tl.constexpr, QUANT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, E_POW2: tl.constexpr,
+):
+    """y[g, r, :] = act(x[g, r, :I]) * x[g, r, I:] for valid rows; with QUANT, fp8 + 1xBLOCK_N scales."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_e, rows, tiles, cum = _valid_tiles(masked_m_ptr, E, M, BLOCK_M, E_POW2)
+    num_n = (I + BLOCK_N - 1) // BLOCK_N
+    total = tl.reduce(tiles, 0, _add) * num_n
+    for t in range(pid, total, nprog):
+        e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, 1)
+        e64 = e.to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_m < m_e)[:, None] & (offs_n < I)[None, :]
+        x_ptrs = x_ptr + e64 * s_xg + offs_m[:, None] * s_xm + offs_n[None, :] * s_xn
+        g = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptrs + I * s_xn, mask=mask, other=0.0).to(tl.float32)
+        v = _gated(g, u, ACT)
+        y_ptrs = y_ptr + e64 * s_yg + offs_m[:, None] * s_ym + offs_n[None, :] * s_yn
+        if QUANT:
+            amax = tl.reduce(tl.abs(v), 1, _maxf)
+            scale = tl.maximum(amax, SCALE_EPS) / FP8_MAX
+            q = tl.clamp(v / scale[:, None], -FP8_MAX, FP8_MAX)
+            tl.store(y_ptrs, q.to(y_ptr.dtype.element_ty), mask=mask)
+            s_ptrs = ys_ptr + e64 * s_sg + offs_m * s_sm + pid_n * s_sn
+            tl.store(s_ptrs, scale, mask=offs_m < m_e)
+        else:
+            tl.store(y_ptrs, v.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def dispatch_kernel(
+    h_ptr, ids_ptr, w_ptr, counts_ptr, x_ptr, xs_ptr, slot_ptr, pos_ptr,
+    T, K, H, E, max_m,
+    s_ht, s_hh,
+    s_it, s_ik,
+    s_wt, s_wk,
+    s_xg, s_xm, s_xh,
+    s_sg, s_sm, s_sh,
+    K_POW2: tl.constexpr, BLOCK_H: tl.constexpr,
+    WEIGHTS_ON_INPUT: tl.constexpr, QUANT: tl.constexpr,
+):
+    """One program per token: claim a row in each of its experts, then copy the token into them.
+
+    Rows are claimed with an atomic increment of ``counts[e]``, so the order of rows inside an
+    expert is not deterministic; results are, because rows are independent in the GEMMs and the
+    combine gathers each token's K rows in k order. ``slot[e, row] = t * K + k`` and
+    ``pos[t * K + k] = e * max_m + row`` (-1 for skipped ids and rows past ``max_m``).
+    With QUANT the token is quantised to fp8 with one scale per BLOCK_H group (BLOCK_H = 128).
+    """
+    t = tl.program_id(0)
+    t64 = t.to(tl.int64)
+    offs_k = tl.arange(0, K_POW2)
+    kmask = offs_k < K
+    e = tl.load(ids_ptr + t64 * s_it + offs_k * s_ik, mask=kmask, other=-1).to(tl.int32)
+    valid = kmask & (e >= 0) & (e < E)
+    e_safe = tl.where(valid, e, 0)
+    row = tl.atomic_add(counts_ptr + e_safe, tl.full((K_POW2,), 1, tl.int32), mask=valid)
+    ok = valid & (row < max_m)
+    row = tl.where(ok, row, 0)
+    slot = t * K + offs_k
+    tl.store(slot_ptr + e_safe.to(tl.int64) * max_m + row, slot, mask=ok)
+    tl.store(pos_ptr + t64 * K + offs_k, tl.where(ok, e_safe.to(tl.int64) * max_m + row, -1), mask=kmask)
+    if WEIGHTS_ON_INPUT:
+        w = tl.load(w_ptr + t64 * s_wt + offs_k * s_wk, mask=kmask, other=0.0).to(tl.float32)
+    dst = e_safe.to(tl.int64) * s_xg + row.to(tl.int64) * s_xm
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        hmask = offs_h < H
+        v = tl.load(h_ptr + t64 * s_ht + offs_h * s_hh, mask=hmask, other=0.0)
+        if QUANT:
+            v = v.to(tl.float32)
+            amax = tl.reduce(tl.abs(v), 0, _maxf)
+            scale = tl.maximum(amax, SCALE_EPS) / FP8_MAX
+            q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX).to(x_ptr.dtype.element_ty)
+            # q(w * x) has the codes of q(x) and the scale w * scale: quantise once, scale per slot.
+            vals = tl.broadcast_to(q[None, :], (K_POW2, BLOCK_H))
+            s_val = tl.full((K_POW2,), 1.0, tl.float32) * scale
+            if WEIGHTS_ON_INPUT:
+                s_val = s_val * w
+            s_dst = e_safe.to(tl.int64) * s_sg + row.to(tl.int64) * s_sm + (h0 // BLOCK_H) * s_sh
+            tl.store(xs_ptr + s_dst, s_val, mask=ok)
+        else:
+            if WEIGHTS_ON_INPUT:
+                vals = (v.to(tl.float32)[None, :] * w[:, None]).to(x_ptr.dtype.element_ty)
+            else:
+                vals = tl.broadcast_to(v[None, :], (K_POW2, BLOCK_H))
+        tl.store(x_ptr + dst[:, None] + offs_h[None, :] * s_xh, vals, mask=ok[:, None] & hmask[None, :])
+
+
+@triton.jit
+def invert_slots_kernel(
+    slot_ptr, masked_m_ptr, pos_ptr, max_m, num_slots,
+    BLOCK: tl.constexpr,
+):
+    """pos[slot[e, r]] = e * max_m + r for the valid rows r < masked_m[e] (grid: (cdiv(max_m, BLOCK), E))."""
+    e = tl.program_id(1)
+    r0 = tl.program_id(0) * BLOCK
+    m_e = tl.minimum(tl.load(masked_m_ptr + e), max_m)
+    if r0 < m_e:
+        offs = r0 + tl.arange(0, BLOCK)
+        base = e.to(tl.int64) * max_m
+        s = tl.load(slot_ptr + base + offs, mask=offs < m_e, other=-1)
+        ok = (offs < m_e) & (s >= 0) & (s < num_slots)
+        tl.store(pos_ptr + tl.where(ok, s, 0).to(tl.int64), base + offs, mask=ok)
+
+
+@triton.jit
+def combine_kernel(
+    y_ptr, pos_ptr, w_ptr, out_ptr,
+    K, H,
+    s_yr, s_yh,
+    s_wt, s_wk,
+    s_ot, s_oh,
+    K_POW2: tl.constexpr, BLOCK_H: tl.constexpr, HAS_W: tl.constexpr,
+):
+    """out[t] = sum_k w[t, k] * y_rows[pos[t, k]] in fp32 (grid: (T, cdiv(H, BLOCK_H))); pos -1 skipped."""
+    t = tl.program_id(0)
+    t64 = t.to(tl.int64)
+    offs_k = tl.arange(0, K_POW2)
+    kmask = offs_k < K
+    pos = tl.load(pos_ptr + t64 * K + offs_k, mask=kmask, other=-1)
+    ok = kmask & (pos >= 0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    y = tl.load(
+        y_ptr + tl.where(ok, pos, 0)[:, None] * s_yr + offs_h[None, :] * s_yh,
+        mask=ok[:, None] & hmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    if HAS_W:
+        w = tl.load(w_ptr + t64 * s_wt + offs_k * s_wk, mask=ok, other=0.0).to(tl.float32)
+        y = y * w[:, None]
+    acc = tl.reduce(y, 0, _add)
+    tl.store(out_ptr + t64 * s_ot + offs_h * s_oh, acc.to(out_ptr.dtype.element_ty), mask=hmask)

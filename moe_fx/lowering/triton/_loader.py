@@ -1,0 +1,63 @@
+"""Gives the kernels of :mod:`._kernels` in the form a device needs: compiled (CUDA) or interpreted (CPU).
+
+Triton decides at *decoration* time whether ``@triton.jit`` compiles or interprets (it reads
+``TRITON_INTERPRET`` then). Setting the variable at the top of a test module is fragile: any module
+imported earlier in the same process may already have decorated the kernels. So the kernels'
+source is loaded a second time, under the interpreter, the first time a CPU tensor needs it. CUDA
+tensors get the ordinary import (interpreted too if the whole process runs with
+``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import sys
+import types
+
+import torch
+
+__all__ = ["kernels", "triton_available"]
+
+_NAME = "moe_fx.lowering.triton._kernels"
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether ``import triton`` works in this process."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _interpreted() -> types.ModuleType:
+    origin = importlib.util.find_spec(_NAME).origin
+    spec = importlib.util.spec_from_file_location(_NAME + "_interpreted", origin)
+    if spec is None or spec.loader is None:  # pragma: no cover - the package is broken
+        raise ImportError(f"cannot load {origin}")
+    module = importlib.util.module_from_spec(spec)
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    sys.modules[module.__name__] = module
+    return module
+
+
+def kernels(device: torch.device) -> types.ModuleType:
+    """The kernel module for tensors on ``device``: interpreted on CPU, compiled elsewhere."""
+    if not triton_available():
+        raise RuntimeError("moe_fx Triton kernels need the 'triton' package, which does not import here")
+    if device.type == "cpu":
+        return _interpreted()
+    return importlib.import_module(_NAME)

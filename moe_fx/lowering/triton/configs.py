@@ -1,0 +1,198 @@
+"""Tile configurations of the masked grouped GEMMs, by shape bucket, with a tuning cache on disk.
+
+A problem is keyed by the GEMM kind (``"bf16"`` covers bf16/fp16/fp32, ``"fp8"``), ``N``, ``K`` and a
+bucket of the expected rows per expert (``expected_m``, a host-side estimate such as
+``ceil(T * K / E)``; never read from ``masked_m``, which stays on the device): powers of two from
+16 to 4096. Lookup order for a key: this process's memory, the user cache file
+(``$MOE_FX_CACHE_DIR`` or ``~/.cache/moe_fx``, ``triton_tiles.json``), the table shipped with the
+package (``tuned_tiles.json``, measured on an H200), then a Hopper heuristic (decode: 16-row tiles
+that stream the weights; prefill: 128-row tiles). :func:`tune` benchmarks the candidates of a
+bucket and writes the winner to the user cache, so a second run does not tune again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import pathlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["TileConfig", "candidates", "cache_path", "get_config", "m_bucket", "tune"]
+
+log = logging.getLogger("moe_fx.lowering.triton")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration of a masked GEMM kernel."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 4
+    programs_per_sm: int = 1
+
+    def smem_bytes(self, elem_bytes: int) -> int:
+        """Shared memory the pipelined A and B tiles take (the kernel's dominant use)."""
+        return (self.block_m + self.block_n) * self.block_k * elem_bytes * self.num_stages
+
+
+def m_bucket(expected_m: int) -> int:
+    """Power-of-two bucket of the expected rows per expert, clamped to [16, 4096]."""
+    b = 16
+    while b < expected_m and b < 4096:
+        b *= 2
+    return b
+
+
+def _heuristic(kind: str, n: int, k: int, bucket: int) -> TileConfig:
+    fp8 = kind == "fp8"
+    bk = 128 if fp8 else 64
+    if bucket <= 16:
+        return TileConfig(16, 64, 128 if fp8 else 128, 1, 4, 5 if fp8 else 4, 2)
+    if bucket <= 32:
+        return TileConfig(32, 64, 128, 1, 4, 4, 2)
+    if bucket <= 64:
+        return TileConfig(64, 128, bk, 4, 4, 4, 1)
+    if fp8:
+        return TileConfig(128, 128, 128, 8, 8, 4, 1)
+    return TileConfig(128, 256, 64, 8, 8, 3, 1)
+
+
+def candidates(kind: str, bucket: int) -> list[TileConfig]:
+    """The configurations :func:`tune` tries for a bucket (a short list: tuning runs on a lease)."""
+    fp8 = kind == "fp8"
+    if bucket <= 32:
+        bm = 16 if bucket <= 16 else 32
+        out = []
+        for bn in (64, 128):
+            for bk in ((128,) if fp8 else (64, 128)):
+                for stages in (4, 6):
+                    cfg = TileConfig(bm, bn, bk, 1, 4, stages, 2)
+                    if cfg.smem_bytes(1 if fp8 else 2) <= 110_000:
+                        out.append(cfg)
+                    elif cfg.smem_bytes(1 if fp8 else 2) <= 220_000:
+                        out.append(TileConfig(bm, bn, bk, 1, 4, stages, 1))
+        return out
+    if bucket <= 128:
+        if fp8:
+            return [TileConfig(64, 128, 128, 4, 4, 4, 1), TileConfig(64, 256, 128, 4, 8, 3, 1),
+                    TileConfig(128, 128, 128, 8, 8, 4, 1)]
+        return [TileConfig(64, 128, 64, 4, 4, 4, 1), TileConfig(64, 256, 64, 4, 8, 4, 1),
+                TileConfig(128, 128, 64, 8, 8, 4, 1)]
+    if fp8:
+        return [TileConfig(128, 128, 128, 8, 8, 4, 1), TileConfig(128, 256, 128, 8, 8, 3, 1),
+                TileConfig(64, 256, 128, 8, 4, 4, 1)]
+    return [TileConfig(128, 256, 64, 8, 8, 3, 1), TileConfig(128, 128, 64, 8, 8, 4, 1),
+            TileConfig(128, 128, 64, 8, 4, 4, 1), TileConfig(64, 256, 64, 8, 4, 4, 1)]
+
+
+def cache_path() -> pathlib.Path:
+    """The user tuning cache file."""
+    root = os.environ.get("MOE_FX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "moe_fx")
+    return pathlib.Path(root) / "triton_tiles.json"
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    return torch.cuda.get_device_name(device)
+
+
+def _key(device_name: str, kind: str, n: int, k: int, bucket: int) -> str:
+    return f"{device_name}|{kind}|N{n}|K{k}|m{bucket}"
+
+
+def _read(path: pathlib.Path) -> dict[str, dict]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, json.JSONDecodeError) as err:
+        log.warning("moe_fx: ignoring unreadable tile cache %s (%s)", path, err)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@functools.cache
+def _shipped() -> dict[str, dict]:
+    return _read(pathlib.Path(__file__).with_name("tuned_tiles.json"))
+
+
+_memory: dict[str, TileConfig] = {}
+_disk_loaded: dict[str, dict] | None = None
+
+
+def _disk() -> dict[str, dict]:
+    global _disk_loaded
+    if _disk_loaded is None:
+        _disk_loaded = _read(cache_path())
+    return _disk_loaded
+
+
+def get_config(kind: str, n: int, k: int, expected_m: int, device: torch.device) -> TileConfig:
+    """The tile configuration for a masked GEMM of ``kind`` ("bf16" / "fp8") on ``device``."""
+    if device.type == "cpu":
+        # Interpreter: few, small programs keep the emulation quick; speed is not measured there.
+        return TileConfig(16, 64, 64, 1, 4, 1, 1)
+    bucket = m_bucket(expected_m)
+    key = _key(_device_name(device), kind, n, k, bucket)
+    cfg = _memory.get(key)
+    if cfg is None:
+        raw = _disk().get(key) or _shipped().get(key)
+        cfg = TileConfig(**raw) if raw else _heuristic(kind, n, k, bucket)
+        _memory[key] = cfg
+    return cfg
+
+
+def tune(
+    kind: str, n: int, k: int, expected_m: int, device: torch.device, bench: Callable[[TileConfig], float]
+) -> TileConfig:
+    """Time every candidate of the bucket with ``bench(cfg) -> ms`` and cache the fastest on disk.
+
+    A bucket already in the user cache is not tuned again. Candidates that fail to compile or run
+    (too much shared memory, say) are skipped with a log line.
+    """
+    # lazy: configs is importable without triton
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    bucket = m_bucket(expected_m)
+    key = _key(_device_name(device), kind, n, k, bucket)
+    if key in _disk():
+        cfg = TileConfig(**_disk()[key])
+        _memory[key] = cfg
+        return cfg
+    best: tuple[float, TileConfig] | None = None
+    for cfg in candidates(kind, bucket):
+        try:
+            ms = bench(cfg)
+        except (RuntimeError, ValueError, OutOfResources, CompilationError) as err:
+            log.info("moe_fx: tile %s failed for %s: %s", cfg, key, str(err).splitlines()[0][:200])
+            continue
+        log.info("moe_fx: %s %s -> %.4f ms", key, cfg, ms)
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    if best is None:
+        cfg = _heuristic(kind, n, k, bucket)
+    else:
+        cfg = best[1]
+    _memory[key] = cfg
+    _disk()[key] = asdict(cfg)
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Merge with what another process may have written meanwhile, then replace atomically.
+    merged = _read(path)
+    merged.update(_disk())
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return cfg

@@ -1,0 +1,209 @@
+"""Masked grouped GEMMs (``c[g, :m_g] = a[g, :m_g] @ b[g]^T``) in Triton, bf16 and fp8 (1x128 / 128x128).
+
+Both are persistent kernels that visit only the valid row tiles (``masked_m`` is read on the
+device; nothing synchronises with the host, so they can be captured in CUDA graphs). Any ``M``,
+``N``, ``K`` and group count: tails are masked. Rows ``>= masked_m[g]`` of the output are left as
+they were (unwritten).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moe_fx.lowering.triton import configs
+from moe_fx.lowering.triton._loader import kernels
+
+__all__ = ["masked_gemm_bf16", "masked_gemm_fp8", "num_programs", "tune_masked_gemm"]
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_FP8 = torch.float8_e4m3fn
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_programs(device: torch.device, cfg: configs.TileConfig, tile_bound: int) -> int:
+    """Persistent grid size: enough programs to fill the GPU, never more than the tiles there can be."""
+    if device.type != "cuda":
+        return max(1, min(tile_bound, 4))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, min(tile_bound, _num_sms(index) * cfg.programs_per_sm))
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def _check_masked(name: str, masked_m: torch.Tensor, groups: int, device: torch.device) -> None:
+    if masked_m.dtype != torch.int32 or masked_m.shape != (groups,) or masked_m.device != device:
+        raise ValueError(
+            f"{name}: masked_m must be int32 [{groups}] on {device}, got {masked_m.dtype} "
+            f"{list(masked_m.shape)} on {masked_m.device}"
+        )
+
+
+def _out(name: str, out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device):
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
+        raise ValueError(
+            f"{name}: out must be {dtype} {list(shape)} on {device}, got {out.dtype} {list(out.shape)} on {out.device}"
+        )
+    return out
+
+
+def _tile_bound(groups: int, m: int, n: int, cfg: configs.TileConfig, max_total_m: int | None) -> int:
+    tiles_m = groups * -(-m // cfg.block_m)
+    if max_total_m is not None:
+        tiles_m = min(tiles_m, -(-max_total_m // cfg.block_m) + groups)
+    return tiles_m * -(-n // cfg.block_n)
+
+
+def masked_gemm_bf16(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    masked_m: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    expected_m: int | None = None,
+    max_total_m: int | None = None,
+    config: configs.TileConfig | None = None,
+) -> torch.Tensor:
+    """Masked grouped GEMM ``out[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g]^T`` with fp32 accumulation.
+
+    Args:
+        a: ``[G, M, K]`` bf16 (fp16 and fp32 work too; fp32 uses exact IEEE products), any strides.
+        b: ``[G, N, K]`` same dtype as ``a``, any strides.
+        masked_m: ``[G]`` int32 on the same device: valid rows of each group (clamped to ``M``).
+        out: optional ``[G, M, N]`` output in ``a.dtype``; rows past ``masked_m`` are not written.
+        expected_m: host-side hint of the rows per group (picks the tile bucket); default ``M``.
+        max_total_m: host-side bound on ``sum(masked_m)`` (``T * K`` for MoE) to size the grid.
+        config: force a tile configuration (tuning and tests).
+
+    Returns:
+        ``[G, M, N]`` in ``a.dtype``.
+    """
+    if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2]:
+        raise ValueError(f"masked_gemm_bf16: want a [G, M, K] and b [G, N, K], got {list(a.shape)} and {list(b.shape)}")
+    if a.dtype not in _FLOATS or b.dtype != a.dtype:
+        raise TypeError(f"masked_gemm_bf16: a and b must share a dtype of {_FLOATS}, got {a.dtype} and {b.dtype}")
+    g, m, k = a.shape
+    n = b.shape[1]
+    _check_masked("masked_gemm_bf16", masked_m, g, a.device)
+    out = _out("masked_gemm_bf16", out, (g, m, n), a.dtype, a.device)
+    if g == 0 or m == 0 or n == 0:
+        return out
+    cfg = config or configs.get_config("bf16", n, k, expected_m if expected_m is not None else m, a.device)
+    nprog = num_programs(a.device, cfg, _tile_bound(g, m, n, cfg, max_total_m))
+    kern = kernels(a.device)
+    kern.masked_gemm_kernel[(nprog,)](
+        a, b, out, masked_m,
+        g, m, n, k,
+        *a.stride(), *b.stride(), *out.stride(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        E_POW2=_pow2(g), EVEN_K=k % cfg.block_k == 0, IEEE=a.dtype == torch.float32, UPCAST=a.device.type == "cpu",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def masked_gemm_fp8(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    masked_m: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    expected_m: int | None = None,
+    max_total_m: int | None = None,
+    config: configs.TileConfig | None = None,
+) -> torch.Tensor:
+    """Masked grouped fp8 GEMM with DeepSeek-style block scales, bf16 out, fp32 accumulation.
+
+    ``out[g, r, n] = sum_k a[g, r, k] * a_scale[g, r, k // 128] * b[g, n, k] * b_scale[g, n // 128, k // 128]``
+    for rows ``r < masked_m[g]``.
+
+    Args:
+        a: ``[G, M, K]`` float8_e4m3fn activations.
+        a_scale: ``[G, M, ceil(K/128)]`` fp32 per-token-group scales, ANY strides (MN-major,
+            TMA-aligned views as DeepGEMM wants them are read in place).
+        b: ``[G, N, K]`` float8_e4m3fn weights.
+        b_scale: ``[G, ceil(N/128), ceil(K/128)]`` fp32 block scales, any strides.
+        masked_m: ``[G]`` int32, valid rows per group.
+        out: optional bf16 ``[G, M, N]``.
+        expected_m, max_total_m, config: as in :func:`masked_gemm_bf16`.
+
+    Returns:
+        bf16 ``[G, M, N]``.
+    """
+    if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2]:
+        raise ValueError(f"masked_gemm_fp8: want a [G, M, K] and b [G, N, K], got {list(a.shape)} and {list(b.shape)}")
+    if a.dtype != _FP8 or b.dtype != _FP8:
+        raise TypeError(f"masked_gemm_fp8: a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    g, m, k = a.shape
+    n = b.shape[1]
+    kb = -(-k // 128)
+    if tuple(a_scale.shape) != (g, m, kb) or a_scale.dtype != torch.float32:
+        raise ValueError(f"masked_gemm_fp8: a_scale must be float32 {[g, m, kb]}, got {a_scale.dtype} {list(a_scale.shape)}")
+    nb = -(-n // 128)
+    if tuple(b_scale.shape) != (g, nb, kb) or b_scale.dtype != torch.float32:
+        raise ValueError(f"masked_gemm_fp8: b_scale must be float32 {[g, nb, kb]}, got {b_scale.dtype} {list(b_scale.shape)}")
+    _check_masked("masked_gemm_fp8", masked_m, g, a.device)
+    out = _out("masked_gemm_fp8", out, (g, m, n), torch.bfloat16, a.device)
+    if g == 0 or m == 0 or n == 0:
+        return out
+    cfg = config or configs.get_config("fp8", n, k, expected_m if expected_m is not None else m, a.device)
+    if 128 % cfg.block_k:
+        raise ValueError(f"masked_gemm_fp8: block_k must divide 128 (one scale group per k step), got {cfg.block_k}")
+    nprog = num_programs(a.device, cfg, _tile_bound(g, m, n, cfg, max_total_m))
+    kern = kernels(a.device)
+    kern.masked_gemm_fp8_kernel[(nprog,)](
+        a, a_scale, b, b_scale, out, masked_m,
+        g, m, n, k,
+        *a.stride(), *a_scale.stride(), *b.stride(), *b_scale.stride(), *out.stride(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        E_POW2=_pow2(g), EVEN_K=k % cfg.block_k == 0, UPCAST=a.device.type == "cpu",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def tune_masked_gemm(
+    kind: str, groups: int, n: int, k: int, expected_m: int, device: torch.device | str = "cuda"
+) -> configs.TileConfig:
+    """Benchmark the candidate tiles for one (kind, N, K, bucket) on uniform loads; cache the best on disk."""
+    import triton.testing
+
+    device = torch.device(device)
+    bucket = configs.m_bucket(expected_m)
+    m = max(expected_m, 1)
+    masked_m = torch.full((groups,), m, dtype=torch.int32, device=device)
+    if kind == "fp8":
+        a = torch.randn(groups, m, k, device=device).to(_FP8)
+        b = torch.randn(groups, n, k, device=device).to(_FP8)
+        a_s = torch.rand(groups, m, -(-k // 128), device=device) + 0.5
+        b_s = torch.rand(groups, -(-n // 128), -(-k // 128), device=device) + 0.5
+
+        def run(cfg):
+            return masked_gemm_fp8(a, a_s, b, b_s, masked_m, expected_m=bucket, config=cfg)
+    else:
+        a = torch.randn(groups, m, k, device=device, dtype=torch.bfloat16)
+        b = torch.randn(groups, n, k, device=device, dtype=torch.bfloat16)
+
+        def run(cfg):
+            return masked_gemm_bf16(a, b, masked_m, expected_m=bucket, config=cfg)
+
+    def bench(cfg: configs.TileConfig) -> float:
+        run(cfg)
+        torch.cuda.synchronize(device)
+        return triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=25)
+
+    return configs.tune(kind, n, k, expected_m, device, bench)

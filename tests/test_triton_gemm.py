@@ -1,0 +1,123 @@
+"""Masked grouped GEMMs (Triton) against torch: ragged masked_m, tails, strided scales, fp8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _triton_util import devices, gpu, rel_err
+
+from moe_fx.lowering.quant import quantize_fp8_blockwise, quantize_fp8_per_token_group
+from moe_fx.lowering.triton.configs import TileConfig, candidates
+from moe_fx.lowering.triton.grouped_gemm import masked_gemm_bf16, masked_gemm_fp8
+from moe_fx.ops import dequantize_blockwise
+
+# (G, M, N, K) per device. CPU: tails in every dim; CUDA: the odd MoE shapes and a DeepSeek shard.
+SHAPES = {
+    "cpu": [(3, 20, 72, 136)],
+    "cuda": [(60, 40, 2816, 2880), (60, 40, 2880, 1408), (32, 300, 4096, 7168), (8, 1, 28672, 4096)],
+}
+
+
+def _masked(g: int, m: int, device: str, gen: torch.Generator) -> torch.Tensor:
+    """Ragged rows: an empty group, a full group, random in between."""
+    mm = torch.randint(0, m + 1, (g,), generator=gen, dtype=torch.int32)
+    mm[0] = 0
+    if g > 1:
+        mm[1] = m
+    return mm.to(device)
+
+
+def _check_rows(out, ref, masked_m, tol):
+    for i, m in enumerate(masked_m.tolist()):
+        assert torch.isnan(out[i, m:].float()).all(), "rows past masked_m must stay unwritten"
+        if m:
+            assert rel_err(out[i, :m], ref[i, :m]) < tol, (i, m, rel_err(out[i, :m], ref[i, :m]))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_masked_gemm_bf16(device, dtype):
+    gen = torch.Generator().manual_seed(1)
+    for g, m, n, k in SHAPES[device]:
+        a = torch.randn(g, m, k, generator=gen).to(dtype).to(device)
+        b = (torch.randn(g, n, k, generator=gen) / k**0.5).to(dtype).to(device)
+        mm = _masked(g, m, device, gen)
+        out = torch.full((g, m, n), float("nan"), dtype=dtype, device=device)
+        masked_gemm_bf16(a, b, mm, out=out)
+        ref = torch.bmm(a.float(), b.float().transpose(1, 2))
+        _check_rows(out, ref, mm.cpu(), 1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_masked_gemm_bf16_strided_and_errors(device):
+    g, m, n, k = 2, 16, 40, 48
+    a = torch.randn(g, k, m, device=device).transpose(1, 2)  # M-major A
+    b = torch.randn(g, k, n, device=device).transpose(1, 2)
+    mm = torch.tensor([5, 16], dtype=torch.int32, device=device)
+    out = masked_gemm_bf16(a, b, mm)
+    ref = torch.bmm(a, b.transpose(1, 2))
+    for i, r in enumerate(mm.tolist()):
+        torch.testing.assert_close(out[i, :r], ref[i, :r], rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError):
+        masked_gemm_bf16(a, b, mm.long())
+    with pytest.raises(TypeError):
+        masked_gemm_bf16(a, b.double(), mm)
+
+
+def _fp8_inputs(g, m, n, k, device, gen, mn_major_scale: bool):
+    a32 = torch.randn(g, m, k, generator=gen).to(device)
+    a, a_s = quantize_fp8_per_token_group(a32)
+    if mn_major_scale:  # the layout DeepGEMM wants: [G, ceil(K/128), M_aligned] storage, viewed as [G, M, kb]
+        m_al = -(-m // 4) * 4
+        store = torch.full((g, a_s.shape[-1], m_al), float("nan"), device=device)
+        store[:, :, :m] = a_s.transpose(1, 2)
+        a_s = store.transpose(1, 2)[:, :m, :]
+    b, b_s = quantize_fp8_blockwise(torch.randn(g, n, k, generator=gen).to(device) / k**0.5)
+    return a, a_s, b, b_s
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=[pytest.mark.gpu, gpu])])
+@pytest.mark.parametrize("mn_major_scale", [False, True])
+def test_masked_gemm_fp8(device, mn_major_scale):
+    gen = torch.Generator().manual_seed(2)
+    for g, m, n, k in SHAPES[device]:
+        a, a_s, b, b_s = _fp8_inputs(g, m, n, k, device, gen, mn_major_scale)
+        mm = _masked(g, m, device, gen)
+        out = torch.full((g, m, n), float("nan"), dtype=torch.bfloat16, device=device)
+        masked_gemm_fp8(a, a_s, b, b_s, mm, out=out)
+        a_deq = a.float() * a_s.repeat_interleave(128, -1)[..., :k]
+        ref = torch.bmm(a_deq, dequantize_blockwise(b, b_s).transpose(1, 2))
+        _check_rows(out, ref, mm.cpu(), 1e-2)  # same quantised operands: only accumulation order + bf16 out
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_every_tile_candidate_is_correct(kind):
+    """Each tuning candidate computes the same product (a tuned table can pick any of them)."""
+    gen = torch.Generator().manual_seed(4)
+    g, m, n, k = 4, 200, 384, 520
+    mm = torch.tensor([0, 200, 17, 130], dtype=torch.int32, device="cuda")
+    if kind == "fp8":
+        a, a_s, b, b_s = _fp8_inputs(g, m, n, k, "cuda", gen, False)
+        ref = torch.bmm(a.float() * a_s.repeat_interleave(128, -1)[..., :k], dequantize_blockwise(b, b_s).transpose(1, 2))
+    else:
+        a = torch.randn(g, m, k, generator=gen).to(torch.bfloat16).cuda()
+        b = torch.randn(g, n, k, generator=gen).to(torch.bfloat16).cuda()
+        ref = torch.bmm(a.float(), b.float().transpose(1, 2))
+    cfgs = {c for bucket in (16, 32, 64, 256) for c in candidates(kind, bucket)}
+    for cfg in cfgs:
+        out = torch.full((g, m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        if kind == "fp8":
+            masked_gemm_fp8(a, a_s, b, b_s, mm, out=out, config=cfg)
+        else:
+            masked_gemm_bf16(a, b, mm, out=out, config=cfg)
+        _check_rows(out, ref, mm.cpu(), 1e-2)
+
+
+def test_fp8_block_k_must_divide_128():
+    a = torch.zeros(1, 16, 128, dtype=torch.float8_e4m3fn)
+    s = torch.ones(1, 16, 1)
+    with pytest.raises(ValueError):
+        masked_gemm_fp8(a, s, a, torch.ones(1, 1, 1), torch.ones(1, dtype=torch.int32), config=TileConfig(16, 16, 256))
