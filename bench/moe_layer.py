@@ -1,0 +1,408 @@
+"""One MoE layer on one GPU: transformers' experts implementations vs moe_fx's Triton kernels (bf16, fp8).
+
+For each shape (Mixtral-8x7B, Qwen3-30B-A3B, a DeepSeek-V3 EP-8 shard) and token count T, times:
+
+* ``hf_eager``, ``hf_grouped_mm``, ``hf_batched_mm``: transformers' experts module of that model
+  (``config._experts_implementation`` set), random bf16 weights at real size, under plain
+  ``torch.compile`` (``--no-compile-hf`` times them uncompiled);
+* ``moe_fx_bf16``, ``moe_fx_fp8``: :func:`moe_fx.lowering.experts.triton_experts.triton_experts` with
+  the bf16 weights, and with the same weights quantised once to fp8 128x128 blocks;
+* with ``--deepgemm`` and ``deep_gemm`` importable: ``torch.ops.moe_fx.experts(kernel="deepgemm")``.
+
+Decode rows (T <= 256) are timed as plain calls and as CUDA-graph replays (``*_graph`` columns;
+an implementation that cannot be captured, e.g. one that synchronises with the host, gets none).
+Inputs rotate over several routing/activation sets so caches do not flatter small cases. Times are
+medians (``triton.testing.do_bench``). The same run measures the H200 limits: a large device copy
+(TB/s, read + write), an 8192^3 bf16 matmul and an 8192^3 fp8 ``torch._scaled_mm`` (TFLOP/s).
+
+Per row: time (µs), achieved TB/s (experts hit, hidden in and out, each moved once), TFLOP/s, the
+floor ``max(bytes / copy rate, flops / matmul rate)`` and the fraction of it reached.
+
+    python bench/moe_layer.py [--shapes mixtral,qwen3,dsv3] [--tokens 1,8,...] [--out DIR] [--deepgemm]
+
+Writes ``moe_layer_<date>.{md,json,png}`` to ``--out`` (default bench/results), incrementally.
+A failure in one cell is printed and recorded, and the run carries on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+
+SHAPES = {  # name: (transformers family, E, K, H, I)
+    "mixtral": ("mixtral", 8, 2, 4096, 14336),
+    "qwen3": ("qwen3_moe", 128, 8, 2048, 768),
+    "dsv3": ("deepseek_v3", 32, 8, 7168, 2048),
+}
+TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
+HF_IMPLS = ("eager", "grouped_mm", "batched_mm")
+ROTATE = 4
+CELL_ERRORS: tuple = (RuntimeError,)
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def bench_us(fn, warmup: int = 3, rep_ms: float = 30.0) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup, rep=rep_ms, return_mode="median") * 1e3
+
+
+def measure_limits() -> dict:
+    n = 1 << 30  # 1 GiB copy
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = bench_us(lambda: dst.copy_(src), warmup=5, rep_ms=100)
+    copy_tbs = 2 * n / us / 1e6
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    bf16 = 2 * m**3 / bench_us(lambda: a @ b, warmup=5, rep_ms=200) / 1e6
+    a8 = a.to(torch.float8_e4m3fn)
+    b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()
+    one = torch.ones((), device="cuda")
+    fp8 = 2 * m**3 / bench_us(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), 5, 200) / 1e6
+    del a, b, a8, b8
+    return {"copy_tbs": copy_tbs, "bf16_tflops": bf16, "fp8_tflops": fp8}
+
+
+def hf_experts_module(family: str, e: int, k: int, h: int, i: int, impl: str, weights):
+    """transformers' experts module of ``family`` at real size, sharing ``weights`` (gate_up, down)."""
+    import transformers
+
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(
+            hidden_size=h, intermediate_size=i, num_local_experts=e, num_experts_per_tok=k, num_hidden_layers=1
+        )
+        from transformers.models.mixtral.modeling_mixtral import MixtralExperts as cls
+    elif family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(
+            hidden_size=h, moe_intermediate_size=i, num_experts=e, num_experts_per_tok=k, num_hidden_layers=1
+        )
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts as cls
+    else:
+        cfg = transformers.DeepseekV3Config(
+            hidden_size=h, moe_intermediate_size=i, n_routed_experts=e, num_experts_per_tok=k, num_hidden_layers=1
+        )
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts as cls
+    cfg._experts_implementation = impl
+    with torch.device("meta"):
+        mod = cls(cfg)
+    mod.gate_up_proj = torch.nn.Parameter(weights[0], requires_grad=False)
+    mod.down_proj = torch.nn.Parameter(weights[1], requires_grad=False)
+    return mod.eval()
+
+
+def routing_sets(t: int, e: int, k: int, h: int, n: int, seed: int = 0):
+    """``n`` independent (hidden, ids, weights) sets; uniform top-k of random scores, softmax weights."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for _ in range(n):
+        hidden = torch.randn(t, h, device="cuda", generator=g, dtype=torch.bfloat16)
+        scores = torch.randn(t, e, device="cuda", generator=g)
+        w, ids = scores.softmax(-1).topk(k, dim=-1)
+        out.append((hidden, ids, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)))
+    return out
+
+
+def time_rotating(fn, sets) -> float:
+    """Median µs of fn(*set) over rotating input sets (one do_bench call cycles through them)."""
+    state = {"i": 0}
+
+    def step():
+        s = sets[state["i"] % len(sets)]
+        state["i"] += 1
+        fn(*s)
+
+    return bench_us(step)
+
+
+def time_graph(fn, sets) -> float:
+    """Median µs of CUDA-graph replays, one graph per input set, replayed in rotation."""
+    graphs = []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in sets:  # warm up (compiles, allocator) outside the capture
+            fn(*s)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    pool = torch.cuda.graph_pool_handle()
+    for s in sets:
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr, pool=pool):
+            fn(*s)
+        graphs.append(gr)
+    state = {"i": 0}
+
+    def step():
+        graphs[state["i"] % len(graphs)].replay()
+        state["i"] += 1
+
+    us = bench_us(step)
+    del graphs
+    return us
+
+
+def row_metrics(us: float, sets, e: int, k: int, h: int, i: int, fp8: bool, limits: dict) -> dict:
+    """Bytes (experts hit + hidden in/out), flops, and fractions of the measured limits."""
+    hidden, ids, _ = sets[0]
+    t = hidden.shape[0]
+    hit = torch.unique(ids).numel()
+    wbytes = hit * 3 * h * i * (1 if fp8 else 2)
+    if fp8:
+        wbytes += hit * 4 * (math.ceil(2 * i / 128) * math.ceil(h / 128) + math.ceil(h / 128) * math.ceil(i / 128))
+    nbytes = wbytes + 2 * t * h * 2
+    flops = 2 * t * k * 3 * h * i
+    rate = limits["fp8_tflops" if fp8 else "bf16_tflops"]
+    floor_us = max(nbytes / limits["copy_tbs"] / 1e6, flops / rate / 1e6)
+    return {
+        "us": us,
+        "tbs": nbytes / us / 1e6,
+        "tflops": flops / us / 1e6,
+        "frac_copy": nbytes / us / 1e6 / limits["copy_tbs"],
+        "frac_mm": flops / us / 1e6 / rate,
+        "floor_us": floor_us,
+        "frac_floor": floor_us / us,
+        "experts_hit": hit,
+    }
+
+
+def hf_fits(impl: str, t: int, e: int, k: int, h: int, i: int) -> bool:
+    if impl == "batched_mm":  # gathers a [T*K, 2I, H] weight copy: out of memory for large T
+        return t * k * 3 * h * i * 2 < 40e9
+    if impl == "eager":
+        return True
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="mixtral,qwen3,dsv3")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--impls", default="hf_eager,hf_grouped_mm,hf_batched_mm,moe_fx_bf16,moe_fx_fp8")
+    ap.add_argument("--no-compile-hf", action="store_true", help="time transformers' modules uncompiled")
+    ap.add_argument("--deepgemm", action="store_true", help="add torch.ops.moe_fx.experts(kernel='deepgemm') rows")
+    ap.add_argument("--graph-max-t", type=int, default=256)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cells after this many seconds")
+    ap.add_argument("--tune", action="store_true", help="tune the Triton tiles of each shape first (cached)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/moe_layer.py needs a CUDA GPU")
+    import transformers
+    import triton
+
+    from moe_fx.lowering.experts.triton_experts import expected_rows, triton_experts
+    from moe_fx.lowering.quant import quantize_fp8_blockwise
+
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    global CELL_ERRORS
+    # torch (and Dynamo / Inductor) errors are RuntimeErrors; triton's compile errors are not.
+    CELL_ERRORS = (RuntimeError, ValueError, TypeError, AssertionError, OutOfResources, CompilationError)
+    t_start = time.time()
+    torch._dynamo.config.cache_size_limit = 64
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    base = os.path.join(args.out, f"moe_layer_{stamp}")
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "hf_compiled": not args.no_compile_hf,
+    }
+    limits = measure_limits()
+    meta["limits"] = limits
+    log("limits", json.dumps(limits))
+    impls = args.impls.split(",")
+    deep_gemm_ok = False
+    if args.deepgemm:
+        try:
+            import deep_gemm  # noqa: F401
+
+            import moe_fx.lowering  # noqa: F401  (registers the CUDA implementation of the op)
+
+            deep_gemm_ok = True
+            impls.append("moe_fx_deepgemm_bf16")
+            impls.append("moe_fx_deepgemm_fp8")
+        except ImportError as err:
+            log("deepgemm rows skipped:", err)
+    results: list[dict] = []
+
+    def save() -> None:
+        with open(base + ".json", "w") as f:
+            json.dump({"meta": meta, "rows": results}, f, indent=1)
+        write_markdown(base + ".md", meta, results)
+
+    for shape in args.shapes.split(","):
+        family, e, k, h, i = SHAPES[shape]
+        g = torch.Generator(device="cuda").manual_seed(1)
+        w13 = torch.randn(e, 2 * i, h, device="cuda", generator=g, dtype=torch.bfloat16) / h**0.5
+        w2 = torch.randn(e, h, i, device="cuda", generator=g, dtype=torch.bfloat16) / i**0.5
+        q13, s13 = quantize_fp8_blockwise(w13)
+        q2, s2 = quantize_fp8_blockwise(w2)
+        if args.tune:
+            from moe_fx.lowering.triton.grouped_gemm import tune_masked_gemm
+
+            for t in map(int, args.tokens.split(",")):
+                em = expected_rows(t, k, e)
+                for kind in ("bf16", "fp8"):
+                    for n_, k_ in ((2 * i, h), (h, i)):
+                        t0 = time.time()
+                        cfg = tune_masked_gemm(kind, e, n_, k_, em)
+                        log(f"tuned {shape} {kind} N={n_} K={k_} m={em}: {cfg} ({time.time() - t0:.1f}s)")
+        fns = {}
+        mods = {}
+        for impl in HF_IMPLS:
+            if "hf_" + impl in impls:
+                mods[impl] = hf_experts_module(family, e, k, h, i, impl, (w13, w2))
+                fns["hf_" + impl] = mods[impl] if args.no_compile_hf else torch.compile(mods[impl], dynamic=True)
+        fns["moe_fx_bf16"] = lambda x, ids, w: triton_experts(x, ids, w, w13, w2)
+        fns["moe_fx_fp8"] = lambda x, ids, w: triton_experts(x, ids, w, q13, q2, w13_scale=s13, w2_scale=s2)
+        if deep_gemm_ok:
+            fns["moe_fx_deepgemm_bf16"] = lambda x, ids, w: torch.ops.moe_fx.experts(x, ids, w, w13, w2, kernel="deepgemm")
+            fns["moe_fx_deepgemm_fp8"] = lambda x, ids, w: torch.ops.moe_fx.experts(
+                x, ids, w, q13, q2, w13_scale=s13, w2_scale=s2, kernel="deepgemm"
+            )
+        for t in map(int, args.tokens.split(",")):
+            sets = routing_sets(t, e, k, h, ROTATE, seed=t)
+            modes = ["plain"] + (["graph"] if t <= args.graph_max_t else [])
+            for impl in impls:
+                if impl not in fns:
+                    continue
+                for mode in modes:
+                    row = {"shape": shape, "E": e, "K": k, "H": h, "I": i, "T": t, "impl": impl, "mode": mode}
+                    if time.time() - t_start > args.budget_s:
+                        row["error"] = "skipped: time budget"
+                        results.append(row)
+                        continue
+                    if impl.startswith("hf_") and not hf_fits(impl[3:], t, e, k, h, i):
+                        row["error"] = "skipped: would not fit in memory"
+                        results.append(row)
+                        continue
+                    fp8 = impl.endswith("fp8")
+                    t0 = time.time()
+                    try:
+                        with torch.no_grad():
+                            us = (time_graph if mode == "graph" else time_rotating)(fns[impl], sets)
+                        row.update(row_metrics(us, sets, e, k, h, i, fp8, limits))
+                    except CELL_ERRORS as err:  # recorded in the row and printed; the run carries on
+                        msg = str(err).splitlines()[0][:160] if str(err) else ""
+                        row["error"] = f"{type(err).__name__}: {msg}"
+                        if os.environ.get("MOE_FX_BENCH_TRACE"):
+                            traceback.print_exc()
+                    row["wall_s"] = round(time.time() - t0, 1)
+                    results.append(row)
+                    log(json.dumps({kk: (round(v, 3) if isinstance(v, float) else v) for kk, v in row.items()}))
+                    torch.cuda.synchronize()
+                    gc.collect()
+                    torch.cuda.empty_cache()
+            save()
+        del fns, mods, w13, w2, q13, q2
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+    save()
+    try:
+        plot(base + ".png", meta, results)
+    except ImportError as err:
+        log("no plot:", err)
+    log(f"done in {time.time() - t_start:.0f}s -> {base}.md")
+
+
+def write_markdown(path: str, meta: dict, rows: list[dict]) -> None:
+    lim = meta.get("limits", {})
+    lines = [
+        "# One MoE layer on one GPU: transformers experts vs moe_fx Triton",
+        "",
+        f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
+        f"transformers {meta['transformers']} · transformers modules compiled: {meta['hf_compiled']}",
+        "",
+        f"Measured limits: copy {lim.get('copy_tbs', 0):.2f} TB/s, bf16 matmul {lim.get('bf16_tflops', 0):.0f} TFLOP/s, "
+        f"fp8 matmul {lim.get('fp8_tflops', 0):.0f} TFLOP/s.",
+        "",
+        "frac = floor / time, floor = max(bytes / copy rate, flops / matmul rate of the row's dtype); "
+        "bytes = experts hit + hidden in and out; %copy and %mm = achieved TB/s and TFLOP/s over the limits.",
+        "",
+        "| shape | T | impl | mode | µs | TB/s | %copy | TFLOP/s | %mm | floor µs | frac |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "us" in r:
+            lines.append(
+                f"| {r['shape']} | {r['T']} | {r['impl']} | {r['mode']} | {r['us']:.1f} | {r['tbs']:.2f} | "
+                f"{100 * r['frac_copy']:.0f}% | {r['tflops']:.0f} | {100 * r['frac_mm']:.0f}% | {r['floor_us']:.1f} | "
+                f"{100 * r['frac_floor']:.0f}% |"
+            )
+        else:
+            lines.append(f"| {r['shape']} | {r['T']} | {r['impl']} | {r['mode']} | {r.get('error', '')} | | | | | | |")
+    # fastest per (shape, T, mode)
+    lines += ["", "## Fastest per row", "", "| shape | T | mode | fastest | µs | moe_fx best | µs | frac of floor |",
+              "|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["shape"], r["T"], r["mode"]) for r in rows}, key=lambda x: (x[0], x[1], x[2]))
+    for key in keys:
+        cell = [r for r in rows if (r["shape"], r["T"], r["mode"]) == key and "us" in r]
+        if not cell:
+            continue
+        best = min(cell, key=lambda r: r["us"])
+        mine = [r for r in cell if r["impl"].startswith("moe_fx")]
+        mb = min(mine, key=lambda r: r["us"]) if mine else None
+        lines.append(
+            f"| {key[0]} | {key[1]} | {key[2]} | {best['impl']} | {best['us']:.1f} | "
+            + (f"{mb['impl']} | {mb['us']:.1f} | {100 * mb['frac_floor']:.0f}% |" if mb else "| | |")
+        )
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def plot(path: str, meta: dict, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for impl in dict.fromkeys(r["impl"] for r in rows):
+            for mode, style in (("plain", "-"), ("graph", ":")):
+                pts = sorted((r["T"], r["us"]) for r in rows if r["shape"] == shape and r["impl"] == impl
+                             and r["mode"] == mode and "us" in r)
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", ms=3, label=f"{impl} ({mode})")
+        floor = sorted({(r["T"], r["floor_us"]) for r in rows if r["shape"] == shape and r["impl"] == "moe_fx_bf16"
+                        and "us" in r and r["mode"] == "plain"})
+        if floor:
+            ax.plot(*zip(*floor), "k--", lw=1, label="bf16 floor")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel("µs")
+        ax.set_title(shape)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=6)
+    fig.suptitle(f"one MoE layer, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
