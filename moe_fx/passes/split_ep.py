@@ -17,18 +17,21 @@ Invariants kept (moe_fx/passes/manager.py): every new node gets a fake value (``
 mutated; nothing it cannot handle is changed. ``E % world_size != 0`` is a ``ValueError`` here, at
 compile time.
 
-Local weights and what "frees the rest" means: the rank's ``E / world`` experts are copied out of
-the real weights (``ctx.real_value``) and registered on ``gm`` as buffers read by ``get_attr`` nodes.
-The full weights are then freed by resizing their storage to zero bytes, the way FSDP frees
-unsharded parameters: the model's ``Parameter`` objects keep their shape, stride, dtype and device,
-so Dynamo's guards still pass and no recompile happens, and the compiled graph receives them as
-(unused) inputs without reading them. Consequences, on purpose: the eager model can no longer run
-after compilation under EP (its expert weights have no data; reading them is invalid), exactly as
-with a sharded checkpoint. The local copy is remembered on the full tensor (``_moe_fx_ep_local``),
-so a recompile of the same model reuses it instead of reading freed memory; other passes must not
-read values of tensors for which :func:`ep_weights_freed` is true. Weights that share their storage
-with other tensors, or that the graph still uses elsewhere, are not freed. A weight that is computed
-in the graph (no real value) is narrowed in the graph instead (a view; nothing freed).
+Local weights and what "frees the rest" means: each weight (and fp8 scale) node of an experts
+node is narrowed in the graph to this rank's experts (``torch.narrow(w, 0, start, E_local)``, a view;
+no new graph inputs, constants or buffers). When the real tensor behind the node is known
+(``ctx.real_value``: Dynamo's lifted parameters and get_attr tensors), is contiguous, owns its whole
+(resizable) storage and is read by nothing but experts nodes this pass splits, it is compacted in
+place: the rank's experts are copied to its first ``E_local`` rows and its storage is shrunk to
+exactly those rows (``untyped_storage().resize_``), and the graph narrows rows ``[0, E_local)``. So the
+memory of the other ranks' experts is released while the model's ``Parameter`` objects keep their
+shape, stride, dtype and device: Dynamo's guards still pass, nothing recompiles, and the compiled
+graph reads only the rows that exist. Consequences, on purpose: after compiling under EP the eager
+model cannot run any more (its expert weights hold only this rank's experts; reading past them is
+invalid), as with a sharded checkpoint. The tensor is marked (``_moe_fx_ep_local``) so that a
+recompile narrows it again instead of compacting twice; other passes must not read values of tensors
+for which :func:`ep_weights_freed` is true. Otherwise (a computed weight, a view into a larger
+storage, other readers) the graph narrows rows ``[rank * E_local, ...)`` and nothing is freed.
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ _FP8 = torch.float8_e4m3fn
 
 
 def ep_weights_freed(t: torch.Tensor) -> bool:
-    """True if ``split_ep`` freed ``t``'s storage (its values must not be read any more)."""
-    return hasattr(t, _LOCAL_ATTR) and t.untyped_storage().size() == 0
+    """True if ``split_ep`` reduced ``t`` to this rank's experts (only its first E_local rows hold data)."""
+    return hasattr(t, _LOCAL_ATTR)
 
 
 def _bound_args(node: fx.Node) -> dict[str, Any]:
@@ -116,11 +119,8 @@ class _Rewriter:
         self.gm, self.ctx, self.group_name, self.world, self.rank = gm, ctx, group_name, world, rank
         self.fake_mode = _fake_mode(gm)
         self.max_tokens = int(ctx.config.max_tokens_per_rank)
-        self.to_free: list[tuple[fx.Node, torch.Tensor]] = []
-        self.counter = 0
-
-    def fake(self, t: torch.Tensor) -> Any:
-        return None if self.fake_mode is None else self.fake_mode.from_tensor(t, static_shapes=True)
+        self.key = (group_name, world, rank)
+        self.to_compact: dict[int, tuple[torch.Tensor, int]] = {}
 
     def call(self, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
         node = self.gm.graph.call_function(target, args, kwargs or {})
@@ -131,92 +131,96 @@ class _Rewriter:
                 _set_val(node, target(*fargs, **fkwargs))
         return node
 
-    def local_weight(self, arg: Any, num_experts: int) -> fx.Node | None:
-        """A node for this rank's slice ``[rank*E_local, (rank+1)*E_local)`` of weight (or scale) ``arg``."""
+    def local_weight(self, arg: Any, num_experts: int, compact: set[int]) -> fx.Node | None:
+        """A node for this rank's ``E_local`` experts of weight (or scale) ``arg`` (see module docstring)."""
         if arg is None:
             return None
         e_local = num_experts // self.world
-        lo = self.rank * e_local
         real = _real_value(self.ctx, self.gm, arg)
-        if real is None:
-            # Computed in the graph: narrow it there (a view; nothing can be freed).
-            return self.call(torch.narrow, (arg, 0, lo, e_local))
-        cached = getattr(real, _LOCAL_ATTR, None)
-        key = (self.group_name, self.world, self.rank)
-        if cached is not None and cached[0] == key:
-            local = cached[1]
-        elif real.untyped_storage().size() == 0:
-            raise ValueError(
-                f"moe_fx.split_ep: the expert weight behind {arg.name} was freed by an earlier expert-parallel "
-                f"compilation with another group/rank ({cached[0] if cached else 'unknown'}); "
-                f"recompile from a freshly loaded model"
-            )
+        mark = getattr(real, _LOCAL_ATTR, None) if real is not None else None
+        if mark is not None:
+            if mark != self.key:
+                raise ValueError(
+                    f"moe_fx.split_ep: the expert weight behind {arg.name} was already reduced to the experts of "
+                    f"(group, world, rank) = {mark} by an earlier compilation; this one is {self.key}. "
+                    "Recompile from a freshly loaded model."
+                )
+            start = 0
+        elif real is not None and id(real) in compact:
+            self.to_compact[id(real)] = (real, e_local)
+            start = 0
         else:
-            local = real.detach()[lo : lo + e_local].clone(memory_format=torch.contiguous_format)
-            setattr(real, _LOCAL_ATTR, (key, local))
-        name = f"_moe_fx_ep_w{self.counter}"
-        self.counter += 1
-        while hasattr(self.gm, name):
-            name += "_"
-        self.gm.register_buffer(name, local, persistent=False)
-        node = self.gm.graph.get_attr(name)
-        fv = self.fake(local)
-        if fv is not None:
-            _set_val(node, fv)
-        self.to_free.append((arg, real))
-        return node
+            start = self.rank * e_local
+        return self.call(torch.narrow, (arg, 0, start, e_local))
 
-    def free(self) -> list[str]:
-        """Free the full weights no node reads any more; returns the names of those freed."""
-        freed = []
-        for node, real in self.to_free:
-            if node.users or not _spans_storage(real) or real.untyped_storage().size() == 0:
-                continue
-            if node.op == "get_attr":
-                target = str(node.target)
-                self.gm.graph.erase_node(node)
-                if not any(n.op == "get_attr" and n.target == target for n in self.gm.graph.nodes):
-                    owner, _, attr = target.rpartition(".")
-                    mod = self.gm.get_submodule(owner) if owner else self.gm
-                    if hasattr(mod, attr):
-                        delattr(mod, attr)
-            real.untyped_storage().resize_(0)
-            freed.append(node.name)
-        return freed
+    def compactable(self, arg: Any, splittable: set[fx.Node]) -> int | None:
+        """``id`` of the real tensor behind ``arg`` if it may be compacted in place, else None."""
+        real = _real_value(self.ctx, self.gm, arg)
+        if real is None or hasattr(real, _LOCAL_ATTR):
+            return None
+        if not (real.is_contiguous() and _spans_storage(real) and real.untyped_storage().resizable()):
+            return None
+        if any(u not in splittable for u in arg.users):
+            return None
+        return id(real)
 
-    def rewrite(self, node: fx.Node) -> str | None:
-        """Split one experts node; returns None when done, else why it was left alone."""
+    def compact(self) -> int:
+        """Shrink every scheduled weight to this rank's experts, in place; returns bytes released."""
+        released = 0
+        for real, e_local in self.to_compact.values():
+            d = real.detach()
+            lo = self.rank * e_local
+            with torch.no_grad():
+                if lo:
+                    d[:e_local].copy_(d[lo : lo + e_local])
+            before = real.untyped_storage().nbytes()
+            real.untyped_storage().resize_(e_local * d.stride(0) * d.element_size())
+            released += before - real.untyped_storage().nbytes()
+            setattr(real, _LOCAL_ATTR, self.key)
+        return released
+
+    def check(self, node: fx.Node) -> str | None:
+        """Why ``node`` cannot be split (None: it can). ``ValueError`` for E not divisible by the world size."""
         a = _bound_args(node)
-        w13_v = _value(a["w13"])
-        real_w13 = _real_value(self.ctx, self.gm, a["w13"])
-        shape_src = w13_v if isinstance(w13_v, torch.Tensor) else real_w13
-        if shape_src is None:
+        w13 = _value(a["w13"])
+        if not isinstance(w13, torch.Tensor):
+            w13 = _real_value(self.ctx, self.gm, a["w13"])
+        if w13 is None:
             return "no value known for w13 (cannot tell the number of experts)"
-        num_experts = int(shape_src.shape[0])
+        num_experts = int(w13.shape[0])
         if num_experts % self.world:
             raise ValueError(
                 f"moe_fx.split_ep: {num_experts} experts cannot be split evenly over {self.world} ranks "
                 f"(node {node.name}); expert parallelism needs E % world_size == 0"
             )
-        hidden, ids, weights = a["hidden"], a["topk_ids"], a["topk_weights"]
-        ids_v = _value(ids)
-        top_k = int(ids_v.shape[1]) if isinstance(ids_v, torch.Tensor) else None
+        ids = _value(a["topk_ids"])
+        top_k = int(ids.shape[1]) if isinstance(ids, torch.Tensor) else None
         if a["weights_on_input"] and top_k != 1:
             return f"weights_on_input with top-k {top_k}: each copy of a token has its own input; only top-1 is split"
-        hidden_v = _value(hidden)
-        w_dtype = shape_src.dtype
-        use_fp8 = w_dtype == _FP8 and isinstance(hidden_v, torch.Tensor) and hidden_v.dtype == torch.bfloat16
+        return None
+
+    def rewrite(self, node: fx.Node, compact: set[int]) -> None:
+        """Replace ``node`` by dispatch -> masked_experts -> combine (``check`` said it can)."""
+        a = _bound_args(node)
+        w13_v = _value(a["w13"])
+        w13_v = w13_v if isinstance(w13_v, torch.Tensor) else _real_value(self.ctx, self.gm, a["w13"])
+        num_experts = int(w13_v.shape[0])
+        hidden, ids, weights = a["hidden"], a["topk_ids"], a["topk_weights"]
+        ids_v, hidden_v = _value(ids), _value(hidden)
+        top_k = int(ids_v.shape[1]) if isinstance(ids_v, torch.Tensor) else None
+        use_fp8 = w13_v.dtype == _FP8 and isinstance(hidden_v, torch.Tensor) and hidden_v.dtype == torch.bfloat16
 
         graph = self.gm.graph
         with graph.inserting_before(node):
-            w13 = self.local_weight(a["w13"], num_experts)
-            w2 = self.local_weight(a["w2"], num_experts)
-            w13_scale = self.local_weight(a["w13_scale"], num_experts)
-            w2_scale = self.local_weight(a["w2_scale"], num_experts)
+            w13 = self.local_weight(a["w13"], num_experts, compact)
+            w2 = self.local_weight(a["w2"], num_experts, compact)
+            w13_scale = self.local_weight(a["w13_scale"], num_experts, compact)
+            w2_scale = self.local_weight(a["w2_scale"], num_experts, compact)
             send, combine_weights = hidden, weights
             if a["weights_on_input"]:
                 # Top-1 with the weight on the input: scale before sending, combine with weight 1.
-                scale = self.call(torch.Tensor.to, (weights, _value(hidden).dtype)) if hidden_v is not None else weights
+                dtype = hidden_v.dtype if isinstance(hidden_v, torch.Tensor) else None
+                scale = self.call(torch.Tensor.to, (weights, dtype)) if dtype is not None else weights
                 send = self.call(torch.mul, (hidden, scale))
                 combine_weights = self.call(torch.ones_like, (weights,))
             disp = self.call(
@@ -227,8 +231,10 @@ class _Rewriter:
             y = self.call(
                 torch.ops.moe_fx.masked_experts.default,
                 (parts[0], parts[2], w13, w2, a["activation"], parts[1] if use_fp8 else None, w13_scale, w2_scale,
-                 self.expected_m(hidden_v, top_k, num_experts), a["kernel"]),
+                 self.expected_m(hidden_v, top_k, num_experts), a.get("impl", a.get("kernel", "auto"))),
             )
+        # The combine goes just before the first reader of the result, so that independent work the
+        # model does in between (shared experts) sits between dispatch and combine.
         order = {n: i for i, n in enumerate(graph.nodes)}
         first_user = min(node.users, key=order.__getitem__, default=None)
         with graph.inserting_before(first_user if first_user is not None else node.next):
@@ -240,7 +246,6 @@ class _Rewriter:
         out.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "example_value")})
         node.replace_all_uses_with(out)
         graph.erase_node(node)
-        return None
 
     def expected_m(self, hidden_v: Any, top_k: int | None, num_experts: int) -> int:
         """Uniform-load rows per local expert (DESIGN.md): ``ceil(T_total * K / E)``, to 16, in ``[16, M]``."""
@@ -270,19 +275,30 @@ def split_ep(gm: fx.GraphModule, ctx: Any) -> int:
         log.info("split_ep: EP group %s has one rank; the experts ops stay local", group_name)
         return 0
     rw = _Rewriter(gm, ctx, group_name, world, rank)
-    count = 0
+    splittable: set[fx.Node] = set()
     for node in nodes:
-        why = rw.rewrite(node)
+        why = rw.check(node)
         if why is None:
-            count += 1
+            splittable.add(node)
         else:
             log.info("split_ep: left %s local: %s", node.name, why)
-    freed = rw.free()
-    if count:
+    compact: set[int] = set()
+    for node in splittable:
+        a = _bound_args(node)
+        for name in ("w13", "w2", "w13_scale", "w2_scale"):
+            if isinstance(a[name], fx.Node):
+                key = rw.compactable(a[name], splittable)
+                if key is not None:
+                    compact.add(key)
+    for node in nodes:
+        if node in splittable:
+            rw.rewrite(node, compact)
+    released = rw.compact()
+    if splittable:
         gm.graph.lint()
         gm.recompile()
     log.info(
-        "split_ep: %d experts node(s) split over %d ranks (rank %d); full weights freed: %s",
-        count, world, rank, ", ".join(freed) or "none",
+        "split_ep: %d experts node(s) split over %d ranks (rank %d); %.1f MiB of other ranks' experts released",
+        len(splittable), world, rank, released / 2**20,
     )
-    return count
+    return len(splittable)

@@ -1,0 +1,99 @@
+"""Expert-parallel dispatch and combine: implementations of ``moe_fx::ep_dispatch`` / ``moe_fx::ep_combine``.
+
+Backends (chosen per call by :func:`moe_fx.lowering.dispatch.select.choose_dispatch_backend`, logged once):
+:mod:`.deepep` (DeepEP low-latency kernels), :mod:`.torch_dist` (``all_to_all_single``, any
+torch.distributed backend), and ``local`` (one rank, the torch_dist code without collectives).
+
+Limit: more tokens on a rank than ``max_tokens_per_rank`` is an error, not chunked. Why: the masked
+layout ``[E_local, max_tokens_per_rank * world, H]`` is a static shape in the compiled graph and is
+what DeepEP's registered RDMA buffer holds; that is what makes the path free of host syncs and
+CUDA-graph capturable. Chunking would need the experts to run between per-chunk dispatch and combine
+rounds whose number depends on every rank's T, i.e. a data-dependent loop around three separate ops
+(or a fused op, losing the separate dispatch/experts/combine nodes that let shared experts overlap).
+The torch.distributed backend exchanges counts first, so every rank sees every rank's T and all raise
+the same ``ValueError`` together; with DeepEP the overflowing rank raises before the collective.
+Size ``MoEConfig.max_tokens_per_rank`` for the largest step (prefill), or run prefill without EP.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_fx.lowering.dispatch.select import DispatchChoice, DispatchProblem, choose_dispatch_backend
+from moe_fx.ops.ep import check_combine_inputs, check_dispatch_inputs, resolve_ep_group
+
+__all__ = ["DispatchChoice", "DispatchProblem", "choose_dispatch_backend", "ep_combine_impl", "ep_dispatch_impl"]
+
+
+def _choose(
+    hidden: int, dtype: torch.dtype, device: torch.device, top_k: int, num_experts: int, max_tokens: int,
+    world: int, use_fp8: bool, backend: str,
+) -> DispatchChoice:
+    problem = DispatchProblem(
+        world_size=world, device_type=device.type, dtype=str(dtype).removeprefix("torch."), hidden=hidden,
+        top_k=top_k, num_experts=num_experts, max_tokens_per_rank=max_tokens, use_fp8=use_fp8,
+    )
+    choice = choose_dispatch_backend(problem, backend)
+    if choice.error is not None:
+        raise RuntimeError(f"moe_fx EP: backend={backend!r} requested but cannot run: {choice.error} ({problem.describe()})")
+    return choice
+
+
+def ep_dispatch_impl(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    max_tokens_per_rank: int,
+    group_name: str,
+    use_fp8: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run ``moe_fx::ep_dispatch`` on the chosen backend (shapes in :mod:`moe_fx.ops.ep`)."""
+    group = resolve_ep_group(group_name)
+    world = group.size()
+    check_dispatch_inputs(hidden, topk_ids, num_experts, max_tokens_per_rank, world, use_fp8, backend)
+    # combine decides from expert_out's dtype: bf16 after fp8 dispatch (DeepEP's only case), else hidden's.
+    choice = _choose(
+        hidden.shape[1], hidden.dtype, hidden.device, topk_ids.shape[1], num_experts, max_tokens_per_rank, world,
+        use_fp8, backend,
+    )
+    if choice.backend == "deepep_ll":
+        from moe_fx.lowering.dispatch import deepep
+
+        return deepep.dispatch(hidden, topk_ids, num_experts, max_tokens_per_rank, group, use_fp8)
+    from moe_fx.lowering.dispatch import torch_dist
+
+    return torch_dist.dispatch(hidden, topk_ids, num_experts, max_tokens_per_rank, group, use_fp8)
+
+
+def ep_combine_impl(
+    expert_out: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    src_info: torch.Tensor,
+    layout_range: torch.Tensor,
+    num_experts: int,
+    max_tokens_per_rank: int,
+    group_name: str,
+    use_fp8: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Run ``moe_fx::ep_combine`` on the backend its dispatch used (same static inputs, same choice)."""
+    group = resolve_ep_group(group_name)
+    world = group.size()
+    check_combine_inputs(
+        expert_out, topk_ids, topk_weights, src_info, layout_range, num_experts, max_tokens_per_rank, world, backend
+    )
+    choice = _choose(
+        expert_out.shape[2], expert_out.dtype, expert_out.device, topk_ids.shape[1], num_experts,
+        max_tokens_per_rank, world, use_fp8, backend,
+    )
+    if choice.backend == "deepep_ll":
+        from moe_fx.lowering.dispatch import deepep
+
+        return deepep.combine(
+            expert_out, topk_ids, topk_weights, src_info, layout_range, num_experts, max_tokens_per_rank, group
+        )
+    from moe_fx.lowering.dispatch import torch_dist
+
+    return torch_dist.combine(expert_out, topk_ids, topk_weights, layout_range, num_experts, group)

@@ -1,0 +1,206 @@
+"""Expert-parallel dispatch/combine on ``torch.distributed.all_to_all_single`` (gloo on CPU, NCCL on GPU).
+
+Same masked layout and op interface as DeepEP's low-latency path (see :mod:`moe_fx.ops.ep`):
+
+dispatch
+    1. Each rank orders its valid (token, k) pairs by global expert id (stable, so tokens ascend
+       within an expert); rank ``d`` owns experts ``d * E_local .. (d + 1) * E_local - 1``, so this
+       also groups the rows by destination rank.
+    2. Counts first: one ``all_to_all_single`` of an int64 ``[world, E_local + 2]`` matrix: per
+       destination, the rows for each of its experts, plus this rank's token count and an error flag.
+       Every rank thus learns every rank's T and can raise the same error (no rank is left waiting in
+       a collective the others skipped).
+    3. The rows (fp8 bytes and fp32 scales when ``use_fp8``) in one ``all_to_all_single`` each.
+    4. The receiver writes row ``i`` from rank ``r`` for its expert ``e`` to slot
+       ``(e, offset[e, r] + i)``, with ``offset[e, r] = sum_{r' < r} count[e, r']``.
+
+    Handle: ``layout_range[e, r] = offset[e, r] << 32 | count[e, r]`` (DeepEP's packing) and
+    ``src_info[e, j]`` = the row's index in the receive buffer (``-1`` for empty slots).
+
+combine
+    The inverse: rows are gathered from the slots in receive order, sent back with the split sizes
+    swapped (the sender recomputes its own from ``topk_ids``, no count exchange), multiplied by their
+    routing weights in fp32 and summed per token with ``index_add_``.
+
+With one rank no collective runs. Counts are read on the host (one sync per dispatch and combine),
+acceptable for this fallback; DeepEP's path has none.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moe_fx.ops.ep import _dispatch_outputs
+from moe_fx.ops.experts import FP8_BLOCK
+
+__all__ = ["combine", "dispatch", "quantize_rows_fp8", "receive_slots"]
+
+_FP8_MAX = 448.0
+_FP8_EPS = 1e-4
+_FLAG_BAD_ID = 1
+_FLAG_DUPLICATE_ID = 2
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token 1x128 fp8 e4m3 quantisation: ``x [N, H]`` -> ``(q fp8 [N, H], scale fp32 [N, H/128])``.
+
+    ``x ~= q * scale`` group-wise; the same recipe as DeepEP's LL dispatch (amax / 448, floor 1e-4).
+    """
+    n, h = x.shape
+    g = x.float().view(n, h // FP8_BLOCK, FP8_BLOCK)
+    scale = g.abs().amax(dim=-1).clamp(min=_FP8_EPS) / _FP8_MAX
+    q = (g / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(n, h)
+    return q, scale
+
+
+def receive_slots(counts: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked-layout slots of the rows in receive order.
+
+    ``counts`` int64 ``[E_local, world]`` (CPU): rows expert ``e`` receives from rank ``r``. The receive
+    buffer holds rank 0's rows (expert 0's, then expert 1's, ...), then rank 1's, and so on. Returns
+    ``(expert_index, row_index)`` int64 ``[N]`` for the ``N`` received rows.
+    """
+    e_local, world = counts.shape
+    offsets = counts.cumsum(1) - counts
+    per_block = counts.t().reshape(-1)  # blocks in receive order: (rank, expert)
+    block_expert = torch.arange(e_local).repeat(world)
+    block_offset = offsets.t().reshape(-1)
+    n = int(per_block.sum())
+    block_start = per_block.cumsum(0) - per_block
+    within = torch.arange(n) - block_start.repeat_interleave(per_block)
+    expert_index = block_expert.repeat_interleave(per_block)
+    row_index = block_offset.repeat_interleave(per_block) + within
+    return expert_index.to(device), row_index.to(device)
+
+
+def _send_order(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Valid (token, k) pairs ordered by global expert: ``(flat_index [N], token [N], counts int64 [E])``."""
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, torch.full_like(flat, num_experts))
+    order = torch.argsort(key, stable=True)[: int(valid.sum())]
+    counts = torch.bincount(flat[valid], minlength=num_experts)[:num_experts]
+    return order, torch.div(order, k, rounding_mode="floor"), counts
+
+
+def _id_flags(topk_ids: torch.Tensor, num_experts: int) -> int:
+    if topk_ids.numel() == 0:
+        return 0
+    flags = 0
+    ids = topk_ids.long()
+    if bool(((ids >= num_experts) | (ids < -1)).any()):
+        flags |= _FLAG_BAD_ID
+    # A token that picks one expert twice could overflow that expert's M rows (each rank may send at
+    # most max_tokens_per_rank rows per expert).
+    s = ids.sort(dim=1).values
+    if s.shape[1] > 1 and bool(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()):
+        flags |= _FLAG_DUPLICATE_ID
+    return flags
+
+
+def dispatch(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    max_tokens_per_rank: int,
+    group: dist.ProcessGroup,
+    use_fp8: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe_fx::ep_dispatch`` over all_to_all_single; shapes as in :mod:`moe_fx.ops.ep`."""
+    world, rank = group.size(), group.rank()
+    t, h = hidden.shape
+    e_local, m = num_experts // world, max_tokens_per_rank * world
+    dev = hidden.device
+    order, token, counts = _send_order(topk_ids, num_experts)
+
+    send_meta = torch.zeros(world, e_local + 2, dtype=torch.int64)
+    send_meta[:, :e_local] = counts.cpu().view(world, e_local)
+    send_meta[:, e_local] = t
+    send_meta[:, e_local + 1] = _id_flags(topk_ids, num_experts)
+    if world > 1:
+        send_meta = send_meta.to(dev)
+        recv_meta = torch.empty_like(send_meta)
+        dist.all_to_all_single(recv_meta, send_meta, group=group)
+        recv_meta = recv_meta.cpu()
+    else:
+        recv_meta = send_meta
+    _raise_on_bad_meta(recv_meta, e_local, max_tokens_per_rank, world, rank)
+
+    recv_counts = recv_meta[:, :e_local].t().contiguous()  # [E_local, world]
+    send_splits = counts.cpu().view(world, e_local).sum(1).tolist()
+    recv_splits = recv_counts.sum(0).tolist()
+    rows = hidden[token]
+    if use_fp8:
+        q, s = quantize_rows_fp8(rows)
+        payloads = [q.view(torch.uint8), s]
+    else:
+        payloads = [rows]
+    received = [_all_to_all(p, recv_splits, send_splits, group) for p in payloads]
+
+    recv_x, recv_scale, masked_m, src_info, layout_range = _dispatch_outputs(hidden, e_local, m, h, world, use_fp8)
+    e_idx, j_idx = receive_slots(recv_counts, dev)
+    if use_fp8:
+        recv_x.view(torch.uint8)[e_idx, j_idx] = received[0]
+        recv_scale[e_idx, j_idx] = received[1]
+    else:
+        recv_x[e_idx, j_idx] = received[0]
+    masked_m.copy_(recv_counts.sum(1).to(torch.int32))
+    offsets = recv_counts.cumsum(1) - recv_counts
+    layout_range.copy_((offsets << 32) | recv_counts)
+    src_info.fill_(-1)
+    src_info[e_idx, j_idx] = torch.arange(e_idx.numel(), dtype=torch.int32, device=dev)
+    return recv_x, recv_scale, masked_m, src_info, layout_range
+
+
+def _all_to_all(x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    if group.size() == 1:
+        return x
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+def _raise_on_bad_meta(meta: torch.Tensor, e_local: int, max_tokens: int, world: int, rank: int) -> None:
+    tokens = meta[:, e_local].tolist()
+    flags = meta[:, e_local + 1].tolist()
+    over = [(r, n) for r, n in enumerate(tokens) if n > max_tokens]
+    if over:
+        who = ", ".join(f"rank {r}: {n}" for r, n in over)
+        raise ValueError(
+            f"moe_fx.ep_dispatch: more tokens than max_tokens_per_rank={max_tokens} on {who} (raised on every "
+            f"rank, this is rank {rank}). The masked layout and DeepEP's buffers are sized for it; raise "
+            "MoEConfig.max_tokens_per_rank or feed fewer tokens per step."
+        )
+    bad = [r for r, f in enumerate(flags) if f & _FLAG_BAD_ID]
+    dup = [r for r, f in enumerate(flags) if f & _FLAG_DUPLICATE_ID]
+    if bad or dup:
+        raise ValueError(
+            f"moe_fx.ep_dispatch: invalid topk_ids (expert id out of range on ranks {bad}; one token picks "
+            f"the same expert twice on ranks {dup}); raised on every rank, this is rank {rank}"
+        )
+
+
+def combine(
+    expert_out: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    layout_range: torch.Tensor,
+    num_experts: int,
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    """``moe_fx::ep_combine`` over all_to_all_single: ``[T, H]`` in ``expert_out.dtype``."""
+    world = group.size()
+    e_local = num_experts // world
+    t, h = topk_ids.shape[0], expert_out.shape[2]
+    dev = expert_out.device
+    recv_counts = (layout_range & 0xFFFFFFFF).cpu()  # [E_local, world]
+    e_idx, j_idx = receive_slots(recv_counts, dev)
+    back = expert_out[e_idx, j_idx]
+    order, token, counts = _send_order(topk_ids, num_experts)
+    returned = _all_to_all(back, counts.cpu().view(world, e_local).sum(1).tolist(), recv_counts.sum(0).tolist(), group)
+    out = torch.zeros(t, h, dtype=torch.float32, device=dev)
+    w = topk_weights.reshape(-1)[order].float().unsqueeze(-1)
+    out.index_add_(0, token, returned.float() * w)
+    return out.to(expert_out.dtype)
