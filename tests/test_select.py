@@ -161,9 +161,9 @@ def test_registration_honours_requests_on_cpu_tensors():
     args = _inputs()
     want = register.experts_reference(*args)
     torch.testing.assert_close(register.experts_cuda(*args), want)  # cpu -> reference
-    torch.testing.assert_close(register.experts_cuda(*args, kernel="reference"), want)
-    with pytest.raises(RuntimeError, match="kernel='deepgemm' was requested but cannot run: needs a CUDA GPU"):
-        register.experts_cuda(*args, kernel="deepgemm")
+    torch.testing.assert_close(register.experts_cuda(*args, impl="reference"), want)
+    with pytest.raises(RuntimeError, match="impl='deepgemm' was requested but cannot run: needs a CUDA GPU"):
+        register.experts_cuda(*args, impl="deepgemm")
     empty = register.experts_cuda(args[0][:0], args[1][:0], args[2][:0], *args[3:])
     assert empty.shape == (0, 32)
 
@@ -205,4 +205,4 @@ def test_runtime_fallback_logs_once_and_demotes(monkeypatch, caplog):
     assert "failed at run time" in select._runtime_unusable["deepgemm"]
     # An explicit request is never silently replaced.
     with pytest.raises(RuntimeError, match="failed at run time"):
-        register.experts_cuda(*args, kernel="deepgemm")
+        register.experts_cuda(*args, impl="deepgemm")

@@ -7,7 +7,7 @@ choice is cached per shape there and logged once) and runs it:
 * ``"triton"``    -> :func:`moe_fx.lowering.experts.triton_experts.triton_experts`
 * ``"reference"`` -> :func:`moe_fx.ops.experts_reference`
 
-The op's ``kernel`` argument is honoured: ``"auto"`` follows the rule; an explicit request that cannot
+The op's ``impl`` argument is honoured: ``"auto"`` follows the rule; an explicit request that cannot
 run raises a ``RuntimeError`` that says why. Under ``"auto"``, a DeepGEMM failure at run time (its JIT
 compiler missing, for instance) demotes DeepGEMM for the rest of the process, logs the reason once
 and runs Triton instead.
@@ -57,7 +57,7 @@ def experts_cuda(
     weights_on_input: bool = False,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
-    kernel: str = "auto",
+    impl: str = "auto",
 ) -> torch.Tensor:
     """CUDA implementation of ``moe_fx::experts``: select a kernel (see module docstring) and run it.
 
@@ -65,7 +65,7 @@ def experts_cuda(
     w13 ``[E, 2I, H]``, w2 ``[E, H, I]`` (bf16/fp16/fp32, or fp8 e4m3 with fp32 128x128 block scales).
     Returns ``[T, H]`` in ``hidden.dtype``.
     """
-    check_experts_inputs(hidden, topk_ids, topk_weights, w13, w2, activation, w13_scale, w2_scale, kernel)
+    check_experts_inputs(hidden, topk_ids, topk_weights, w13, w2, activation, w13_scale, w2_scale, impl)
     if hidden.shape[0] == 0:
         return hidden.new_zeros(hidden.shape)
     fp8 = w13.dtype == torch.float8_e4m3fn
@@ -75,19 +75,19 @@ def experts_cuda(
         hidden=hidden.shape[1],
         intermediate=w2.shape[2],
         num_experts=w13.shape[0],
-        request=kernel,
+        request=impl,
         fp8=fp8,
         activation=activation,
         device=hidden.device,
     )
     if choice.error is not None:
         raise RuntimeError(
-            f"moe_fx.experts: kernel={kernel!r} was requested but cannot run: {choice.error} "
+            f"moe_fx.experts: impl={impl!r} was requested but cannot run: {choice.error} "
             f"(hidden {hidden.dtype} {list(hidden.shape)}, w13 {w13.dtype} {list(w13.shape)}, "
-            f"w2 {w2.dtype} {list(w2.shape)}); use kernel='auto' to let moe_fx pick one that can"
+            f"w2 {w2.dtype} {list(w2.shape)}); use impl='auto' to let moe_fx pick one that can"
         )
     args = (hidden, topk_ids, topk_weights, w13, w2, activation, weights_on_input, w13_scale, w2_scale)
-    if choice.kernel == "deepgemm" and kernel == "auto":
+    if choice.kernel == "deepgemm" and impl == "auto":
         try:
             return kernel_impl("deepgemm")(*args)
         except (RuntimeError, ImportError) as e:
@@ -96,7 +96,7 @@ def experts_cuda(
             reason = f"failed at run time ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             log.warning("moe_fx.experts: DeepGEMM %s; falling back to the next kernel for this process", reason)
             mark_kernel_unusable("deepgemm", f"deep_gemm {reason}")
-            return experts_cuda(*args, kernel="auto")
+            return experts_cuda(*args, impl="auto")
     return kernel_impl(choice.kernel)(*args)
 
 

@@ -45,7 +45,7 @@ def check_experts_inputs(
     activation: str,
     w13_scale: torch.Tensor | None,
     w2_scale: torch.Tensor | None,
-    kernel: str,
+    impl: str,
 ) -> None:
     """Raise a clear error if the inputs break the ``moe_fx::experts`` contract (see ``ops/experts.py``)."""
     from moe_fx.ops.experts import ACTIVATIONS  # local: experts.py imports this module
@@ -88,8 +88,8 @@ def check_experts_inputs(
     _check_scale("w2", w2, w2_scale)
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe_fx.experts: unknown activation {activation!r}; known: {sorted(ACTIVATIONS)}")
-    if kernel not in KERNELS:
-        raise ValueError(f"moe_fx.experts: unknown kernel {kernel!r}; known: {KERNELS}")
+    if impl not in KERNELS:
+        raise ValueError(f"moe_fx.experts: unknown impl {impl!r}; known: {KERNELS}")
     devices = {t.device for t in (hidden, topk_ids, topk_weights, w13, w2)}
     if len(devices) != 1:
         raise ValueError(f"moe_fx.experts: all tensors must be on one device, got {sorted(map(str, devices))}")

@@ -13,7 +13,7 @@ Contract (shapes use T tokens, K top-k, E experts, H hidden, I intermediate):
                     ``True``: ``out = sum_k expert_k(w_k * x)`` (Llama 4 style).
 * ``w13_scale``, ``w2_scale``  fp32 block scales ``[E, ceil(N/128), ceil(K/128)]`` for fp8 weights
                     (128x128 blocks, DeepSeek/transformers fine-grained FP8 recipe); ``None`` otherwise.
-* ``kernel``        kernel request passed to the lowering (``"auto"``, ``"reference"``, ``"triton"``,
+* ``impl``          kernel request passed to the lowering (``"auto"``, ``"reference"``, ``"triton"``,
                     ``"deepgemm"``); the reference implementation ignores it.
 
 Returns ``[T, H]`` in ``hidden.dtype``.
@@ -104,7 +104,7 @@ def experts_reference(
 _SCHEMA = (
     "(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, "
     "str activation='silu', bool weights_on_input=False, Tensor? w13_scale=None, "
-    "Tensor? w2_scale=None, str kernel='auto') -> Tensor"
+    "Tensor? w2_scale=None, str impl='auto') -> Tensor"
 )
 
 
@@ -119,14 +119,14 @@ def experts(
     weights_on_input: bool = False,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
-    kernel: str = "auto",
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Run the experts of one MoE block: ``[T, H]`` tokens routed by ``topk_ids`` / ``topk_weights``.
 
     See the module docstring for the full contract. The default (CPU and any device without a
     registered kernel) implementation is :func:`experts_reference`.
     """
-    check_experts_inputs(hidden, topk_ids, topk_weights, w13, w2, activation, w13_scale, w2_scale, kernel)
+    check_experts_inputs(hidden, topk_ids, topk_weights, w13, w2, activation, w13_scale, w2_scale, impl)
     return experts_reference(
         hidden, topk_ids, topk_weights, w13, w2, activation, weights_on_input, w13_scale, w2_scale
     )
@@ -143,7 +143,7 @@ def _experts_fake(
     weights_on_input: bool = False,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
-    kernel: str = "auto",
+    impl: str = "auto",
 ) -> torch.Tensor:
-    check_experts_inputs(hidden, topk_ids, topk_weights, w13, w2, activation, w13_scale, w2_scale, kernel)
+    check_experts_inputs(hidden, topk_ids, topk_weights, w13, w2, activation, w13_scale, w2_scale, impl)
     return hidden.new_empty(hidden.shape)

@@ -19,6 +19,8 @@ class RegionReport:
         family: the experts module class without its ``Experts`` suffix (``Mixtral``), or ``""``.
         num_experts, top_k, hidden, intermediate: E, K, H, I (0 where unknown).
         dtype: dtype of the hidden states.
+        device: device type of the hidden states (``cpu``, ``cuda``).
+        fp8: whether the expert weights are fp8 with block scales.
         activation: gated activation found (``silu``, ...).
         weights_on_input: True when routing weights scale the expert input (Llama 4 style).
         reason: why the region was not rewritten (empty when matched).
@@ -36,6 +38,8 @@ class RegionReport:
     hidden: int = 0
     intermediate: int = 0
     dtype: str = ""
+    device: str = ""
+    fp8: bool = False
     activation: str = ""
     weights_on_input: bool = False
     reason: str = ""

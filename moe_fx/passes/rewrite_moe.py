@@ -138,7 +138,7 @@ def _insert_op(
         else:
             w13_node, w2_node = a.w13, a.w2
         kwargs = {"activation": probe.activation, "weights_on_input": probe.weights_on_input,
-                  "kernel": ctx.config.kernel}
+                  "impl": ctx.config.kernel}
         op = g.call_function(
             torch.ops.moe_fx.experts.default,
             (region.hidden, region.ids, region.weights, w13_node, w2_node),
@@ -161,14 +161,28 @@ def _insert_op(
     return op
 
 
+def _param_path(node: fx.Node) -> str:
+    """``experts.3.down_proj.weight`` from Dynamo's ``l_self_modules_experts_modules_3_..._weight_``."""
+    if node.op == "get_attr":
+        return str(node.target)
+    name = re.sub(r"^[lL]_self_", "", node.name).rstrip("_")
+    return re.sub(r"_(modules|parameters|buffers)_", ".", "_" + name).lstrip("._")
+
+
 def _report_for(anchors: ExpertWeights, region: Region | None) -> RegionReport:
-    node = region.output if region is not None else anchors.nodes[-1]
-    path, cls = _module_of(node) if region is not None else ("", "")
-    if not path:
-        path, cls = _module_of(next(iter(anchors.nodes[-1].users), anchors.nodes[-1]))
-    family = cls[: -len("Experts")] if cls.endswith("Experts") else cls
+    path, cls = _module_of(region.output) if region is not None else ("", "")
+    if not cls.endswith("Experts"):
+        # No experts module around the output: name the region after its weights' owner.
+        wpath, wcls = _module_of(next(iter(anchors.nodes[-1].users), anchors.nodes[-1]))
+        if wcls.endswith("Experts") or not path:
+            path, cls = wpath, wcls
+    if anchors.kind == "per_expert" and not cls.endswith("Experts"):
+        path = re.sub(r"\.\d+\.[^.]+\.weight$", "", _param_path(anchors.down[0]))
+        cls = ""
+    family = cls[: -len("Experts")] if cls.endswith("Experts") else ""
+    layer = _clean_path(path) or ".".join(_param_path(anchors.nodes[-1]).split(".")[:-1]) or _param_path(anchors.nodes[-1])
     return RegionReport(
-        layer=_clean_path(path) or anchors.name, family=family, num_experts=anchors.num_experts,
+        layer=layer, family=family, num_experts=anchors.num_experts,
         hidden=anchors.hidden, intermediate=anchors.intermediate,
     )
 
@@ -204,6 +218,7 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
             continue
         report.form, report.top_k = _form(region), region.top_k
         report.dtype = str(tensor_value(region.hidden).dtype).replace("torch.", "")
+        report.device = tensor_value(region.hidden).device.type
         stacked = _stacked_weights(region, ctx)
         if stacked is None:
             report.reason = "the real expert weights are not available to the pass"

@@ -157,6 +157,8 @@ def probe_region(
             args: list[object] = [hidden, ids, weights]
             for node in inputs[3:]:
                 v = real_value(node)
+                if isinstance(v, torch.SymInt):
+                    v = _hint(v)
                 if v is None:
                     v = node_value(node)
                     if isinstance(v, torch.Tensor):
@@ -165,7 +167,8 @@ def probe_region(
                 args.append(v)
             values.append(args)
             try:
-                outs.append(gm(*args))
+                # The Interpreter, unlike gm(...), does not print the traceback of an expected failure.
+                outs.append(fx.Interpreter(gm).run(*args))
             except (RuntimeError, ValueError, TypeError, IndexError) as exc:
                 return ProbeResult(False, reason=f"the region failed on probe inputs: {exc}")
         best = ProbeResult(False, reason="no activation found in the region")

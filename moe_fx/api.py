@@ -1,0 +1,132 @@
+"""The user verbs: :func:`compile` and :func:`explain`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moe_fx.config import MoEConfig
+from moe_fx.passes.report import RegionReport
+
+__all__ = ["ExplainReport", "compile", "enable_capture", "explain"]
+
+log = logging.getLogger("moe_fx")
+
+
+def enable_capture() -> None:
+    """Set the Dynamo options that let MoE blocks trace into one graph.
+
+    ``capture_dynamic_output_shape_ops`` lets a ``range(E)`` loop over ``nn.ModuleList`` experts with
+    ``torch.where`` / ``nonzero`` trace without a graph break; ``capture_scalar_outputs`` does the
+    same for ``.item()``-style counts. Both are process-wide Dynamo settings.
+    """
+    cfg = torch._dynamo.config
+    if not (cfg.capture_dynamic_output_shape_ops and cfg.capture_scalar_outputs):
+        log.info("moe_fx: enabling torch._dynamo.config.capture_dynamic_output_shape_ops and capture_scalar_outputs")
+    cfg.capture_dynamic_output_shape_ops = True
+    cfg.capture_scalar_outputs = True
+
+
+def compile(model: Callable, config: MoEConfig | None = None, **torch_compile_kwargs: Any) -> Callable:
+    """``torch.compile(model, backend=<moe_fx with config>, **torch_compile_kwargs)``.
+
+    Also sets the Dynamo options the MoE capture needs (:func:`enable_capture`). For Hugging Face
+    ``generate()``, compile the module in place instead: ``model.forward = moe_fx.compile(model.forward)``.
+    """
+    from moe_fx.backend import make_backend
+
+    if "backend" in torch_compile_kwargs:
+        raise TypeError("moe_fx.compile() picks the backend itself; pass other torch.compile arguments only")
+    enable_capture()
+    return torch.compile(model, backend=make_backend(config), **torch_compile_kwargs)
+
+
+@dataclass
+class ExplainReport:
+    """What moe_fx does to a model: one :class:`RegionReport` per candidate MoE region.
+
+    Attributes:
+        regions: the reports, in graph order (several graphs if the model has graph breaks).
+        graphs: how many graphs Dynamo handed the backend.
+        pass_ms: time spent in the moe_fx passes, in milliseconds.
+    """
+
+    regions: list[RegionReport] = field(default_factory=list)
+    graphs: int = 0
+    pass_ms: float = 0.0
+
+    @property
+    def matched(self) -> list[RegionReport]:
+        """The regions that were rewritten."""
+        return [r for r in self.regions if r.matched]
+
+    def __str__(self) -> str:
+        head = ("layer", "match", "family/form", "E", "K", "H", "I", "dtype", "kernel / reason")
+        rows = []
+        for r in self.regions:
+            what = f"{r.family or '-'}/{r.form or '?'}"
+            last = r.kernel if r.matched else r.reason
+            rows.append((r.layer, "yes" if r.matched else "no", what, str(r.num_experts or "-"),
+                         str(r.top_k or "-"), str(r.hidden or "-"), str(r.intermediate or "-"), r.dtype or "-", last))
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
+        widths[-1] = 0
+        lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in [head, *rows]]
+        lines.append(
+            f"{len(self.matched)} of {len(self.regions)} MoE region(s) rewritten in {self.graphs} graph(s); "
+            f"passes took {self.pass_ms:.1f} ms"
+        )
+        why_not = [(r.layer, k, v) for r in self.matched for k, v in r.kernel_reasons.items()]
+        if why_not:
+            lines.append("kernels not taken:")
+            seen = set()
+            for layer, k, v in why_not:
+                if (k, v) not in seen:
+                    seen.add((k, v))
+                    lines.append(f"  {k}: {v}")
+        return "\n".join(lines)
+
+
+def _fill_kernels(regions: list[RegionReport], config: MoEConfig) -> None:
+    from moe_fx.lowering.select import explain_kernel
+
+    for r in regions:
+        if r.matched:
+            r.kernel, r.kernel_reasons = explain_kernel(
+                r.device or "cpu", r.dtype, r.num_experts, r.hidden, r.intermediate, r.fp8,
+                request=config.kernel, activation=r.activation or "silu",
+            )
+
+
+def explain(model: Callable, *example_inputs: Any, config: MoEConfig | None = None, **example_kwargs: Any) -> ExplainReport:
+    """Trace ``model(*example_inputs, **example_kwargs)`` and report, per MoE layer, what moe_fx does.
+
+    Nothing is compiled with Inductor and the model's outputs are discarded; the report says for every
+    candidate region whether it is rewritten, its family/form, E, K, H, I, dtype, the kernel that will
+    run, and the reason for every non-match. Runs under ``torch.no_grad()``.
+    """
+    import time
+
+    from moe_fx.backend import make_backend
+
+    config = config or MoEConfig()
+    enable_capture()
+    sink: list[RegionReport] = []
+    report = ExplainReport()
+    inner = make_backend(config, sink=sink, inductor=False)
+
+    def counting_backend(gm, inputs):
+        report.graphs += 1
+        start = time.perf_counter()
+        out = inner(gm, inputs)
+        report.pass_ms += 1e3 * (time.perf_counter() - start)
+        return out
+
+    with torch.no_grad():
+        torch.compile(model, backend=counting_backend)(*example_inputs, **example_kwargs)
+    report.regions = sink
+    _fill_kernels(report.regions, config)
+    return report
