@@ -145,3 +145,33 @@ def test_compiled_tiny_model_takes_deepgemm_end_to_end(monkeypatch, quantize):
     assert calls, f"the compiled model never ran deepgemm_experts; pass reports: {reports}"
     assert set(calls) == {torch.float8_e4m3fn if quantize else torch.bfloat16}
     assert _rel(got, want) < (0.08 if quantize else 0.02), _rel(got, want)
+
+
+def test_fp8_checkpoint_model_uses_its_fp8_weights_on_deepgemm(monkeypatch):
+    """transformers FP8Experts (fp8 + 128x128 scale_inv) -> capture -> compiled -> DeepGEMM fp8, vs dequantised eager."""
+    _need_deepgemm()
+    pytest.importorskip("transformers")
+    import moe_fx.lowering.experts.deepgemm_experts as dg_mod
+    from moe_fx.backend import make_backend
+    from moe_fx.passes.match_fp8_experts import capture_fp8_experts
+    from moe_fx.testing_fp8 import dequantized_copy, tiny_fp8_hf_model
+
+    calls = []
+    real = dg_mod.deepgemm_experts
+
+    def counting(*a, **kw):
+        calls.append((a[3].data_ptr(), a[3].dtype))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(dg_mod, "deepgemm_experts", counting)
+    model = tiny_fp8_hf_model("mixtral", hidden=256, intermediate=128, num_experts=8, top_k=2, device="cuda")
+    oracle = dequantized_copy(model)
+    reports = capture_fp8_experts(model)
+    assert all(r.matched for r in reports) and len(reports) == 2
+    tokens = torch.randint(0, 128, (2, 40), device="cuda")
+    with torch.no_grad():
+        want = oracle(tokens).logits.float()
+        got = torch.compile(model, backend=make_backend(), fullgraph=True)(tokens).logits.float()
+    ptrs = {m.gate_up_proj.data_ptr() for m in model.modules() if hasattr(m, "gate_up_proj_scale_inv")}
+    assert calls and {p for p, _ in calls} == ptrs and {d for _, d in calls} == {torch.float8_e4m3fn}
+    assert _rel(got, want) < 0.08, _rel(got, want)

@@ -75,8 +75,8 @@ def match_fp8_experts(module: nn.Module) -> Fp8ExpertsMatch | str:
     for name in _UNSUPPORTED_GATES:
         if getattr(module, name, None) is not None:
             return f"gated activation variant {name}={getattr(module, name)!r} is not the plain op"
-    if type(module)._apply_gate.__name__ not in ("_apply_gate", "_default_apply_gate"):
-        return "custom _apply_gate"
+    if _custom_gate(module):
+        return f"{type(module).__name__} overrides _apply_gate"
     cfg = getattr(module, "config", None)
     act_name = None if cfg is None else (getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None))
     if act_name not in _ACTIVATIONS:
@@ -98,6 +98,14 @@ def match_fp8_experts(module: nn.Module) -> Fp8ExpertsMatch | str:
         if s.dtype != torch.float32 or tuple(s.shape) != want:
             return f"{name}_scale_inv is {s.dtype} {list(s.shape)}, want float32 {list(want)} (128x128 blocks)"
     return Fp8ExpertsMatch(e, h, two_i // 2, _ACTIVATIONS[act_name])
+
+
+def _custom_gate(module: nn.Module) -> bool:
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8Experts
+    except ImportError:  # a look-alike module without transformers: judge by the attributes alone
+        return False
+    return isinstance(module, FP8Experts) and type(module)._apply_gate is not FP8Experts._apply_gate
 
 
 def _moe_fx_fp8_forward(
@@ -130,6 +138,8 @@ def capture_fp8_experts(model: nn.Module, kernel: str = "auto") -> list[RegionRe
     if kernel not in KERNELS:
         raise ValueError(f"capture_fp8_experts: unknown kernel {kernel!r}; known: {KERNELS}")
     reports = []
+    # The hidden states' dtype is the model's compute dtype: that of its first non-fp8 float weight.
+    compute = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point and p.element_size() > 1), None)
     for name, module in model.named_modules():
         if not _looks_like_fp8_experts(module):
             continue
@@ -147,7 +157,7 @@ def capture_fp8_experts(model: nn.Module, kernel: str = "auto") -> list[RegionRe
             RegionReport(
                 layer=name, matched=True, form="fp8_experts", family=family, num_experts=m.num_experts,
                 top_k=int(getattr(getattr(module, "config", None), "num_experts_per_tok", 0) or 0),
-                hidden=m.hidden, intermediate=m.intermediate, dtype=str(w.dtype).replace("torch.", ""),
+                hidden=m.hidden, intermediate=m.intermediate, dtype=str(compute).replace("torch.", "") if compute else "",
                 device=w.device.type, fp8=True, activation=m.activation, verified="structure",
             )
         )  # fmt: skip
