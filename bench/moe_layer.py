@@ -194,8 +194,13 @@ def main() -> None:
     ap.add_argument("--shapes", default="mixtral,qwen3,dsv3")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--impls", default="hf_eager,hf_grouped_mm,hf_batched_mm,moe_fx_bf16,moe_fx_fp8")
+    ap.add_argument("--impls", default="moe_fx_bf16,moe_fx_fp8,hf_grouped_mm,hf_batched_mm,hf_eager")
     ap.add_argument("--no-compile-hf", action="store_true", help="time transformers' modules uncompiled")
+    ap.add_argument(
+        "--compile-eager",
+        action="store_true",
+        help="also compile hf eager (its data-dependent loop breaks the graph per expert; slow to compile)",
+    )
     ap.add_argument("--deepgemm", action="store_true", help="add torch.ops.moe_fx.experts(kernel='deepgemm') rows")
     ap.add_argument("--graph-max-t", type=int, default=256)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cells after this many seconds")
@@ -227,7 +232,7 @@ def main() -> None:
         "triton": triton.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "hf_compiled": not args.no_compile_hf,
+        "hf_compiled": "none" if args.no_compile_hf else ("all" if args.compile_eager else "grouped_mm, batched_mm"),
     }
     limits = measure_limits()
     meta["limits"] = limits
@@ -274,7 +279,8 @@ def main() -> None:
         for impl in HF_IMPLS:
             if "hf_" + impl in impls:
                 mods[impl] = hf_experts_module(family, e, k, h, i, impl, (w13, w2))
-                fns["hf_" + impl] = mods[impl] if args.no_compile_hf else torch.compile(mods[impl], dynamic=True)
+                compiled = not args.no_compile_hf and (impl != "eager" or args.compile_eager)
+                fns["hf_" + impl] = torch.compile(mods[impl], dynamic=True) if compiled else mods[impl]
         fns["moe_fx_bf16"] = lambda x, ids, w: triton_experts(x, ids, w, w13, w2)
         fns["moe_fx_fp8"] = lambda x, ids, w: triton_experts(x, ids, w, q13, q2, w13_scale=s13, w2_scale=s2)
         if deep_gemm_ok:
@@ -292,6 +298,10 @@ def main() -> None:
                     row = {"shape": shape, "E": e, "K": k, "H": h, "I": i, "T": t, "impl": impl, "mode": mode}
                     if time.time() - t_start > args.budget_s:
                         row["error"] = "skipped: time budget"
+                        results.append(row)
+                        continue
+                    if impl == "hf_eager" and mode == "graph":
+                        row["error"] = "not capturable: synchronises with the host (nonzero)"
                         results.append(row)
                         continue
                     if impl.startswith("hf_") and not hf_fits(impl[3:], t, e, k, h, i):

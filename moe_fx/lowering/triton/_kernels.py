@@ -19,8 +19,8 @@ import triton.language as tl
 # @triton.jit functions, compiled-mode objects that the CPU interpreter copy of this module cannot
 # call); reductions go through tl.reduce / tl.associative_scan with the combine functions below.
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-SCALE_EPS = 1e-10  # floor of the fp8 group scale, so an all-zero group gives scale > 0 (no 0/0)
+FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn (globals used in kernels must be constexpr)
+SCALE_EPS = tl.constexpr(1e-10)  # floor of the fp8 group scale, so an all-zero group gives scale > 0 (no 0/0)
 
 
 @triton.jit

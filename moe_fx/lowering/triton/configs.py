@@ -73,7 +73,7 @@ def candidates(kind: str, bucket: int) -> list[TileConfig]:
         bm = 16 if bucket <= 16 else 32
         out = []
         for bn in (32, 64, 128):
-            for bk, stages_list in (((128, (4, 6)),) if fp8 else ((64, (6,)), (128, (4,)))):
+            for bk, stages_list in (((128, (5,)),) if fp8 else ((128, (4,)),)):
                 for stages in stages_list:
                     cfg = TileConfig(bm, bn, bk, 1, 4, stages, 2)
                     if cfg.smem_bytes(1 if fp8 else 2) <= 110_000:
