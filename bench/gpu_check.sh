@@ -9,4 +9,4 @@ timeout ${PYTEST_S:-170} python3 -m pytest -v --tb=short -m gpu -p no:cacheprovi
   tests/test_triton_activation.py tests/test_triton_experts.py tests/test_triton_gemm.py 2>&1 | tee ${OUT:-/tmp}/pytest_gpu.log \
   | grep -E "PASSED|FAILED|ERROR|^E |passed|failed" | cut -c1-300
 budget=${1:-300}; shift
-timeout $((budget + 90)) python3 bench/moe_layer.py --tune --out ${OUT:-/tmp} --budget-s $budget "$@" 2>&1 | tee ${OUT:-/tmp}/bench.log | cut -c1-400
+timeout $((budget + 90)) python3 bench/moe_layer.py ${TUNE:-} --out ${OUT:-/tmp} --budget-s $budget "$@" 2>&1 | tee ${OUT:-/tmp}/bench.log | cut -c1-400
