@@ -22,8 +22,14 @@ class MoEConfig:
         verify_max_flops: the largest probe (in flops) ``verify="auto"`` runs; above it a region is
             rewritten on its structural match alone.
         enabled: ``False`` turns every pass off (the backend then behaves like plain Inductor).
-        ep_group: process group for expert parallelism (``None``: no expert parallelism).
-        max_tokens_per_rank: the most tokens one rank sends per step under expert parallelism.
+        ep_group: process group for expert parallelism: ``None`` (no expert parallelism), ``"default"``
+            (torch.distributed's default group), a ``ProcessGroup``, or a group's c10d name. Each rank
+            then keeps only its ``E / world_size`` experts (``E % world_size != 0`` is an error at
+            compile time) and every rank runs the model on its own tokens.
+        max_tokens_per_rank: the most tokens one rank may have in one step under expert parallelism; it
+            sizes the masked layout (``[E_local, max_tokens_per_rank * world_size, H]``) and DeepEP's
+            buffer. More tokens on any rank is a ``ValueError`` on every rank (not chunked; see
+            :mod:`moe_fx.lowering.dispatch`).
         inductor_options: extra options handed to Inductor's ``compile_fx``.
     """
 
@@ -43,5 +49,10 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.quantize must be None or 'fp8', got {self.quantize!r}")
         if self.verify not in ("auto", "always", "never"):
             raise ValueError(f"MoEConfig.verify must be auto/always/never, got {self.verify!r}")
+        ep = self.ep_group
+        if ep is not None and not isinstance(ep, str) and not hasattr(ep, "group_name"):
+            raise TypeError(  # a ProcessGroup has a c10d group_name; the EP ops pass groups by that name
+                f"MoEConfig.ep_group must be None, 'default', a ProcessGroup or a group name, got {type(self.ep_group)}"
+            )
         if self.max_tokens_per_rank <= 0:
             raise ValueError(f"MoEConfig.max_tokens_per_rank must be positive, got {self.max_tokens_per_rank}")

@@ -1,0 +1,216 @@
+"""Expert-parallel ops, backend selection and the split_ep graph rewrite, in one process.
+
+Numerics use a one-rank gloo group (the torch.distributed code path without collectives); the graph
+rewrite uses torch's fake process group of 2 or 4 ranks (no communication happens, only the pass and
+fake implementations run). Multi-process numerics are in test_ep_gloo.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_fx  # noqa: F401
+from moe_fx.config import MoEConfig
+from moe_fx.lowering.dispatch.select import (
+    DEEPEP_LL_HIDDEN,
+    DispatchProblem,
+    choose_dispatch_backend,
+    decide_dispatch_backend,
+    deepep_ll_supports,
+)
+from moe_fx.lowering.dispatch.torch_dist import quantize_rows_fp8, receive_slots
+from moe_fx.ops import experts_reference
+from moe_fx.ops.ep import ep_group_name, masked_experts_reference
+
+ops = torch.ops.moe_fx
+
+
+# ------------------------------------------------------------------------------------------------
+# backend selection: capabilities are inputs
+# ------------------------------------------------------------------------------------------------
+
+
+def _problem(**kw) -> DispatchProblem:
+    base = dict(world_size=8, device_type="cuda", dtype="bfloat16", hidden=7168, top_k=8, num_experts=256,
+                max_tokens_per_rank=128, use_fp8=False)
+    base.update(kw)
+    return DispatchProblem(**base)
+
+
+def test_deepep_taken_when_everything_fits():
+    choice = decide_dispatch_backend(_problem(), deep_ep_error=None)
+    assert choice.backend == "deepep_ll" and choice.error is None and choice.reasons == {}
+    assert decide_dispatch_backend(_problem(use_fp8=True), deep_ep_error=None).backend == "deepep_ll"
+
+
+@pytest.mark.parametrize(
+    "kw, deep_ep_error, why",
+    [
+        ({}, "deep_ep is not installed", "not installed"),
+        ({"hidden": 3000}, None, "hidden size 3000"),
+        ({"hidden": 1024}, None, "hidden size 1024"),
+        ({"top_k": 10}, None, "top-k 10 above its limit 9"),
+        ({"dtype": "float32"}, None, "bfloat16"),
+        ({"device_type": "cpu"}, None, "CUDA"),
+        ({"max_tokens_per_rank": 3, "world_size": 2, "num_experts": 8}, None, "multiple of 4"),
+        ({"hidden": 2176, "use_fp8": True}, None, "hidden % 512"),
+    ],
+)
+def test_deepep_fallback_reasons(kw, deep_ep_error, why):
+    supported = DEEPEP_LL_HIDDEN + (2176,)  # a (hypothetical) build with a hidden size not a multiple of 512
+    choice = decide_dispatch_backend(_problem(**kw), deep_ep_error=deep_ep_error, supported_hidden=supported)
+    assert choice.backend == "torch_dist"
+    assert why in choice.reasons["deepep_ll"]
+    ok, reason = deepep_ll_supports(_problem(**kw), deep_ep_error=deep_ep_error, supported_hidden=supported)
+    assert not ok and why in reason
+
+
+def test_selection_requests_and_single_rank():
+    assert decide_dispatch_backend(_problem(world_size=1, num_experts=32), deep_ep_error=None).backend == "local"
+    # An explicit DeepEP request runs it even with one rank (the single-GPU check), or says why not.
+    assert decide_dispatch_backend(_problem(world_size=1, num_experts=32), deep_ep_error=None, request="deepep").backend == "deepep_ll"
+    bad = decide_dispatch_backend(_problem(hidden=1000), deep_ep_error=None, request="deepep")
+    assert bad.error is not None and "hidden size 1000" in bad.error
+    assert decide_dispatch_backend(_problem(), deep_ep_error=None, request="torch_dist").backend == "torch_dist"
+    with pytest.raises(ValueError, match="unknown EP backend"):
+        decide_dispatch_backend(_problem(), deep_ep_error=None, request="nccl")
+    # Newer DeepEP versions: the supported set is an input too.
+    assert decide_dispatch_backend(_problem(hidden=3072), deep_ep_error=None,
+                                   supported_hidden=DEEPEP_LL_HIDDEN + (3072,)).backend == "deepep_ll"
+
+
+def test_fallback_logged_once(caplog):
+    problem = _problem(device_type="cpu", hidden=48)
+    with caplog.at_level(logging.INFO, logger="moe_fx.lowering"):
+        for _ in range(3):
+            assert choose_dispatch_backend(problem).backend == "torch_dist"
+    lines = [r for r in caplog.records if "moe_fx EP" in r.getMessage()]
+    assert len(lines) == 1 and "torch_dist" in lines[0].getMessage()
+
+
+# ------------------------------------------------------------------------------------------------
+# numerics with one rank (gloo)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 's')}", rank=0, world_size=1)
+        try:
+            yield ep_group_name("default")
+        finally:
+            dist.destroy_process_group()
+
+
+def _routing(t, e, k, gen, holes=True):
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]) if t else torch.empty(0, k, dtype=torch.long)
+    if holes and t > 2:
+        ids[1, 0] = -1
+    weights = torch.rand(t, k, generator=gen)
+    return ids, weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [0, 1, 13])
+def test_ep_ops_one_rank_match_experts_op(one_rank, dtype, t):
+    gen = torch.Generator().manual_seed(t)
+    e, h, i, k, max_tok = 8, 64, 32, 3, 16
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    ids, weights = _routing(t, e, k, gen)
+    w13 = (torch.randn(e, 2 * i, h, generator=gen) * 0.2).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=gen) * 0.2).to(dtype)
+    recv_x, recv_scale, masked_m, src_info, layout_range = ops.ep_dispatch(x, ids, e, max_tok, one_rank)
+    assert recv_x.shape == (e, max_tok, h) and recv_scale.shape == (e, max_tok, 0)
+    assert masked_m.tolist() == torch.bincount(ids[ids >= 0], minlength=e).tolist()
+    y = ops.masked_experts(recv_x, masked_m, w13, w2)
+    # Rows past masked_m are not part of the contract: poison them, combine must not read them.
+    poisoned = y.clone()
+    for ex, n in enumerate(masked_m.tolist()):
+        poisoned[ex, n:] = float("nan")
+    out = ops.ep_combine(poisoned, ids, weights, src_info, layout_range, e, max_tok, one_rank)
+    ref = experts_reference(x, ids, weights, w13, w2)
+    assert out.shape == (t, h) and out.dtype == dtype and not out.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+def test_fp8_dispatch_one_rank(one_rank):
+    gen = torch.Generator().manual_seed(1)
+    e, h, i, k, t = 4, 256, 64, 2, 9
+    x = torch.randn(t, h, generator=gen).bfloat16()
+    ids, weights = _routing(t, e, k, gen)
+    w13 = (torch.randn(e, 2 * i, h, generator=gen) * 0.1).bfloat16()
+    w2 = (torch.randn(e, h, i, generator=gen) * 0.1).bfloat16()
+    recv_x, recv_scale, masked_m, src_info, layout_range = ops.ep_dispatch(x, ids, e, 12, one_rank, True)
+    assert recv_x.dtype == torch.float8_e4m3fn and recv_scale.shape == (e, 12, h // 128)
+    assert recv_scale.stride() == (12 * h // 128, 1, 12)  # MN-major, as DeepEP and DeepGEMM lay it out
+    y = ops.masked_experts(recv_x, masked_m, w13, w2, "silu", recv_scale)
+    assert y.dtype == torch.bfloat16
+    out = ops.ep_combine(y, ids, weights, src_info, layout_range, e, 12, one_rank, True)
+    ref = experts_reference(x, ids, weights, w13, w2).float()
+    assert ((out.float() - ref).norm() / ref.norm()) < 0.05
+
+
+def test_quantize_rows_fp8_roundtrip():
+    x = torch.randn(5, 384) * torch.logspace(-2, 2, 5).unsqueeze(1)
+    q, s = quantize_rows_fp8(x)
+    back = q.float() * s.repeat_interleave(128, dim=1)
+    assert s.shape == (5, 3) and ((back - x).norm() / x.norm()) < 0.05
+
+
+def test_receive_slots_layout():
+    # 2 local experts, 3 source ranks: counts[e, r].
+    counts = torch.tensor([[2, 0, 1], [1, 3, 0]])
+    e_idx, j_idx = receive_slots(counts, torch.device("cpu"))
+    # receive order: rank 0 (expert 0 x2, expert 1 x1), rank 1 (expert 1 x3), rank 2 (expert 0 x1)
+    assert e_idx.tolist() == [0, 0, 1, 1, 1, 1, 0]
+    assert j_idx.tolist() == [0, 1, 0, 1, 2, 3, 2]
+
+
+def test_ep_errors(one_rank):
+    x = torch.randn(5, 16)
+    ids = torch.zeros(5, 2, dtype=torch.long)
+    ids[:, 1] = 1
+    with pytest.raises(ValueError, match="max_tokens_per_rank=4"):
+        ops.ep_dispatch(x, ids, 4, 4, one_rank)
+    dup = ids.clone()
+    dup[0, 1] = 0
+    with pytest.raises(ValueError, match="same expert twice"):
+        ops.ep_dispatch(x, dup, 4, 8, one_rank)
+    with pytest.raises(ValueError, match="out of range"):
+        ops.ep_dispatch(x, ids + 5, 4, 8, one_rank)
+    with pytest.raises(ValueError, match="no process group named"):
+        ops.ep_dispatch(x, ids, 4, 8, "no-such-group")
+    with pytest.raises(ValueError, match="masked_m must be int32"):
+        ops.masked_experts(torch.randn(2, 4, 16), torch.zeros(2, dtype=torch.int64), torch.randn(2, 8, 16),
+                           torch.randn(2, 16, 4))
+    with pytest.raises(ValueError, match="x_scale"):
+        ops.masked_experts(torch.randn(2, 4, 128).to(torch.float8_e4m3fn), torch.zeros(2, dtype=torch.int32),
+                           torch.randn(2, 8, 128).bfloat16(), torch.randn(2, 128, 4).bfloat16())
+
+
+def test_masked_experts_reference_ignores_rows_past_masked_m():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 6, 16, generator=gen)
+    masked_m = torch.tensor([0, 6, 2], dtype=torch.int32)
+    x[2, 2:] = float("nan")
+    w13, w2 = torch.randn(3, 8, 16, generator=gen), torch.randn(3, 16, 4, generator=gen)
+    y = masked_experts_reference(x, masked_m, w13, w2)
+    assert not y.isnan().any() and (y[0] == 0).all() and (y[2, 2:] == 0).all()
+    want = (torch.nn.functional.silu(x[1] @ w13[1, :4].t()) * (x[1] @ w13[1, 4:].t())) @ w2[1].t()
+    torch.testing.assert_close(y[1], want, atol=1e-5, rtol=1e-5)
+
+
+def test_config_ep_group_validation():
+    assert MoEConfig(ep_group="default").ep_group == "default"
+    with pytest.raises((TypeError, ValueError)):
+        MoEConfig(ep_group=3)
