@@ -101,3 +101,50 @@ class EPMoE(nn.Module):
         gate, up = F.linear(x, self.shared_up).chunk(2, dim=-1)
         shared = F.linear(F.silu(gate) * up, self.shared_down)
         return routed + shared
+
+
+def _make_model(kind: str) -> nn.Module:
+    if kind == "epmoe":
+        return EPMoE(hidden=32, inter=16, num_experts=8, top_k=2).eval()
+    if kind == "dense_bmm":
+        from moe_fx.testing import DenseBmmMoE
+
+        torch.manual_seed(0)
+        return DenseBmmMoE(hidden=32, inter=16, num_experts=8, top_k=2).eval()
+    raise ValueError(kind)
+
+
+def ep_model_worker(rank: int, world: int, kind: str, steps: list[list[int]], max_tokens: int, inductor: bool) -> dict:
+    """Run ``steps`` (tokens per rank per step) through the EP-compiled model; compare with eager.
+
+    Returns ``{"errors": [max abs error or the ValueError text per step], "splits": ..., "freed": ...}``.
+    The eager outputs are computed before compiling: compiling under EP leaves only this rank's experts
+    in the model's parameters.
+    """
+    from moe_fx.backend import make_backend
+    from moe_fx.config import MoEConfig
+    from moe_fx.passes.split_ep import ep_weights_freed
+
+    model = _make_model(kind)
+    inputs = [torch.randn(s[rank], 32, generator=torch.Generator().manual_seed(1000 * i + rank)) for i, s in enumerate(steps)]
+    with torch.no_grad():
+        eager = [model(x) if x.shape[0] <= max_tokens else None for x in inputs]
+    sink: list = []
+    # verify="never": the recognizer's numeric probe would read the full expert weights again on a
+    # recompile, and after the first EP compile only this rank's experts are left in them.
+    config = MoEConfig(ep_group="default", max_tokens_per_rank=max_tokens, verify="never")
+    compiled = torch.compile(model, backend=make_backend(config, sink=sink, inductor=inductor), dynamic=False)
+    results: list = []
+    for x, ref in zip(inputs, eager):
+        try:
+            with torch.no_grad():
+                out = compiled(x)
+        except ValueError as e:  # raised on every rank together when any rank has too many tokens
+            results.append(f"ValueError: {e}")
+            continue
+        results.append(float((out - ref).abs().max()) if out.numel() else 0.0)
+        if out.shape != ref.shape:
+            results[-1] = f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    weights = [p for n, p in model.named_parameters() if n in ("w13", "w2", "gate_up", "down")]
+    return {"errors": results, "freed": [ep_weights_freed(p) for p in weights],
+            "matched": [r.one_line() for r in sink if getattr(r, "matched", False)]}
