@@ -150,7 +150,10 @@ def test_compiled_tiny_model_takes_deepgemm_end_to_end(monkeypatch, quantize):
 
 
 def test_fp8_checkpoint_model_uses_its_fp8_weights_on_deepgemm(monkeypatch):
-    """transformers FP8Experts (fp8 + 128x128 scale_inv) -> capture -> compiled -> DeepGEMM fp8, vs dequantised eager."""
+    """transformers FP8Experts (fp8 + 128x128 scale_inv) -> capture -> compiled -> DeepGEMM fp8.
+
+    Compared with the eager model holding the dequantised weights.
+    """
     _need_deepgemm()
     pytest.importorskip("transformers")
     import moe_fx.lowering.experts.deepgemm_experts as dg_mod

@@ -95,7 +95,8 @@ def test_capture_uses_fp8_weights_as_stored_and_matches_dequantized_eager(fp8_mo
         w13, w2, s13, s2 = spy.calls[0][3], spy.calls[0][4], spy.calls[0][7], spy.calls[0][8]
         assert w13.dtype == torch.float8_e4m3fn and w13.data_ptr() == e.gate_up_proj.data_ptr()
         assert w2.data_ptr() == e.down_proj.data_ptr()
-        assert s13.data_ptr() == e.gate_up_proj_scale_inv.data_ptr() and s2.data_ptr() == e.down_proj_scale_inv.data_ptr()
+        assert s13.data_ptr() == e.gate_up_proj_scale_inv.data_ptr()
+        assert s2.data_ptr() == e.down_proj_scale_inv.data_ptr()
         # CPU runs the reference (fp32 with the dequantised weights); the oracle holds them in bf16.
         assert _rel(got, want) < 2e-2
         assert capture_fp8_experts(fp8_model)[0].matched  # idempotent

@@ -84,7 +84,8 @@ def test_prepare_deepgemm_weights_keeps_contract_layout_and_fixes_others():
         L.prepare_deepgemm_weights(w, s[:, :1])
     with pytest.raises(TypeError, match="bfloat16 or float8"):
         L.prepare_deepgemm_weights(torch.randn(e, n, k))
-    b13, b2, s13, s2 = L.prepare_expert_weights(torch.randn(2, 256, 128).bfloat16(), torch.randn(2, 128, 128).bfloat16())
+    w13, w2 = torch.randn(2, 256, 128).bfloat16(), torch.randn(2, 128, 128).bfloat16()
+    b13, b2, s13, s2 = L.prepare_expert_weights(w13, w2)
     assert s13 is None and s2 is None and b13.shape == (2, 256, 128)
 
 

@@ -98,7 +98,8 @@ class ExpertsProblem:
 
     def describe(self) -> str:
         w = f"fp8 {self.fp8_block[0]}x{self.fp8_block[1]}" if self.fp8_block else self.dtype
-        return f"E={self.num_experts} H={self.hidden} I={self.intermediate} {self.dtype} weights={w} on {self.device_type}"
+        dims = f"E={self.num_experts} H={self.hidden} I={self.intermediate}"
+        return f"{dims} {self.dtype} weights={w} on {self.device_type}"
 
 
 @dataclass(frozen=True)

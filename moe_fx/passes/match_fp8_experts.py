@@ -36,7 +36,13 @@ log = logging.getLogger("moe_fx.passes")
 
 _BLOCK = 128
 #: transformers' ``hidden_act`` names -> moe_fx activation names (see moe_fx.ops.ACTIVATIONS).
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+}
 _UNSUPPORTED_GATES = ("swiglu_alpha", "swiglu_limit", "limit", "gate_softcap", "up_softcap")
 
 
@@ -140,6 +146,7 @@ def capture_fp8_experts(model: nn.Module, kernel: str = "auto") -> list[RegionRe
     reports = []
     # The hidden states' dtype is the model's compute dtype: that of its first non-fp8 float weight.
     compute = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point and p.element_size() > 1), None)
+    dtype = str(compute).replace("torch.", "") if compute is not None else ""
     for name, module in model.named_modules():
         if not _looks_like_fp8_experts(module):
             continue
@@ -157,7 +164,7 @@ def capture_fp8_experts(model: nn.Module, kernel: str = "auto") -> list[RegionRe
             RegionReport(
                 layer=name, matched=True, form="fp8_experts", family=family, num_experts=m.num_experts,
                 top_k=int(getattr(getattr(module, "config", None), "num_experts_per_tok", 0) or 0),
-                hidden=m.hidden, intermediate=m.intermediate, dtype=str(compute).replace("torch.", "") if compute else "",
+                hidden=m.hidden, intermediate=m.intermediate, dtype=dtype,
                 device=w.device.type, fp8=True, activation=m.activation, verified="structure",
             )
         )  # fmt: skip
