@@ -32,10 +32,21 @@ __all__ = ["combine", "dispatch", "get_buffer"]
 log = logging.getLogger("moe_fx.lowering")
 
 _BUFFERS: dict[str, Any] = {}
+#: (group name, max tokens, hidden, experts) -> buffer: the per-call fast path.
+_FITS: dict[tuple, Any] = {}
 
 
 def get_buffer(group: dist.ProcessGroup, *, max_tokens_per_rank: int, hidden: int, num_experts: int) -> Any:
     """The group's cached low-latency ``deep_ep.Buffer``, created or enlarged so that it fits this problem."""
+    key = (group.group_name, max_tokens_per_rank, hidden, num_experts)
+    buf = _FITS.get(key)
+    if buf is None:
+        buf = _FITS[key] = _get_buffer(group, max_tokens_per_rank=max_tokens_per_rank, hidden=hidden,
+                                       num_experts=num_experts)
+    return buf
+
+
+def _get_buffer(group: dist.ProcessGroup, *, max_tokens_per_rank: int, hidden: int, num_experts: int) -> Any:
     deep_ep = importlib.import_module("deep_ep")
     world = group.size()
     need = deep_ep.Buffer.get_low_latency_rdma_size_hint(max_tokens_per_rank, hidden, world, num_experts)
@@ -48,6 +59,8 @@ def get_buffer(group: dist.ProcessGroup, *, max_tokens_per_rank: int, hidden: in
         log.info("moe_fx EP: replacing DeepEP buffer of group %s (%d -> %d RDMA bytes)", name, entry[1], need)
         need, qps = max(need, entry[1]), max(qps, entry[2])
         _BUFFERS.pop(name)
+        for k in [k for k in _FITS if k[0] == name]:
+            del _FITS[k]
         del entry
     buf = deep_ep.Buffer(group, 0, need, low_latency_mode=True, num_qps_per_rank=qps)
     _BUFFERS[name] = (buf, need, qps, max_tokens_per_rank)

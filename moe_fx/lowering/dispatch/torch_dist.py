@@ -75,29 +75,30 @@ def receive_slots(counts: torch.Tensor, device: torch.device) -> tuple[torch.Ten
 
 
 def _send_order(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Valid (token, k) pairs ordered by global expert: ``(flat_index [N], token [N], counts int64 [E])``."""
+    """Pairs ordered by global expert: ``(order [T*K], token [T*K], counts int64 [E])``, on the ids' device.
+
+    ``order`` lists the flat (token, k) indices of valid pairs first (by expert, tokens ascending) and
+    invalid ones (``-1``, out of range) last; only the first ``counts.sum()`` entries are sent.
+    No host synchronisation.
+    """
     k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).long()
     valid = (flat >= 0) & (flat < num_experts)
     key = torch.where(valid, flat, torch.full_like(flat, num_experts))
-    order = torch.argsort(key, stable=True)[: int(valid.sum())]
-    counts = torch.bincount(flat[valid], minlength=num_experts)[:num_experts]
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
     return order, torch.div(order, k, rounding_mode="floor"), counts
 
 
-def _id_flags(topk_ids: torch.Tensor, num_experts: int) -> int:
-    if topk_ids.numel() == 0:
-        return 0
-    flags = 0
+def _id_flags(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 scalar tensor: bit 0 = an id out of range, bit 1 = a token picks one expert twice."""
     ids = topk_ids.long()
-    if bool(((ids >= num_experts) | (ids < -1)).any()):
-        flags |= _FLAG_BAD_ID
+    bad = ((ids >= num_experts) | (ids < -1)).any()
     # A token that picks one expert twice could overflow that expert's M rows (each rank may send at
     # most max_tokens_per_rank rows per expert).
     s = ids.sort(dim=1).values
-    if s.shape[1] > 1 and bool(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()):
-        flags |= _FLAG_DUPLICATE_ID
-    return flags
+    dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any() if s.shape[1] > 1 else torch.zeros((), dtype=torch.bool)
+    return bad.long() * _FLAG_BAD_ID + dup.long().to(bad.device) * _FLAG_DUPLICATE_ID
 
 
 def dispatch(
@@ -108,30 +109,34 @@ def dispatch(
     group: dist.ProcessGroup,
     use_fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``moe_fx::ep_dispatch`` over all_to_all_single; shapes as in :mod:`moe_fx.ops.ep`."""
+    """``moe_fx::ep_dispatch`` over all_to_all_single; shapes as in :mod:`moe_fx.ops.ep`.
+
+    One host synchronisation (the count matrix); two or three collectives (counts, rows, fp8 scales).
+    """
     world, rank = group.size(), group.rank()
     t, h = hidden.shape
     e_local, m = num_experts // world, max_tokens_per_rank * world
     dev = hidden.device
     order, token, counts = _send_order(topk_ids, num_experts)
 
-    send_meta = torch.zeros(world, e_local + 2, dtype=torch.int64)
-    send_meta[:, :e_local] = counts.cpu().view(world, e_local)
-    send_meta[:, e_local] = t
-    send_meta[:, e_local + 1] = _id_flags(topk_ids, num_experts)
+    send_meta = torch.cat(
+        [counts.view(world, e_local), torch.full((world, 1), t, dtype=torch.int64, device=dev),
+         _id_flags(topk_ids, num_experts).view(1, 1).expand(world, 1)],
+        dim=1,
+    )
     if world > 1:
-        send_meta = send_meta.to(dev)
         recv_meta = torch.empty_like(send_meta)
         dist.all_to_all_single(recv_meta, send_meta, group=group)
-        recv_meta = recv_meta.cpu()
     else:
         recv_meta = send_meta
+    send_meta, recv_meta = torch.stack([send_meta, recv_meta]).cpu().unbind(0)  # the one host sync
     _raise_on_bad_meta(recv_meta, e_local, max_tokens_per_rank, world, rank)
 
+    send_splits = send_meta[:, :e_local].sum(1).tolist()
     recv_counts = recv_meta[:, :e_local].t().contiguous()  # [E_local, world]
-    send_splits = counts.cpu().view(world, e_local).sum(1).tolist()
     recv_splits = recv_counts.sum(0).tolist()
-    rows = hidden[token]
+    sent = sum(send_splits)
+    rows = hidden[token[:sent]]
     if use_fp8:
         q, s = quantize_rows_fp8(rows)
         payloads = [q.view(torch.uint8), s]
@@ -190,17 +195,22 @@ def combine(
     num_experts: int,
     group: dist.ProcessGroup,
 ) -> torch.Tensor:
-    """``moe_fx::ep_combine`` over all_to_all_single: ``[T, H]`` in ``expert_out.dtype``."""
+    """``moe_fx::ep_combine`` over all_to_all_single: ``[T, H]`` in ``expert_out.dtype``.
+
+    One host synchronisation (own counts and the handle's), one collective.
+    """
     world = group.size()
     e_local = num_experts // world
     t, h = topk_ids.shape[0], expert_out.shape[2]
     dev = expert_out.device
-    recv_counts = (layout_range & 0xFFFFFFFF).cpu()  # [E_local, world]
-    e_idx, j_idx = receive_slots(recv_counts, dev)
-    back = expert_out[e_idx, j_idx]
     order, token, counts = _send_order(topk_ids, num_experts)
-    returned = _all_to_all(back, counts.cpu().view(world, e_local).sum(1).tolist(), recv_counts.sum(0).tolist(), group)
+    host = torch.cat([counts, (layout_range & 0xFFFFFFFF).reshape(-1)]).cpu()
+    send_back = host[:num_experts].view(world, e_local).sum(1).tolist()  # rows this rank gets back, per rank
+    recv_counts = host[num_experts:].view(e_local, world)
+    e_idx, j_idx = receive_slots(recv_counts, dev)
+    returned = _all_to_all(expert_out[e_idx, j_idx], send_back, recv_counts.sum(0).tolist(), group)
+    n = sum(send_back)
     out = torch.zeros(t, h, dtype=torch.float32, device=dev)
-    w = topk_weights.reshape(-1)[order].float().unsqueeze(-1)
-    out.index_add_(0, token, returned.float() * w)
+    w = topk_weights.reshape(-1)[order[:n]].float().unsqueeze(-1)
+    out.index_add_(0, token[:n], returned.float() * w)
     return out.to(expert_out.dtype)
