@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from moe_fx.lowering.dispatch.select import DispatchChoice, DispatchProblem, choose_dispatch_backend
+from moe_fx.lowering.experts import masked as _masked  # noqa: F401  (CUDA kernel of moe_fx::masked_experts)
 from moe_fx.ops.ep import check_combine_inputs, check_dispatch_inputs, resolve_ep_group
 
 __all__ = ["DispatchChoice", "DispatchProblem", "choose_dispatch_backend", "ep_combine_impl", "ep_dispatch_impl"]

@@ -73,8 +73,8 @@ def triton_experts(
     max_m = t
     exp_m = expected_rows(t, k, e)
     bound = t * k
-    x, x_scale, masked_m, slot_index, slot_pos = dispatch_rows(
-        hidden, topk_ids, e, max_m, topk_weights, weights_on_input, quant_fp8=fp8
+    x, x_scale, masked_m, _, slot_pos = dispatch_rows(
+        hidden, topk_ids, e, max_m, topk_weights, weights_on_input, quant_fp8=fp8, with_slot_index=False, clamp=False
     )
     if fp8:
         gate_up = masked_gemm_fp8(x, x_scale, w13, w13_scale, masked_m, expected_m=exp_m, max_total_m=bound)
@@ -84,5 +84,5 @@ def triton_experts(
         gate_up = masked_gemm_bf16(x, w13, masked_m, expected_m=exp_m, max_total_m=bound)
         a2 = act_mul(gate_up, masked_m, activation, max_total_m=bound)
         y = masked_gemm_bf16(a2, w2, masked_m, expected_m=exp_m, max_total_m=bound)
-    out = local_combine(y, slot_index, masked_m, None if weights_on_input else topk_weights, t, slot_pos=slot_pos)
+    out = local_combine(y, None, masked_m, None if weights_on_input else topk_weights, t, slot_pos=slot_pos)
     return out.to(hidden.dtype)

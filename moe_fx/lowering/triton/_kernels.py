@@ -228,7 +228,7 @@ def dispatch_kernel(
     s_xg, s_xm, s_xh,
     s_sg, s_sm, s_sh,
     K_POW2: tl.constexpr, BLOCK_H: tl.constexpr,
-    WEIGHTS_ON_INPUT: tl.constexpr, QUANT: tl.constexpr,
+    WEIGHTS_ON_INPUT: tl.constexpr, QUANT: tl.constexpr, STORE_SLOT: tl.constexpr,
 ):
     """One program per token: claim a row in each of its experts, then copy the token into them.
 
@@ -248,8 +248,8 @@ def dispatch_kernel(
     row = tl.atomic_add(counts_ptr + e_safe, tl.full((K_POW2,), 1, tl.int32), mask=valid)
     ok = valid & (row < max_m)
     row = tl.where(ok, row, 0)
-    slot = t * K + offs_k
-    tl.store(slot_ptr + e_safe.to(tl.int64) * max_m + row, slot, mask=ok)
+    if STORE_SLOT:
+        tl.store(slot_ptr + e_safe.to(tl.int64) * max_m + row, t * K + offs_k, mask=ok)
     tl.store(pos_ptr + t64 * K + offs_k, tl.where(ok, e_safe.to(tl.int64) * max_m + row, -1), mask=kmask)
     if WEIGHTS_ON_INPUT:
         w = tl.load(w_ptr + t64 * s_wt + offs_k * s_wk, mask=kmask, other=0.0).to(tl.float32)

@@ -60,4 +60,9 @@ def kernels(device: torch.device) -> types.ModuleType:
         raise RuntimeError("moe_fx Triton kernels need the 'triton' package, which does not import here")
     if device.type == "cpu":
         return _interpreted()
+    return _compiled()
+
+
+@functools.cache
+def _compiled() -> types.ModuleType:
     return importlib.import_module(_NAME)

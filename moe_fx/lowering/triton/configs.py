@@ -103,7 +103,12 @@ def cache_path() -> pathlib.Path:
 def _device_name(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
-    return torch.cuda.get_device_name(device)
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def _key(device_name: str, kind: str, n: int, k: int, bucket: int) -> str:

@@ -42,13 +42,22 @@ def dispatch_rows(
     topk_weights: torch.Tensor | None = None,
     weights_on_input: bool = False,
     quant_fp8: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    *,
+    with_slot_index: bool = True,
+    clamp: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Dispatch, also returning each slot's row: the form :func:`triton_experts` uses.
 
     Returns ``(x, x_scale, masked_m, slot_index, slot_pos)``: ``x [E, max_m, H]`` (hidden's dtype,
     or float8_e4m3fn with ``quant_fp8``), ``x_scale`` fp32 ``[E, max_m, ceil(H/128)]`` 1x128 group
     scales (None without ``quant_fp8``), ``masked_m [E]`` int32, ``slot_index [E, max_m]`` int32
-    (``t * K + k``, -1 unused), ``slot_pos [T * K]`` int64 (``e * max_m + row``, -1 skipped).
+    (``t * K + k``, -1 unused; None with ``with_slot_index=False``), ``slot_pos [T * K]`` int64
+    (``e * max_m + row``, -1 skipped).
+
+    ``with_slot_index=False`` and ``clamp=False`` save two small launches on the decode path (host
+    overhead dominates there without CUDA graphs): the combine only needs ``slot_pos``, and moe_fx's
+    own kernels clamp ``masked_m`` to ``max_m`` themselves (unclamped counts exceed ``max_m`` only
+    when a token names one expert several times and an expert then gets more than ``max_m`` rows).
     """
     _check_routing(hidden, topk_ids, topk_weights)
     if weights_on_input and topk_weights is None:
@@ -61,7 +70,10 @@ def dispatch_rows(
     x = torch.empty(num_experts, max_m, h, dtype=torch.float8_e4m3fn if quant_fp8 else hidden.dtype, device=dev)
     x_scale = torch.empty(num_experts, max_m, -(-h // _GROUP), dtype=torch.float32, device=dev) if quant_fp8 else None
     counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
-    slot_index = torch.full((num_experts, max_m), -1, dtype=torch.int32, device=dev)
+    if with_slot_index:
+        slot_index = torch.full((num_experts, max_m), -1, dtype=torch.int32, device=dev)
+    else:
+        slot_index = None
     slot_pos = torch.empty(t * k, dtype=torch.int64, device=dev)
     if t and k and max_m:
         w = topk_weights if weights_on_input else hidden  # any tensor: unused when not weights_on_input
@@ -70,15 +82,15 @@ def dispatch_rows(
         xs_strides = x_scale.stride() if quant_fp8 else (0, 0, 0)
         block_h = _GROUP if quant_fp8 else min(1024, _pow2(h))
         kernels(dev).dispatch_kernel[(t,)](
-            hidden, topk_ids, w, counts, x, xs, slot_index, slot_pos,
+            hidden, topk_ids, w, counts, x, xs, slot_index if with_slot_index else counts, slot_pos,
             t, k, h, num_experts, max_m,
             *hidden.stride(), *topk_ids.stride(), *w_strides, *x.stride(), *xs_strides,
             K_POW2=max(2, _pow2(k)), BLOCK_H=block_h, WEIGHTS_ON_INPUT=weights_on_input, QUANT=quant_fp8,
-            num_warps=4,
+            STORE_SLOT=with_slot_index, num_warps=4,
         )  # fmt: skip
     elif t and k:
         slot_pos.fill_(-1)
-    masked_m = counts.clamp_(max=max_m)
+    masked_m = counts.clamp_(max=max_m) if clamp else counts
     return x, x_scale, masked_m, slot_index, slot_pos
 
 
@@ -112,7 +124,7 @@ def local_dispatch(
 
 def local_combine(
     y: torch.Tensor,
-    slot_index: torch.Tensor,
+    slot_index: torch.Tensor | None,
     masked_m: torch.Tensor,
     topk_weights: torch.Tensor | None,
     num_tokens: int,
@@ -123,7 +135,7 @@ def local_combine(
 
     Args:
         y: ``[E, max_m, H]`` expert outputs (rows ``< masked_m[e]`` valid).
-        slot_index: ``[E, max_m]`` int32 from :func:`local_dispatch`.
+        slot_index: ``[E, max_m]`` int32 from :func:`local_dispatch` (may be None when ``slot_pos`` is given).
         masked_m: ``[E]`` int32.
         topk_weights: ``[T, K]`` routing weights, or None to sum unweighted (weights applied on input).
         num_tokens: ``T``.
@@ -133,7 +145,9 @@ def local_combine(
     Returns:
         ``[T, H]`` in ``y.dtype``; tokens with no valid expert get zeros.
     """
-    if y.dim() != 3 or slot_index.shape != y.shape[:2]:
+    if slot_index is None and slot_pos is None:
+        raise ValueError("local_combine: pass slot_index or slot_pos")
+    if y.dim() != 3 or (slot_index is not None and slot_index.shape != y.shape[:2]):
         raise ValueError(f"local_combine: y [E, max_m, H] and slot_index [E, max_m] disagree: {list(y.shape)}, {list(slot_index.shape)}")
     e, max_m, h = y.shape
     _check_masked("local_combine", masked_m, e, y.device)
