@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "DENSE_VARIANTS",
     "HF_FAMILIES",
     "DenseBmmMoE",
     "LoopMoE",
@@ -164,11 +165,12 @@ class TitanGroupedMoE(_RoutedBlock):
         top_k: int = 2,
         activation: str = "silu",
         weight_output: bool = True,
+        sentinels: bool = False,
     ) -> None:
         super().__init__(hidden, num_experts, top_k)
         self.w13 = nn.Parameter(torch.randn(num_experts, hidden, 2 * inter) * 0.2)
         self.w2 = nn.Parameter(torch.randn(num_experts, inter, hidden) * 0.2)
-        self.activation, self.weight_output = activation, weight_output
+        self.activation, self.weight_output, self.sentinels = activation, weight_output, sentinels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -176,10 +178,18 @@ class TitanGroupedMoE(_RoutedBlock):
         weights, ids = self.route(x)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts)
+        counts = torch.histc(flat_ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
         offsets = torch.cumsum(counts, dim=0).to(torch.int32)
         routed = x[order // self.top_k]
+        if self.sentinels:
+            # transformers >= 5.17 style expert-parallel sentinel handling (no-ops without EP).
+            sorted_ids = flat_ids[order]
+            mask = (sorted_ids >= self.num_experts).unsqueeze(-1)
+            sorted_ids.clamp_(max=self.num_experts - 1)
+            routed.masked_fill_(mask, 0.0)
         h = torch._grouped_mm(routed, self.w13, offs=offsets)
+        if self.sentinels:
+            h = h.masked_fill(mask, 0.0)
         gate, up = h.chunk(2, dim=-1)
         act = F.silu(gate) if self.activation == "silu" else F.gelu(gate)
         y = torch._grouped_mm(act * up, self.w2, offs=offsets)
@@ -189,25 +199,53 @@ class TitanGroupedMoE(_RoutedBlock):
         return out.view(-1, self.top_k, self.hidden).sum(dim=1).reshape(shape)
 
 
-class DenseBmmMoE(_RoutedBlock):
-    """Every token through every expert with ``bmm``, combined with a dense ``[T, E]`` weight matrix."""
+#: Near-miss variants of :class:`DenseBmmMoE` that the pass must leave untouched (all but "ok").
+DENSE_VARIANTS = ("ok", "relu", "clamp", "no_weight", "up_first", "weights_reused", "bias")
 
-    def __init__(self, hidden: int = 32, inter: int = 16, num_experts: int = 8, top_k: int = 2) -> None:
+
+class DenseBmmMoE(_RoutedBlock):
+    """Every token through every expert with ``bmm``, combined with a dense ``[T, E]`` weight matrix.
+
+    ``variant`` (one of :data:`DENSE_VARIANTS`) makes near misses: ``relu`` activation, a GPT-OSS-like
+    ``clamp`` before the activation, ``no_weight`` (routing weights only select), ``up_first`` (halves
+    of ``gate_up`` swapped), ``weights_reused`` (the expert weights also feed another output term),
+    ``bias`` (an extra per-expert bias after the down projection).
+    """
+
+    def __init__(
+        self, hidden: int = 32, inter: int = 16, num_experts: int = 8, top_k: int = 2, variant: str = "ok"
+    ) -> None:
         super().__init__(hidden, num_experts, top_k)
+        if variant not in DENSE_VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; known: {DENSE_VARIANTS}")
+        self.variant = variant
         self.gate_up = nn.Parameter(torch.randn(num_experts, 2 * inter, hidden) * 0.2)
         self.down = nn.Parameter(torch.randn(num_experts, hidden, inter) * 0.2)
+        self.bias = nn.Parameter(torch.randn(num_experts, 1, hidden) * 0.2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
+        shape, v = x.shape, self.variant
         x = x.reshape(-1, self.hidden)
         weights, ids = self.route(x)
         dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
-        dense = dense.scatter(1, ids, weights)
+        dense = dense.scatter(1, ids, torch.ones_like(weights) if v == "no_weight" else weights)
         xe = x.unsqueeze(0).expand(self.num_experts, -1, -1)
         h = torch.bmm(xe, self.gate_up.transpose(1, 2))
         gate, up = h.chunk(2, dim=-1)
-        y = torch.bmm(F.silu(gate) * up, self.down.transpose(1, 2))
+        if v == "up_first":
+            gate, up = up, gate
+        if v == "relu":
+            act = torch.relu(gate)
+        elif v == "clamp":
+            act = F.silu(gate.clamp(max=1.0))
+        else:
+            act = F.silu(gate)
+        y = torch.bmm(act * up, self.down.transpose(1, 2))
+        if v == "bias":
+            y = y + self.bias
         out = (y * dense.t().unsqueeze(-1)).sum(dim=0)
+        if v == "weights_reused":
+            out = out + self.down.mean(dim=(0, 2))
         return out.reshape(shape)
 
 

@@ -106,6 +106,7 @@ class _Builder:
         self.flow, self.anchors, self.fwd, self.output = flow, anchors, fwd, output
         self.anchor_set = set(anchors.nodes)
         self.num_tokens = tensor_value(output).shape[0]
+        self.out_pos = flow.order[output]
 
     def _classify(self, n: fx.Node, walk_through: set[fx.Node]) -> str | None:
         """Boundary role of ``n`` (``hidden``/``ids``/``weights``/``extra``), or None to walk into it."""
@@ -140,6 +141,9 @@ class _Builder:
                 raise _Reject("the region reaches the graph output")
             nodes.add(n)
             stack.extend(self.flow.deps(n))
+            # In-place steps on a region tensor belong to the region even when nothing reads their
+            # result later (transformers' `expert_ids_g.clamp_()` for EP sentinels).
+            stack.extend(m for m in self.flow.mutators.get(n, ()) if self.flow.order[m] < self.out_pos)
         return nodes, found
 
     def _add_symbolic_tails(self, nodes: set[fx.Node], inputs: set[fx.Node]) -> None:

@@ -54,10 +54,21 @@ ALLOWED_OPS = frozenset(
 _TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
+#: Ops allowed only on integer tensors (expert ids): a clamp of activations (GPT-OSS) is not an experts op.
+INTEGER_ONLY_OPS = frozenset({"clamp", "clamp_", "clamp_max", "clamp_min"})
+
+
 def check_ops(region: Region) -> str | None:
     """None if every op in the region is allowed, else the reason naming the first one that is not."""
-    bad = sorted(region.ops - ALLOWED_OPS)
-    return None if not bad else f"unsupported op {bad[0]!r} inside the experts region"
+    bad = sorted(region.ops - ALLOWED_OPS - INTEGER_ONLY_OPS)
+    if bad:
+        return f"unsupported op {bad[0]!r} inside the experts region"
+    for n in sorted(region.nodes, key=lambda n: n.name):
+        if op_name(n) in INTEGER_ONLY_OPS:
+            v = tensor_value(n.args[0]) if n.args else None
+            if v is None or v.dtype.is_floating_point:
+                return f"unsupported op {op_name(n)!r} on floating-point values inside the experts region"
+    return None
 
 
 def activation_hypotheses(region: Region) -> list[str]:

@@ -1,0 +1,63 @@
+"""Shared helpers for the graph-rewrite and numerics tests (no Inductor unless asked)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_fx.api import enable_capture
+from moe_fx.backend import make_backend
+from moe_fx.config import MoEConfig
+from moe_fx.passes.report import RegionReport
+
+
+@dataclass
+class Captured:
+    """What a compile through the moe_fx passes produced: graph code after the pass, reports, count."""
+
+    codes: list[str] = field(default_factory=list)
+    reports: list[RegionReport] = field(default_factory=list)
+    compiles: int = 0
+
+    @property
+    def code(self) -> str:
+        return "\n".join(self.codes)
+
+    def count(self, needle: str) -> int:
+        return self.code.count(needle)
+
+
+def capture_backend(config: MoEConfig | None = None, *, passes: bool = True):
+    """A backend that runs the moe_fx passes (or none) and the graph eagerly, recording what it saw."""
+    cap = Captured()
+    inner = make_backend(config or MoEConfig(enabled=passes), sink=cap.reports, inductor=False)
+
+    def backend(gm, inputs):
+        cap.compiles += 1
+        fn = inner(gm, inputs)
+        cap.codes.append(gm.code)
+        return fn
+
+    return backend, cap
+
+
+def run_captured(model, *inputs, config: MoEConfig | None = None, passes: bool = True, **compile_kwargs):
+    """Compile ``model`` through :func:`capture_backend` (fresh Dynamo state), run it, return (out, Captured)."""
+    torch._dynamo.reset()
+    enable_capture()
+    backend, cap = capture_backend(config, passes=passes)
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, **compile_kwargs)(*inputs)
+    return out, cap
+
+
+def logits(out):
+    """The logits of a transformers output, or the tensor itself."""
+    return out.logits if hasattr(out, "logits") else out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius error of ``a`` against ``b`` in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

@@ -1,0 +1,171 @@
+"""Graph-rewrite tests: what the moe_fx pass leaves in Dynamo's graph, for every form, and near misses."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+from expecttest import TestCase
+
+from helpers import run_captured
+from moe_fx.config import MoEConfig
+from moe_fx.testing import DENSE_VARIANTS, HF_FAMILIES, DenseBmmMoE, LoopMoE, TitanGroupedMoE, tiny_hf_model
+
+OP = "torch.ops.moe_fx.experts.default("
+
+
+def _body(code: str) -> str:
+    """The graph code from the first non-placeholder line on, with long parameter names shortened."""
+    lines = [ln for ln in code.strip().splitlines() if ln.strip()]
+    start = next(i for i, ln in enumerate(lines) if "=" in ln and not re.match(r"\s+l_\w+ = L_\w+$", ln) and "def forward" not in ln)
+    body = "\n".join(lines[start:])
+    return re.sub(r"l_self_(?:modules_|parameters_)?(\w+?)_?(?=[,;)\s])", r"\1", body)
+
+
+class TestExpectedGraphs(TestCase):
+    """The graph after the pass, printed, for the user-written forms."""
+
+    def test_titan_grouped_mm(self):
+        torch.manual_seed(0)
+        _, cap = run_captured(TitanGroupedMoE().bfloat16(), torch.randn(6, 32, dtype=torch.bfloat16))
+        self.assertExpectedInline(_body(cap.code), """\
+    x = l_x_.reshape(-1, 32);  l_x_ = None
+    linear = torch._C._nn.linear(x, router_parameters_weight, None);  router_parameters_weight = None
+    probs = torch.nn.functional.softmax(linear, dim = -1, dtype = torch.float32);  linear = None
+    topk = torch.topk(probs, 2, dim = -1);  probs = None
+    weights = topk[0]
+    ids = topk[1];  topk = None
+    sum_1 = weights.sum(dim = -1, keepdim = True)
+    weights_1 = weights / sum_1;  weights = sum_1 = None
+    weights_2 = weights_1.to(torch.bfloat16);  weights_1 = None
+    transpose = l_self_parameters_w13_.transpose(1, 2);  w13 = None
+    transpose_1 = l_self_parameters_w2_.transpose(1, 2);  w2 = None
+    experts_default = torch.ops.moe_fx.experts.default(x, ids, weights_2, transpose, transpose_1, activation = 'silu', weights_on_input = False, impl = 'auto');  x = ids = weights_2 = transpose = transpose_1 = None
+    reshape_3 = experts_default.reshape((6, 32));  experts_default = None
+    return (reshape_3,)""")
+
+    def test_dense_bmm(self):
+        torch.manual_seed(0)
+        _, cap = run_captured(DenseBmmMoE(), torch.randn(6, 32))
+        self.assertExpectedInline(_body(cap.code), """\
+    x = l_x_.reshape(-1, 32);  l_x_ = None
+    linear = torch._C._nn.linear(x, router_parameters_weight, None);  router_parameters_weight = None
+    probs = torch.nn.functional.softmax(linear, dim = -1, dtype = torch.float32);  linear = None
+    topk = torch.topk(probs, 2, dim = -1);  probs = None
+    weights = topk[0]
+    ids = topk[1];  topk = None
+    sum_1 = weights.sum(dim = -1, keepdim = True)
+    weights_1 = weights / sum_1;  weights = sum_1 = None
+    weights_2 = weights_1.to(torch.float32);  weights_1 = None
+    experts_default = torch.ops.moe_fx.experts.default(x, ids, weights_2, gate_up, down, activation = 'silu', weights_on_input = False, impl = 'auto');  x = ids = weights_2 = gate_up = down = None
+    reshape_1 = experts_default.reshape((6, 32));  experts_default = None
+    return (reshape_1,)""")
+
+    def test_expert_loop(self):
+        torch.manual_seed(0)
+        _, cap = run_captured(LoopMoE(num_experts=4), torch.randn(6, 32))
+        self.assertExpectedInline(_body(cap.code), """\
+    x = l_x_.reshape(-1, 32);  l_x_ = None
+    linear = torch._C._nn.linear(x, router_parameters_weight, None);  router_parameters_weight = None
+    probs = torch.nn.functional.softmax(linear, dim = -1, dtype = torch.float32);  linear = None
+    topk = torch.topk(probs, 2, dim = -1);  probs = None
+    weights = topk[0]
+    ids = topk[1];  topk = None
+    sum_1 = weights.sum(dim = -1, keepdim = True)
+    weights_1 = weights / sum_1;  weights = sum_1 = None
+    weights_2 = weights_1.to(torch.float32);  weights_1 = None
+    moe_fx_w13_0 = self.moe_fx_w13_0
+    moe_fx_w2_0 = self.moe_fx_w2_0
+    experts_default = torch.ops.moe_fx.experts.default(x, ids, weights_2, moe_fx_w13_0, moe_fx_w2_0, activation = 'silu', weights_on_input = False, impl = 'auto');  x = ids = weights_2 = moe_fx_w13_0 = moe_fx_w2_0 = None
+    reshape_1 = experts_default.reshape((6, 32));  experts_default = None
+    return (reshape_1,)""")
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("family", HF_FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_families_rewritten(family, impl, dtype):
+    model = tiny_hf_model(family, num_layers=2, experts_implementation=impl, dtype=dtype)
+    _, cap = run_captured(model, torch.randint(0, 128, (1, 7)))
+    assert cap.compiles == 1
+    assert cap.count(OP) == 2, cap.code
+    for gone in ("_grouped_mm", "grouped_mm_fallback", "torch.bmm", "torch.sort", "histc", "repeat_interleave"):
+        assert gone not in cap.code, gone
+    assert cap.count("torch.topk(") >= 2, "routing must stay as the model wrote it"
+    matched = [r for r in cap.reports if r.matched]
+    assert [r.layer for r in matched] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    for r in matched:
+        assert (r.form, r.num_experts, r.top_k, r.hidden, r.intermediate) == (impl, 8, 2, 32, 16)
+        assert r.activation == "silu" and not r.weights_on_input
+        assert r.family == {"mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3"}[family]
+    # The op reads the model's own stacked parameters (graph inputs), not copies.
+    assert re.search(r"moe_fx\.experts\.default\(\w+, \w+, \w+, l_self_\w+gate_up_proj_, l_self_\w+down_proj_", cap.code)
+    if family == "deepseek_v3":
+        assert cap.count("shared_experts") > 0, "shared experts stay outside the op"
+        assert "e_score_correction_bias" in cap.code, "grouped top-k routing stays"
+
+
+@pytest.mark.parametrize("variant", [v for v in DENSE_VARIANTS if v != "ok"])
+def test_near_misses_untouched(variant):
+    torch.manual_seed(0)
+    x = torch.randn(6, 32)
+    model = DenseBmmMoE(variant=variant)
+    out, cap = run_captured(model, x)
+    ref_out, plain = run_captured(model, x, passes=False)
+    assert cap.count(OP) == 0
+    assert cap.code == plain.code, "an unmatched region must stay exactly as it was"
+    assert torch.equal(out, ref_out)
+    (report,) = cap.reports
+    assert not report.matched and report.reason
+
+
+def test_titan_near_miss_activation_untouched():
+    torch.manual_seed(0)
+    x = torch.randn(6, 32, dtype=torch.bfloat16)
+    _, cap = run_captured(TitanGroupedMoE(activation="gelu").bfloat16(), x)
+    # gelu is a gated activation the op supports: matched with activation="gelu".
+    assert cap.count(OP) == 1 and "activation = 'gelu'" in cap.code
+    _, cap = run_captured(TitanGroupedMoE(weight_output=False).bfloat16(), x)
+    assert cap.count(OP) == 0
+    assert not cap.reports[0].matched and "routing-weight" in cap.reports[0].reason
+
+
+def test_disabled_config_changes_nothing():
+    model = tiny_hf_model("mixtral", num_layers=1)
+    _, cap = run_captured(model, torch.randint(0, 128, (1, 5)), config=MoEConfig(enabled=False))
+    assert cap.count(OP) == 0 and cap.reports == []
+
+
+def test_expert_loop_weights_stacked_once_and_shared():
+    torch.manual_seed(0)
+    model = LoopMoE()
+    before = sum(p.numel() for p in model.parameters())
+    ptrs_before = {p.data_ptr() for p in model.parameters()}
+    out_eager = model(torch.randn(5, 32))
+    _, cap = run_captured(model, torch.randn(5, 32))
+    assert cap.count(OP) == 1
+    # Each expert's parameters now live inside the two stacked tensors the op reads.
+    storages = {p.untyped_storage().data_ptr() for e in model.experts for p in e.parameters()}
+    assert len(storages) == 2
+    assert sum(p.numel() for p in model.parameters()) == before
+    assert ptrs_before != {p.data_ptr() for p in model.parameters()}
+    # Writing a module parameter is seen by the stacked copy: there is only one copy.
+    with torch.no_grad():
+        model.experts[3].down_proj.weight.mul_(0.0)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        got = run_captured(model, x)[0]
+    torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)
+    assert out_eager.shape == (5, 32)
+
+
+def test_logging_says_what_was_rewritten_and_why_not(caplog):
+    with caplog.at_level(logging.INFO, logger="moe_fx.passes"):
+        run_captured(DenseBmmMoE(), torch.randn(4, 32))
+        run_captured(DenseBmmMoE(variant="relu"), torch.randn(4, 32))
+    text = caplog.text
+    assert "rewrote down: matched -/dense_bmm" in text.replace("?/", "-/")
+    assert "left down untouched: unsupported op 'relu'" in text
