@@ -70,7 +70,9 @@ def main() -> None:
                         ids = torch.stack([torch.randperm(w13.shape[0], generator=g)[:2] for _ in range(256)])
                         wt = torch.softmax(torch.randn(256, 2, generator=g), -1)
                         base = experts_reference(x, ids, wt, w13, w2).float()
-                        wq = experts_reference(x.float(), ids, wt, dequantize_blockwise(q13, s13), dequantize_blockwise(q2, s2))
+                        wq = experts_reference(
+                            x.float(), ids, wt, dequantize_blockwise(q13, s13), dequantize_blockwise(q2, s2)
+                        )
                         full = fp8_recipe_layer(x, ids, wt, q13, s13, q2, s2)
                         mag = base.abs().mean()
                         layer_stats = [((o - base).abs().max() / mag).item() for o in (wq, full)] + [
@@ -88,20 +90,28 @@ def main() -> None:
     lines = [
         "# Accuracy cost of fp8 expert weights (128x128 blocks) on tiny bf16 models (CPU)",
         "",
-        f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')} · torch {torch.__version__} · "
-        "tiny random models: hidden 256, intermediate 384, 8 experts, top-2, 2 layers, 4x64 tokens",
+        (
+            f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')} · torch {torch.__version__} · "
+            "tiny random models: hidden 256, intermediate 384, 8 experts, top-2, 2 layers, 4x64 tokens"
+        ),
         "",
-        "Logits: model with fp8-quantised (then dequantised) expert weights vs the bf16 model. "
-        "Layer: one experts layer on 256 random tokens vs bf16, with fp8 weights only (w) and with the "
-        "full fp8 recipe (weights + 1x128 fp8 activations before each GEMM, as the Triton/DeepGEMM fp8 path runs). "
-        "Errors relative to the mean |reference|.",
+        (
+            "Logits: model with fp8-quantised (then dequantised) expert weights vs the bf16 model. "
+            "Layer: one experts layer on 256 random tokens vs bf16, with fp8 weights only (w) and with the "
+            "full fp8 recipe (weights + 1x128 fp8 activations before each GEMM, as the Triton/DeepGEMM fp8 path runs). "
+            "Errors relative to the mean |reference|."
+        ),
         "",
-        "For scale, the last two columns compare the bf16 model with the same model in fp32 (the cost of bf16 "
-        "itself): these random tiny models route chaotically (a small change flips experts), so logit "
-        "errors are large for any perturbation; the layer columns, at fixed routing, isolate the quantisation.",
+        (
+            "For scale, the last two columns compare the bf16 model with the same model in fp32 (the cost of bf16 "
+            "itself): these random tiny models route chaotically (a small change flips experts), so logit "
+            "errors are large for any perturbation; the layer columns, at fixed routing, isolate the quantisation."
+        ),
         "",
-        "| family | logits max abs err | logits mean abs err | mean abs logit | top-1 agreement | layer max rel (w) "
-        "| layer max rel (w+act) | layer mean rel (w) | layer mean rel (w+act) | bf16 vs fp32: mean abs err | top-1 |",
+        (
+            "| family | logits max abs err | logits mean abs err | mean abs logit | top-1 agreement | layer max rel (w) "
+            "| layer max rel (w+act) | layer mean rel (w) | layer mean rel (w+act) | bf16 vs fp32: mean abs err | top-1 |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

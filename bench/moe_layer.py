@@ -66,7 +66,6 @@ def measure_limits() -> dict:
     dst = torch.empty_like(src)
     us = bench_us(lambda: dst.copy_(src), warmup=5, rep_ms=100)
     copy_tbs = 2 * n / us / 1e6
-    del src, dst
     m = 8192
     a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
@@ -75,7 +74,6 @@ def measure_limits() -> dict:
     b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()
     one = torch.ones((), device="cuda")
     fp8 = 2 * m**3 / bench_us(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), 5, 200) / 1e6
-    del a, b, a8, b8
     return {"copy_tbs": copy_tbs, "bf16_tflops": bf16, "fp8_tflops": fp8}
 
 
@@ -153,7 +151,6 @@ def time_graph(fn, sets) -> float:
         state["i"] += 1
 
     us = bench_us(step)
-    del graphs
     return us
 
 
@@ -179,6 +176,32 @@ def row_metrics(us: float, sets, e: int, k: int, h: int, i: int, fp8: bool, limi
         "frac_floor": floor_us / us,
         "experts_hit": hit,
     }
+
+
+def experts_fn(op, w13, w2, s13=None, s2=None, **kw):
+    """``fn(hidden, ids, weights)`` running ``op`` with these expert weights (bound now, not late)."""
+
+    def fn(x, ids, w):
+        return op(x, ids, w, w13, w2, w13_scale=s13, w2_scale=s2, **kw)
+
+    return fn
+
+
+def check_outputs(fns: dict, e: int, k: int, h: int, w13, w2) -> dict:
+    """Relative error of every implementation against the fp32 reference on one T=64 routing set."""
+    from moe_fx.ops import experts_reference
+
+    hidden, ids, w = routing_sets(64, e, k, h, 1, seed=123)[0]
+    ref = experts_reference(hidden, ids, w, w13, w2).float()
+    out = {}
+    for name, fn in fns.items():
+        try:
+            with torch.no_grad():
+                got = fn(hidden, ids, w).float()
+            out[name] = round(((got - ref).norm() / ref.norm()).item(), 5)
+        except CELL_ERRORS as err:
+            out[name] = f"{type(err).__name__}: {str(err)[:100]}"
+    return out
 
 
 def hf_fits(impl: str, t: int, e: int, k: int, h: int, i: int) -> bool:
@@ -210,12 +233,11 @@ def main() -> None:
         sys.exit("bench/moe_layer.py needs a CUDA GPU")
     import transformers
     import triton
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
 
     from moe_fx.lowering.experts.triton_experts import expected_rows, triton_experts
     from moe_fx.lowering.quant import quantize_fp8_blockwise
-
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
 
     global CELL_ERRORS
     # torch (and Dynamo / Inductor) errors are RuntimeErrors; triton's compile errors are not.
@@ -281,13 +303,13 @@ def main() -> None:
                 mods[impl] = hf_experts_module(family, e, k, h, i, impl, (w13, w2))
                 compiled = not args.no_compile_hf and (impl != "eager" or args.compile_eager)
                 fns["hf_" + impl] = torch.compile(mods[impl], dynamic=True) if compiled else mods[impl]
-        fns["moe_fx_bf16"] = lambda x, ids, w: triton_experts(x, ids, w, w13, w2)
-        fns["moe_fx_fp8"] = lambda x, ids, w: triton_experts(x, ids, w, q13, q2, w13_scale=s13, w2_scale=s2)
+        fns["moe_fx_bf16"] = experts_fn(triton_experts, w13, w2)
+        fns["moe_fx_fp8"] = experts_fn(triton_experts, q13, q2, s13, s2)
         if deep_gemm_ok:
-            fns["moe_fx_deepgemm_bf16"] = lambda x, ids, w: torch.ops.moe_fx.experts(x, ids, w, w13, w2, kernel="deepgemm")
-            fns["moe_fx_deepgemm_fp8"] = lambda x, ids, w: torch.ops.moe_fx.experts(
-                x, ids, w, q13, q2, w13_scale=s13, w2_scale=s2, kernel="deepgemm"
-            )
+            fns["moe_fx_deepgemm_bf16"] = experts_fn(torch.ops.moe_fx.experts, w13, w2, kernel="deepgemm")
+            fns["moe_fx_deepgemm_fp8"] = experts_fn(torch.ops.moe_fx.experts, q13, q2, s13, s2, kernel="deepgemm")
+        meta.setdefault("check_rel_err_vs_fp32_reference", {})[shape] = check_outputs(fns, e, k, h, w13, w2)
+        log("check", shape, json.dumps(meta["check_rel_err_vs_fp32_reference"][shape]))
         for t in map(int, args.tokens.split(",")):
             sets = routing_sets(t, e, k, h, ROTATE, seed=t)
             modes = ["plain"] + (["graph"] if t <= args.graph_max_t else [])
@@ -343,14 +365,20 @@ def write_markdown(path: str, meta: dict, rows: list[dict]) -> None:
     lines = [
         "# One MoE layer on one GPU: transformers experts vs moe_fx Triton",
         "",
-        f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
-        f"transformers {meta['transformers']} · transformers modules compiled: {meta['hf_compiled']}",
+        (
+            f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
+            f"transformers {meta['transformers']} · transformers modules compiled: {meta['hf_compiled']}"
+        ),
         "",
-        f"Measured limits: copy {lim.get('copy_tbs', 0):.2f} TB/s, bf16 matmul {lim.get('bf16_tflops', 0):.0f} TFLOP/s, "
-        f"fp8 matmul {lim.get('fp8_tflops', 0):.0f} TFLOP/s.",
+        (
+            f"Measured limits: copy {lim.get('copy_tbs', 0):.2f} TB/s, bf16 matmul {lim.get('bf16_tflops', 0):.0f} TFLOP/s, "
+            f"fp8 matmul {lim.get('fp8_tflops', 0):.0f} TFLOP/s."
+        ),
         "",
-        "frac = floor / time, floor = max(bytes / copy rate, flops / matmul rate of the row's dtype); "
-        "bytes = experts hit + hidden in and out; %copy and %mm = achieved TB/s and TFLOP/s over the limits.",
+        (
+            "frac = floor / time, floor = max(bytes / copy rate, flops / matmul rate of the row's dtype); "
+            "bytes = experts hit + hidden in and out; %copy and %mm = achieved TB/s and TFLOP/s over the limits."
+        ),
         "",
         "| shape | T | impl | mode | µs | TB/s | %copy | TFLOP/s | %mm | floor µs | frac |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -365,8 +393,13 @@ def write_markdown(path: str, meta: dict, rows: list[dict]) -> None:
         else:
             lines.append(f"| {r['shape']} | {r['T']} | {r['impl']} | {r['mode']} | {r.get('error', '')} | | | | | | |")
     # fastest per (shape, T, mode)
-    lines += ["", "## Fastest per row", "", "| shape | T | mode | fastest | µs | moe_fx best | µs | frac of floor |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Fastest per row",
+        "",
+        "| shape | T | mode | fastest | µs | moe_fx best | µs | frac of floor |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     keys = sorted({(r["shape"], r["T"], r["mode"]) for r in rows}, key=lambda x: (x[0], x[1], x[2]))
     for key in keys:
         cell = [r for r in rows if (r["shape"], r["T"], r["mode"]) == key and "us" in r]
@@ -394,12 +427,20 @@ def plot(path: str, meta: dict, rows: list[dict]) -> None:
     for ax, shape in zip(axes[0], shapes):
         for impl in dict.fromkeys(r["impl"] for r in rows):
             for mode, style in (("plain", "-"), ("graph", ":")):
-                pts = sorted((r["T"], r["us"]) for r in rows if r["shape"] == shape and r["impl"] == impl
-                             and r["mode"] == mode and "us" in r)
+                pts = sorted(
+                    (r["T"], r["us"])
+                    for r in rows
+                    if r["shape"] == shape and r["impl"] == impl and r["mode"] == mode and "us" in r
+                )
                 if pts:
                     ax.plot(*zip(*pts), style, marker="o", ms=3, label=f"{impl} ({mode})")
-        floor = sorted({(r["T"], r["floor_us"]) for r in rows if r["shape"] == shape and r["impl"] == "moe_fx_bf16"
-                        and "us" in r and r["mode"] == "plain"})
+        floor = sorted(
+            {
+                (r["T"], r["floor_us"])
+                for r in rows
+                if r["shape"] == shape and r["impl"] == "moe_fx_bf16" and "us" in r and r["mode"] == "plain"
+            }
+        )
         if floor:
             ax.plot(*zip(*floor), "k--", lw=1, label="bf16 floor")
         ax.set_xscale("log", base=2)

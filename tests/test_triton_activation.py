@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from _triton_util import devices, gpu
+from _triton_util import devices
 
 from moe_fx.lowering.quant import quantize_fp8_per_token_group
 from moe_fx.lowering.triton.activation import act_mul, silu_mul, silu_mul_quant_fp8

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _triton_util import devices, ragged_ids
 
 from moe_fx.lowering.quant import quantize_fp8_per_token_group

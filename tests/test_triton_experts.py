@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _triton_util import devices, gpu, ragged_ids, rel_err
 
 from moe_fx.lowering.experts.triton_experts import triton_experts
@@ -112,7 +111,9 @@ def test_triton_experts_cuda_graph(fp8):
     with torch.cuda.graph(graph):
         out = triton_experts(hidden, ids, w, w13, w2, **kw)
     for seed in range(3):
-        h2, ids2, w2r, _, _ = _problem(t, h, i, e, k, "holes" if seed else "hot", "cuda", torch.Generator().manual_seed(seed))
+        h2, ids2, w2r, _, _ = _problem(
+            t, h, i, e, k, "holes" if seed else "hot", "cuda", torch.Generator().manual_seed(seed)
+        )
         hidden.copy_(h2)
         ids.copy_(ids2)
         w.copy_(w2r)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _triton_util import devices, gpu, rel_err
 
 from moe_fx.lowering.quant import quantize_fp8_blockwise, quantize_fp8_per_token_group
@@ -101,7 +100,9 @@ def test_every_tile_candidate_is_correct(kind):
     mm = torch.tensor([0, 200, 17, 130], dtype=torch.int32, device="cuda")
     if kind == "fp8":
         a, a_s, b, b_s = _fp8_inputs(g, m, n, k, "cuda", gen, False)
-        ref = torch.bmm(a.float() * a_s.repeat_interleave(128, -1)[..., :k], dequantize_blockwise(b, b_s).transpose(1, 2))
+        ref = torch.bmm(
+            a.float() * a_s.repeat_interleave(128, -1)[..., :k], dequantize_blockwise(b, b_s).transpose(1, 2)
+        )
     else:
         a = torch.randn(g, m, k, generator=gen).to(torch.bfloat16).cuda()
         b = torch.randn(g, n, k, generator=gen).to(torch.bfloat16).cuda()

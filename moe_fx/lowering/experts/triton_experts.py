@@ -67,22 +67,24 @@ def triton_experts(
         raise ValueError("triton_experts: w13 and w2 must both be fp8 with scales, or both not fp8")
     if not fp8 and (w13.dtype != hidden.dtype or w2.dtype != hidden.dtype):
         raise TypeError(f"triton_experts: weights {w13.dtype}/{w2.dtype} must match hidden {hidden.dtype}")
-    t, h = hidden.shape
-    e, two_i, _ = w13.shape
+    t = hidden.shape[0]
+    e = w13.shape[0]
     k = topk_ids.shape[1]
     max_m = t
     exp_m = expected_rows(t, k, e)
     bound = t * k
+    # host-side hints for tile choice and grid size (never read from masked_m, which stays on device)
+    hints = {"expected_m": exp_m, "max_total_m": bound, "active_groups": min(e, bound)}
     x, x_scale, masked_m, _, slot_pos = dispatch_rows(
         hidden, topk_ids, e, max_m, topk_weights, weights_on_input, quant_fp8=fp8, with_slot_index=False, clamp=False
     )
     if fp8:
-        gate_up = masked_gemm_fp8(x, x_scale, w13, w13_scale, masked_m, expected_m=exp_m, max_total_m=bound)
+        gate_up = masked_gemm_fp8(x, x_scale, w13, w13_scale, masked_m, **hints)
         a2, a2_scale = silu_mul_quant_fp8(gate_up, masked_m, activation=activation, max_total_m=bound)
-        y = masked_gemm_fp8(a2, a2_scale, w2, w2_scale, masked_m, expected_m=exp_m, max_total_m=bound)
+        y = masked_gemm_fp8(a2, a2_scale, w2, w2_scale, masked_m, **hints)
     else:
-        gate_up = masked_gemm_bf16(x, w13, masked_m, expected_m=exp_m, max_total_m=bound)
+        gate_up = masked_gemm_bf16(x, w13, masked_m, **hints)
         a2 = act_mul(gate_up, masked_m, activation, max_total_m=bound)
-        y = masked_gemm_bf16(a2, w2, masked_m, expected_m=exp_m, max_total_m=bound)
+        y = masked_gemm_bf16(a2, w2, masked_m, **hints)
     out = local_combine(y, None, masked_m, None if weights_on_input else topk_weights, t, slot_pos=slot_pos)
     return out.to(hidden.dtype)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from moe_fx.lowering.triton._loader import kernels
-from moe_fx.lowering.triton.grouped_gemm import _check_masked, _out, _pow2, num_programs
 from moe_fx.lowering.triton.configs import TileConfig
+from moe_fx.lowering.triton.grouped_gemm import _check_masked, _out, _pow2, num_programs
 
 __all__ = ["ACT_CODES", "act_mul", "silu_mul", "silu_mul_quant_fp8"]
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["TileConfig", "candidates", "cache_path", "get_config", "m_bucket", "tune"]
+__all__ = ["TileConfig", "cache_path", "candidates", "get_config", "m_bucket", "tune"]
 
 log = logging.getLogger("moe_fx.lowering.triton")
 
@@ -52,15 +52,24 @@ def m_bucket(expected_m: int) -> int:
     return b
 
 
-def _heuristic(kind: str, n: int, k: int, bucket: int) -> TileConfig:
+def _heuristic(
+    kind: str, n: int, k: int, bucket: int, active_groups: int | None = None, num_sms: int = 132
+) -> TileConfig:
     fp8 = kind == "fp8"
     bk = 128 if fp8 else 64
-    if bucket <= 16:
-        return TileConfig(16, 64, 128 if fp8 else 128, 1, 4, 5 if fp8 else 4, 2)
     if bucket <= 32:
-        return TileConfig(32, 64, 128, 1, 4, 4, 2)
+        # Decode: weights stream through 16/32-row tiles. 64-column tiles, two programs per SM,
+        # measured well when there are many tiles; with few (few experts hit, small N: Mixtral's
+        # down projection at T=1 has 2 x 64 tiles) half the SMs would idle, so narrow the tiles and
+        # run more programs per SM to keep more loads in flight.
+        bm = 16 if bucket <= 16 else 32
+        bn, ppsm = 64, 2
+        if active_groups is not None and active_groups * -(-n // 64) < 2 * num_sms:
+            bn, ppsm = 32, 4
+        return TileConfig(bm, bn, 128, 1, 4, 5 if fp8 else 4, ppsm)
     if bucket <= 64:
-        return TileConfig(64, 128, bk, 4, 4, 4, 1)
+        # two programs per SM (98 KB of shared memory each) keep more weight bytes in flight
+        return TileConfig(64, 128, bk, 4, 4, 4, 2 if fp8 else 1)
     if fp8:
         return TileConfig(128, 128, 128, 8, 8, 4, 1)
     return TileConfig(128, 256, 64, 8, 8, 3, 1)
@@ -73,7 +82,7 @@ def candidates(kind: str, bucket: int) -> list[TileConfig]:
         bm = 16 if bucket <= 16 else 32
         out = []
         for bn in (32, 64, 128):
-            for bk, stages_list in (((128, (5,)),) if fp8 else ((128, (4,)),)):
+            for bk, stages_list in ((128, (5,)),) if fp8 else ((128, (4,)),):
                 for stages in stages_list:
                     cfg = TileConfig(bm, bn, bk, 1, 4, stages, 2)
                     if cfg.smem_bytes(1 if fp8 else 2) <= 110_000:
@@ -83,15 +92,28 @@ def candidates(kind: str, bucket: int) -> list[TileConfig]:
         return out
     if bucket <= 128:
         if fp8:
-            return [TileConfig(64, 128, 128, 4, 4, 4, 1), TileConfig(64, 256, 128, 4, 8, 3, 1),
-                    TileConfig(128, 128, 128, 8, 8, 4, 1)]
-        return [TileConfig(64, 128, 64, 4, 4, 4, 1), TileConfig(64, 256, 64, 4, 8, 4, 1),
-                TileConfig(128, 128, 64, 8, 8, 4, 1)]
+            return [
+                TileConfig(64, 128, 128, 4, 4, 4, 1),
+                TileConfig(64, 256, 128, 4, 8, 3, 1),
+                TileConfig(128, 128, 128, 8, 8, 4, 1),
+            ]
+        return [
+            TileConfig(64, 128, 64, 4, 4, 4, 1),
+            TileConfig(64, 256, 64, 4, 8, 4, 1),
+            TileConfig(128, 128, 64, 8, 8, 4, 1),
+        ]
     if fp8:
-        return [TileConfig(128, 128, 128, 8, 8, 4, 1), TileConfig(128, 256, 128, 8, 8, 3, 1),
-                TileConfig(64, 256, 128, 8, 4, 4, 1)]
-    return [TileConfig(128, 256, 64, 8, 8, 3, 1), TileConfig(128, 128, 64, 8, 8, 4, 1),
-            TileConfig(128, 128, 64, 8, 4, 4, 1), TileConfig(64, 256, 64, 8, 4, 4, 1)]
+        return [
+            TileConfig(128, 128, 128, 8, 8, 4, 1),
+            TileConfig(128, 256, 128, 8, 8, 3, 1),
+            TileConfig(64, 256, 128, 8, 4, 4, 1),
+        ]
+    return [
+        TileConfig(128, 256, 64, 8, 8, 3, 1),
+        TileConfig(128, 128, 64, 8, 8, 4, 1),
+        TileConfig(128, 128, 64, 8, 4, 4, 1),
+        TileConfig(64, 256, 64, 8, 4, 4, 1),
+    ]
 
 
 def cache_path() -> pathlib.Path:
@@ -143,18 +165,31 @@ def _disk() -> dict[str, dict]:
     return _disk_loaded
 
 
-def get_config(kind: str, n: int, k: int, expected_m: int, device: torch.device) -> TileConfig:
-    """The tile configuration for a masked GEMM of ``kind`` ("bf16" / "fp8") on ``device``."""
+def get_config(
+    kind: str,
+    n: int,
+    k: int,
+    expected_m: int,
+    device: torch.device,
+    active_groups: int | None = None,
+    num_sms: int = 132,
+) -> TileConfig:
+    """The tile configuration for a masked GEMM of ``kind`` ("bf16" / "fp8") on ``device``.
+
+    ``active_groups`` (host-side estimate of the groups with rows, ``min(E, T * K)`` for MoE) lets
+    the decode heuristic size tiles to the work; a tuned entry for the bucket takes precedence.
+    """
     if device.type == "cpu":
         # Interpreter: few, small programs keep the emulation quick; speed is not measured there.
         return TileConfig(16, 64, 64, 1, 4, 1, 1)
     bucket = m_bucket(expected_m)
     key = _key(_device_name(device), kind, n, k, bucket)
-    cfg = _memory.get(key)
+    mkey = key if active_groups is None or bucket > 32 else f"{key}|g{m_bucket(active_groups)}"
+    cfg = _memory.get(mkey)
     if cfg is None:
         raw = _disk().get(key) or _shipped().get(key)
-        cfg = TileConfig(**raw) if raw else _heuristic(kind, n, k, bucket)
-        _memory[key] = cfg
+        cfg = TileConfig(**raw) if raw else _heuristic(kind, n, k, bucket, active_groups, num_sms)
+        _memory[mkey] = cfg
     return cfg
 
 

@@ -15,7 +15,7 @@ import torch
 from moe_fx.lowering.triton._loader import kernels
 from moe_fx.lowering.triton.grouped_gemm import _check_masked, _pow2
 
-__all__ = ["local_combine", "local_dispatch", "dispatch_rows"]
+__all__ = ["dispatch_rows", "local_combine", "local_dispatch"]
 
 _GROUP = 128
 
@@ -148,7 +148,9 @@ def local_combine(
     if slot_index is None and slot_pos is None:
         raise ValueError("local_combine: pass slot_index or slot_pos")
     if y.dim() != 3 or (slot_index is not None and slot_index.shape != y.shape[:2]):
-        raise ValueError(f"local_combine: y [E, max_m, H] and slot_index [E, max_m] disagree: {list(y.shape)}, {list(slot_index.shape)}")
+        raise ValueError(
+            f"local_combine: y [E, max_m, H] and slot_index [E, max_m] disagree: {list(y.shape)}, {list(slot_index.shape)}"
+        )
     e, max_m, h = y.shape
     _check_masked("local_combine", masked_m, e, y.device)
     if topk_weights is not None:

@@ -34,6 +34,12 @@ def num_programs(device: torch.device, cfg: configs.TileConfig, tile_bound: int)
     return max(1, min(tile_bound, _num_sms(index) * cfg.programs_per_sm))
 
 
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _pow2(n: int) -> int:
     p = 1
     while p < n:
@@ -75,6 +81,7 @@ def masked_gemm_bf16(
     expected_m: int | None = None,
     max_total_m: int | None = None,
     config: configs.TileConfig | None = None,
+    active_groups: int | None = None,
 ) -> torch.Tensor:
     """Masked grouped GEMM ``out[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g]^T`` with fp32 accumulation.
 
@@ -86,6 +93,7 @@ def masked_gemm_bf16(
         expected_m: host-side hint of the rows per group (picks the tile bucket); default ``M``.
         max_total_m: host-side bound on ``sum(masked_m)`` (``T * K`` for MoE) to size the grid.
         config: force a tile configuration (tuning and tests).
+        active_groups: host-side estimate of the groups with rows (``min(G, T * K)``), for tile sizing.
 
     Returns:
         ``[G, M, N]`` in ``a.dtype``.
@@ -100,7 +108,9 @@ def masked_gemm_bf16(
     out = _out("masked_gemm_bf16", out, (g, m, n), a.dtype, a.device)
     if g == 0 or m == 0 or n == 0:
         return out
-    cfg = config or configs.get_config("bf16", n, k, expected_m if expected_m is not None else m, a.device)
+    cfg = config or configs.get_config(
+        "bf16", n, k, expected_m if expected_m is not None else m, a.device, active_groups, _sms(a.device)
+    )
     nprog = num_programs(a.device, cfg, _tile_bound(g, m, n, cfg, max_total_m))
     kern = kernels(a.device)
     kern.masked_gemm_kernel[(nprog,)](
@@ -125,6 +135,7 @@ def masked_gemm_fp8(
     expected_m: int | None = None,
     max_total_m: int | None = None,
     config: configs.TileConfig | None = None,
+    active_groups: int | None = None,
 ) -> torch.Tensor:
     """Masked grouped fp8 GEMM with DeepSeek-style block scales, bf16 out, fp32 accumulation.
 
@@ -139,7 +150,7 @@ def masked_gemm_fp8(
         b_scale: ``[G, ceil(N/128), ceil(K/128)]`` fp32 block scales, any strides.
         masked_m: ``[G]`` int32, valid rows per group.
         out: optional bf16 ``[G, M, N]``.
-        expected_m, max_total_m, config: as in :func:`masked_gemm_bf16`.
+        expected_m, max_total_m, config, active_groups: as in :func:`masked_gemm_bf16`.
 
     Returns:
         bf16 ``[G, M, N]``.
@@ -152,15 +163,21 @@ def masked_gemm_fp8(
     n = b.shape[1]
     kb = -(-k // 128)
     if tuple(a_scale.shape) != (g, m, kb) or a_scale.dtype != torch.float32:
-        raise ValueError(f"masked_gemm_fp8: a_scale must be float32 {[g, m, kb]}, got {a_scale.dtype} {list(a_scale.shape)}")
+        raise ValueError(
+            f"masked_gemm_fp8: a_scale must be float32 {[g, m, kb]}, got {a_scale.dtype} {list(a_scale.shape)}"
+        )
     nb = -(-n // 128)
     if tuple(b_scale.shape) != (g, nb, kb) or b_scale.dtype != torch.float32:
-        raise ValueError(f"masked_gemm_fp8: b_scale must be float32 {[g, nb, kb]}, got {b_scale.dtype} {list(b_scale.shape)}")
+        raise ValueError(
+            f"masked_gemm_fp8: b_scale must be float32 {[g, nb, kb]}, got {b_scale.dtype} {list(b_scale.shape)}"
+        )
     _check_masked("masked_gemm_fp8", masked_m, g, a.device)
     out = _out("masked_gemm_fp8", out, (g, m, n), torch.bfloat16, a.device)
     if g == 0 or m == 0 or n == 0:
         return out
-    cfg = config or configs.get_config("fp8", n, k, expected_m if expected_m is not None else m, a.device)
+    cfg = config or configs.get_config(
+        "fp8", n, k, expected_m if expected_m is not None else m, a.device, active_groups, _sms(a.device)
+    )
     if 128 % cfg.block_k:
         raise ValueError(f"masked_gemm_fp8: block_k must divide 128 (one scale group per k step), got {cfg.block_k}")
     nprog = num_programs(a.device, cfg, _tile_bound(g, m, n, cfg, max_total_m))
