@@ -226,6 +226,7 @@ def main() -> None:
     )
     ap.add_argument("--deepgemm", action="store_true", help="add torch.ops.moe_fx.experts(kernel='deepgemm') rows")
     ap.add_argument("--graph-max-t", type=int, default=256)
+    ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cells after this many seconds")
     ap.add_argument("--tune", action="store_true", help="tune the Triton tiles of each shape first (cached)")
     args = ap.parse_args()
@@ -246,7 +247,7 @@ def main() -> None:
     torch._dynamo.config.cache_size_limit = 64
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    base = os.path.join(args.out, f"moe_layer_{stamp}")
+    base = os.path.join(args.out, f"moe_layer_{stamp}{'_' + args.tag if args.tag else ''}")
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
