@@ -25,17 +25,20 @@ __all__ = ["make_backend", "moe_fx_backend", "passes_fingerprint"]
 log = logging.getLogger("moe_fx")
 
 
+def _fingerprint_of(root: Path, version: str) -> str:
+    digest = hashlib.sha256(version.encode())
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 @functools.cache
 def passes_fingerprint() -> str:
     """A hash of moe_fx's own source (passes, ops, lowering): changes whenever the rewrite may change."""
     import moe_fx
 
-    root = Path(moe_fx.__file__).parent
-    digest = hashlib.sha256(moe_fx.__version__.encode())
-    for path in sorted(root.rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+    return _fingerprint_of(Path(moe_fx.__file__).parent, moe_fx.__version__)
 
 
 def _cache_salt():

@@ -1,0 +1,114 @@
+"""The backend, its registration, Inductor's cache key, explain and the command line."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import moe_fx
+from helpers import run_captured
+from moe_fx.backend import _cache_salt, passes_fingerprint
+from moe_fx.testing import DenseBmmMoE, tiny_hf_model
+
+
+def test_entry_point_backend_works_without_importing_moe_fx(tmp_path):
+    """`torch.compile(m, backend="moe_fx")` in a fresh process that never imports moe_fx itself."""
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        import torch.nn.functional as F
+        assert "moe_fx" in torch._dynamo.list_backends(), torch._dynamo.list_backends()
+        torch.manual_seed(0)
+        E, K, H, I, T = 4, 2, 16, 8, 5
+        router = torch.randn(E, H); w13 = torch.randn(E, 2 * I, H) * 0.3; w2 = torch.randn(E, H, I) * 0.3
+        def moe(x):
+            w, ids = torch.topk(F.softmax(x @ router.t(), dim=-1), K)
+            dense = torch.zeros(x.shape[0], E).scatter(1, ids, w)
+            h = torch.bmm(x.unsqueeze(0).expand(E, -1, -1), w13.transpose(1, 2))
+            g, u = h.chunk(2, dim=-1)
+            return (torch.bmm(F.silu(g) * u, w2.transpose(1, 2)) * dense.t().unsqueeze(-1)).sum(0)
+        x = torch.randn(T, H)
+        assert "moe_fx" not in sys.modules
+        with torch.no_grad():
+            got = torch.compile(moe, backend="moe_fx")(x)
+        torch.testing.assert_close(got, moe(x), rtol=1e-4, atol=1e-4)
+        print("OK", "moe_fx" in sys.modules)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("OK True")
+
+
+def test_cache_key_follows_pass_sources(tmp_path, monkeypatch):
+    import moe_fx.backend as backend
+
+    salt = _cache_salt()
+    assert salt.uuid() == "moe_fx-" + passes_fingerprint()
+    # A copy of the package whose pass source differs gets another fingerprint.
+    pkg = Path(moe_fx.__file__).parent
+    copy = tmp_path / "moe_fx"
+    shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    before = backend._fingerprint_of(copy, moe_fx.__version__)
+    assert before == passes_fingerprint()
+    (copy / "passes" / "rewrite_moe.py").write_text((copy / "passes" / "rewrite_moe.py").read_text() + "\n# changed\n")
+    assert backend._fingerprint_of(copy, moe_fx.__version__) != before
+
+
+def test_grad_mode_leaves_graph_untouched():
+    torch.manual_seed(0)
+    model = DenseBmmMoE()
+    torch._dynamo.reset()
+    from helpers import capture_backend
+
+    backend, cap = capture_backend()
+    x = torch.randn(4, 32)
+    out = torch.compile(model, backend=backend)(x)  # grad enabled, parameters require grad
+    assert "moe_fx" not in cap.code
+    assert "grad mode" in cap.reports[0].reason
+    out.sum().backward()  # training still works, through the model's own ops
+    assert model.gate_up.grad is not None
+
+
+def test_explain_reports_every_layer_and_reasons():
+    model = tiny_hf_model("deepseek_v3", num_layers=2, dtype=torch.bfloat16)
+    report = moe_fx.explain(model, torch.randint(0, 128, (1, 6)))
+    assert [r.layer for r in report.matched] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    r = report.matched[0]
+    assert (r.family, r.form, r.num_experts, r.top_k, r.hidden, r.intermediate, r.dtype) == (
+        "DeepseekV3", "grouped_mm", 8, 2, 32, 16, "bfloat16")
+    assert r.kernel == "reference" and "needs a CUDA GPU" in r.kernel_reasons["triton"]
+    text = str(report)
+    assert "2 of 2 MoE region(s) rewritten in 1 graph(s)" in text
+    assert "DeepseekV3/grouped_mm" in text
+
+    near_miss = moe_fx.explain(DenseBmmMoE(variant="relu"), torch.randn(4, 32))
+    assert not near_miss.matched
+    assert "unsupported op 'relu'" in str(near_miss)
+
+
+def test_cli_explain_prints_report(capsys):
+    from moe_fx.__main__ import main
+
+    assert main(["explain", "--family", "mixtral", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0.mlp.experts" in out and "Mixtral/grouped_mm" in out and "1 of 1" in out
+
+
+def test_compile_rejects_backend_kwarg_and_bad_config():
+    with pytest.raises(TypeError, match="picks the backend itself"):
+        moe_fx.compile(DenseBmmMoE(), backend="inductor")
+    with pytest.raises(ValueError, match="MoEConfig.kernel"):
+        moe_fx.MoEConfig(kernel="cublas")
+
+
+def test_verify_never_still_matches_structurally():
+    torch.manual_seed(0)
+    _, cap = run_captured(DenseBmmMoE(), torch.randn(4, 32), config=moe_fx.MoEConfig(verify="never"))
+    assert cap.reports[0].matched and cap.reports[0].verified == "structure"
