@@ -63,13 +63,22 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        help="max_tokens_per_rank (M = this * ranks; 256 keeps DeepGEMM's masked GEMMs eligible)",
+    )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
     t, h, k, e, inter = args.tokens, args.hidden, args.topk, args.experts, args.inter
+    mt = args.max_tokens
 
     torch.cuda.set_device(0)
     store = os.path.join(tempfile.mkdtemp(), "store")
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    dist.init_process_group(
+        "nccl", init_method=f"file://{store}", rank=0, world_size=1, device_id=torch.device("cuda", 0)
+    )
     import moe_fx  # noqa: F401
     from moe_fx.lowering.dispatch.select import probe_deep_ep
     from moe_fx.ops import experts_reference
@@ -86,7 +95,7 @@ def main() -> None:
         "deep_ep": None if deep_ep_error else _deep_ep_version(),
         "deep_ep_error": deep_ep_error,
         "commit": _commit(),
-        "shape": {"T": t, "H": h, "K": k, "E": e, "I": inter, "ranks": 1, "max_tokens_per_rank": t},
+        "shape": {"T": t, "H": h, "K": k, "E": e, "I": inter, "ranks": 1, "max_tokens_per_rank": mt},
     }
     print(json.dumps(meta, indent=1), flush=True)
     dev = torch.device("cuda")
@@ -103,10 +112,14 @@ def main() -> None:
     checks: dict[str, object] = {}
     ops = torch.ops.moe_fx
 
-    def ep_path(backend: str, fp8: bool, experts=masked_experts_reference):
-        recv_x, recv_scale, masked_m, src_info, layout_range = ops.ep_dispatch(x, ids, e, t, g, fp8, backend)
-        y = experts(recv_x, masked_m, w13, w2, "silu", recv_scale if fp8 else None)
-        out = ops.ep_combine(y, ids, weights, src_info, layout_range, e, t, g, fp8, backend)
+    def ep_path(backend: str, fp8: bool, experts=masked_experts_reference, w=None):
+        w13_, w2_, s13, s2 = w if w is not None else (w13, w2, None, None)
+        recv_x, recv_scale, masked_m, src_info, layout_range = ops.ep_dispatch(x, ids, e, mt, g, fp8, backend)
+        if s13 is None:
+            y = experts(recv_x, masked_m, w13_, w2_, "silu", recv_scale if fp8 else None)
+        else:
+            y = experts(recv_x, masked_m, w13_, w2_, "silu", recv_scale if fp8 else None, s13, s2)
+        out = ops.ep_combine(y, ids, weights, src_info, layout_range, e, mt, g, fp8, backend)
         return out, masked_m, recv_x, recv_scale, src_info, layout_range
 
     backends = ["torch_dist"] + ([] if deep_ep_error else ["deepep"])
@@ -123,7 +136,7 @@ def main() -> None:
             }
             # Round trip: combining the dispatched tokens themselves gives x * sum_k w_k.
             if not fp8:
-                rt = ops.ep_combine(recv_x.contiguous(), ids, weights, src_info, layout_range, e, t, g, False, backend)
+                rt = ops.ep_combine(recv_x.contiguous(), ids, weights, src_info, layout_range, e, mt, g, False, backend)
                 want = x.float() * (weights * (ids >= 0)).sum(-1, keepdim=True)
                 checks[name]["roundtrip_rel_err"] = _rel(rt, want)
             print(name, checks[name], flush=True)
@@ -131,49 +144,85 @@ def main() -> None:
         if f"deepep{fp8}" in outs:
             checks[f"deepep{fp8}_vs_torch_dist{fp8}_rel_err"] = _rel(outs[f"deepep{fp8}"], outs[f"torch_dist{fp8}"])
 
-    # Experts on the masked layout with moe_fx's Triton GEMMs (bf16), when they are there.
-    triton_experts = _triton_masked_experts()
-    if triton_experts is not None and not deep_ep_error:
-        out, *_ = ep_path("deepep", False, triton_experts)
-        torch.cuda.synchronize()
-        checks["deepep_triton_experts_rel_err_vs_single_process_op"] = _rel(out, ref)
-        print("deepep + triton experts", checks["deepep_triton_experts_rel_err_vs_single_process_op"], flush=True)
+    # The whole path with the CUDA kernels of moe_fx::masked_experts (DeepGEMM where it imports and
+    # M % 256 == 0, else Triton), bf16 weights and fp8 weights (DeepEP's fp8 tokens go in as they are).
+    from moe_fx.lowering.quant import quantize_fp8_blockwise
+    from moe_fx.ops import dequantize_blockwise
 
+    q13, s13 = quantize_fp8_blockwise(w13)
+    q2, s2 = quantize_fp8_blockwise(w2)
+    ref_fp8w = experts_reference(
+        x, ids, weights, dequantize_blockwise(q13, s13).bfloat16(), dequantize_blockwise(q2, s2).bfloat16()
+    )
+    full_paths = {}
+    if not deep_ep_error:
+        for impl in ("auto", "triton"):
+
+            def op_experts(xx, mm, a, b, act="silu", xs=None, sa=None, sb=None, impl=impl):
+                return ops.masked_experts(xx, mm, a, b, act, xs, sa, sb, 16, impl)
+
+            for fp8 in (False, True):
+                name = f"deepep{'_fp8' if fp8 else ''} + masked_experts impl={impl}{' fp8 weights' if fp8 else ''}"
+                wts = (q13, q2, s13, s2) if fp8 else None
+                try:
+                    out, *_ = ep_path("deepep", fp8, op_experts, wts)
+                    torch.cuda.synchronize()
+                    checks[name] = _rel(out, ref_fp8w if fp8 else ref)
+                    full_paths[name] = lambda fp8=fp8, f=op_experts, wts=wts: ep_path("deepep", fp8, f, wts)[0]
+                except (RuntimeError, ImportError, ValueError) as err:
+                    checks[name] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                print(name, checks[name], flush=True)
     # ---- latency: dispatch + combine (expert outputs precomputed) ----
-    y_bf16 = torch.randn(e, t, h, device=dev).bfloat16()
+    y_bf16 = torch.randn(e, mt, h, device=dev).bfloat16()
     for backend in backends:
         for fp8 in (False, True):
+
             def dc(backend=backend, fp8=fp8):
-                r = ops.ep_dispatch(x, ids, e, t, g, fp8, backend)
-                return ops.ep_combine(y_bf16, ids, weights, r[3], r[4], e, t, g, fp8, backend)
+                r = ops.ep_dispatch(x, ids, e, mt, g, fp8, backend)
+                return ops.ep_combine(y_bf16, ids, weights, r[3], r[4], e, mt, g, fp8, backend)
+
             us = _time_us(dc)
             rows.append({"path": f"{backend} dispatch+combine{' (fp8 dispatch)' if fp8 else ''}", "us": us})
             print(rows[-1], flush=True)
     if not deep_ep_error:
         from moe_fx.lowering.dispatch.deepep import get_buffer
 
-        buf = get_buffer(dist.group.WORLD, max_tokens_per_rank=t, hidden=h, num_experts=e)
+        buf = get_buffer(dist.group.WORLD, max_tokens_per_rank=mt, hidden=h, num_experts=e)
         ids64 = ids.long()
         for fp8 in (False, True):
+
             def raw(fp8=fp8):
-                recv, cnt, handle, _, _ = buf.low_latency_dispatch(x, ids64, t, e, use_fp8=fp8)
+                recv, cnt, handle, _, _ = buf.low_latency_dispatch(x, ids64, mt, e, use_fp8=fp8)
                 return buf.low_latency_combine(y_bf16, ids64, weights, handle)[0]
+
             rows.append({"path": f"deep_ep raw Buffer calls{' (fp8 dispatch)' if fp8 else ''}", "us": _time_us(raw)})
             print(rows[-1], flush=True)
+    # Where the torch_dist backend's time goes (it is the CPU/gloo fallback; one rank: no collective).
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            r = ops.ep_dispatch(x, ids, e, mt, g, False, "torch_dist")
+            ops.ep_combine(y_bf16, ids, weights, r[3], r[4], e, mt, g, False, "torch_dist")
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12), flush=True)
     local = _local_dispatch_combine(x, ids, weights, e, y_bf16)
     if local is not None:
         rows.append({"path": "local (no EP): Triton dispatch_rows + local_combine", "us": _time_us(local)})
         print(rows[-1], flush=True)
-    rows.append({
-        "path": "local (no EP): whole moe_fx::experts op (impl auto)",
-        "us": _time_us(lambda: ops.experts(x, ids, weights, w13, w2)),
-    })
-    print(rows[-1], flush=True)
-    if triton_experts is not None and not deep_ep_error:
-        rows.append({
-            "path": "EP 1 rank: DeepEP dispatch + Triton masked experts + DeepEP combine",
-            "us": _time_us(lambda: ep_path("deepep", False, triton_experts)[0]),
-        })
+    for fp8 in (False, True):
+        wts = (q13, q2, s13, s2) if fp8 else (w13, w2, None, None)
+        rows.append(
+            {
+                "path": f"local (no EP): whole moe_fx::experts op (impl auto){', fp8 weights' if fp8 else ''}",
+                "us": _time_us(
+                    lambda wts=wts: ops.experts(x, ids, weights, wts[0], wts[1], "silu", False, wts[2], wts[3])
+                ),
+            }
+        )
+        print(rows[-1], flush=True)
+    for name, fn in full_paths.items():
+        rows.append({"path": f"EP 1 rank, whole step: {name} + DeepEP combine", "us": _time_us(fn)})
         print(rows[-1], flush=True)
 
     os.makedirs(args.out, exist_ok=True)
@@ -182,8 +231,10 @@ def main() -> None:
         json.dump({"meta": meta, "checks": checks, "latency": rows}, f, indent=1)
     with open(base + ".md", "w") as f:
         f.write(f"# EP with one rank: DeepEP LL vs torch.distributed vs local ({meta['date']})\n\n")
-        f.write(f"{meta['gpu']}, torch {meta['torch']} (CUDA {meta['cuda']}), deep_ep {meta['deep_ep']}, "
-                f"commit {meta['commit']}\n\nShape: {meta['shape']}\n\n## Checks\n\n")
+        f.write(
+            f"{meta['gpu']}, torch {meta['torch']} (CUDA {meta['cuda']}), deep_ep {meta['deep_ep']}, "
+            f"commit {meta['commit']}\n\nShape: {meta['shape']}\n\n## Checks\n\n"
+        )
         for key, val in checks.items():
             f.write(f"- {key}: {val}\n")
         f.write("\n## Latency (median of 50 calls, CUDA events)\n\n| path | µs |\n|---|---|\n")
@@ -204,28 +255,12 @@ def _deep_ep_version() -> str:
 
 def _commit() -> str:
     try:
-        return os.environ.get("MOE_FX_COMMIT") or subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+        return (
+            os.environ.get("MOE_FX_COMMIT")
+            or subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+        )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-def _triton_masked_experts():
-    """Experts on the masked layout with moe_fx's Triton kernels (bf16 only), or None if unavailable."""
-    try:
-        from moe_fx.lowering.triton.activation import act_mul
-        from moe_fx.lowering.triton.grouped_gemm import masked_gemm_bf16
-    except ImportError:
-        return None
-
-    def run(x, masked_m, w13, w2, activation="silu", x_scale=None):
-        if x_scale is not None:
-            raise ValueError("bf16 only")
-        bound = x.shape[0] * x.shape[1]
-        gate_up = masked_gemm_bf16(x, w13, masked_m, max_total_m=bound)
-        return masked_gemm_bf16(act_mul(gate_up, masked_m, activation, max_total_m=bound), w2, masked_m,
-                                max_total_m=bound)
-
-    return run
 
 
 def _local_dispatch_combine(x, ids, weights, e, y_bf16):
@@ -235,9 +270,11 @@ def _local_dispatch_combine(x, ids, weights, e, y_bf16):
         return None
     t = x.shape[0]
 
+    y_local = torch.randn(e, t, x.shape[1], device=x.device).bfloat16()  # the local layout has max_m = T
+
     def run():
         xd, _, masked_m, slot_index, slot_pos = dispatch_rows(x, ids, e, t, weights)
-        return local_combine(y_bf16, slot_index, masked_m, weights, t, slot_pos=slot_pos)
+        return local_combine(y_local, slot_index, masked_m, weights, t, slot_pos=slot_pos)
 
     return run
 

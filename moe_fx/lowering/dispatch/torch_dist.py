@@ -62,16 +62,18 @@ def receive_slots(counts: torch.Tensor, device: torch.device) -> tuple[torch.Ten
     ``(expert_index, row_index)`` int64 ``[N]`` for the ``N`` received rows.
     """
     e_local, world = counts.shape
-    offsets = counts.cumsum(1) - counts
+    offsets = counts.cumsum(1) - counts  # where rank r's rows start in expert e's rows
     per_block = counts.t().reshape(-1)  # blocks in receive order: (rank, expert)
-    block_expert = torch.arange(e_local).repeat(world)
-    block_offset = offsets.t().reshape(-1)
-    n = int(per_block.sum())
-    block_start = per_block.cumsum(0) - per_block
-    within = torch.arange(n) - block_start.repeat_interleave(per_block)
-    expert_index = block_expert.repeat_interleave(per_block)
-    row_index = block_offset.repeat_interleave(per_block) + within
-    return expert_index.to(device), row_index.to(device)
+    block_end = per_block.cumsum(0)
+    n = int(block_end[-1]) if block_end.numel() else 0
+    pos = torch.arange(n)
+    # Block of each received row by binary search (repeat_interleave was ~4 ms per call here).
+    block = torch.searchsorted(block_end, pos, right=True)
+    within = pos - (block_end - per_block)[block]
+    expert_index = block % e_local
+    row_index = offsets.t().reshape(-1)[block] + within
+    both = torch.stack([expert_index, row_index]).to(device)  # one host-to-device copy
+    return both[0], both[1]
 
 
 def _send_order(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
