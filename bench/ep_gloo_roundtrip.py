@@ -113,8 +113,16 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), {platform.processor() or ''}".strip(", "),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "shape": {"ranks": args.ranks, "T_per_rank": args.tokens, "H": args.hidden, "I": args.inter,
-                  "E": args.experts, "K": args.topk, "dtype": "float32", "threads_per_rank": args.threads},
+        "shape": {
+            "ranks": args.ranks,
+            "T_per_rank": args.tokens,
+            "H": args.hidden,
+            "I": args.inter,
+            "E": args.experts,
+            "K": args.topk,
+            "dtype": "float32",
+            "threads_per_rank": args.threads,
+        },
     }
     print(json.dumps({"meta": meta, "results": res}, indent=1))
     os.makedirs(args.out, exist_ok=True)
@@ -122,14 +130,20 @@ def main() -> None:
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "results": res}, f, indent=1)
     with open(base + ".md", "w") as f:
-        f.write(f"# EP on CPU with gloo, {args.ranks} ranks ({meta['date']})\n\n{meta['machine']}, torch {meta['torch']}\n\n")
+        f.write(
+            f"# EP on CPU with gloo, {args.ranks} ranks ({meta['date']})\n\n{meta['machine']}, torch {meta['torch']}\n\n"
+        )
         f.write(f"Shape: {meta['shape']}\n\n| what (rank 0, median of {args.iters} steps) | ms |\n|---|---|\n")
         f.write(f"| ep_dispatch + ep_combine (torch.distributed, gloo) | {res['dispatch_combine_ms']:.3f} |\n")
         f.write(f"| EP step: dispatch + masked_experts (reference) + combine | {res['ep_step_ms']:.3f} |\n")
-        f.write(f"| single-process moe_fx::experts, same T tokens, all E experts | {res['single_process_experts_ms']:.3f} |\n\n")
-        f.write(f"Ratio dispatch+combine / single-process op: {res['ratio_dispatch_combine_to_single_process']:.2f}; "
-                f"EP step / single-process op: {res['ratio_ep_step_to_single_process']:.2f}. "
-                f"Max abs error of the EP step vs the single-process op: {res['max_abs_err_vs_single_process']:.2e}.\n")
+        f.write(
+            f"| single-process moe_fx::experts, same T tokens, all E experts | {res['single_process_experts_ms']:.3f} |\n\n"
+        )
+        f.write(
+            f"Ratio dispatch+combine / single-process op: {res['ratio_dispatch_combine_to_single_process']:.2f}; "
+            f"EP step / single-process op: {res['ratio_ep_step_to_single_process']:.2f}. "
+            f"Max abs error of the EP step vs the single-process op: {res['max_abs_err_vs_single_process']:.2e}.\n"
+        )
     print("wrote", base + ".md")
 
 

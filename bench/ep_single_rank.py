@@ -127,7 +127,7 @@ def main() -> None:
     for backend in backends:
         for fp8 in (False, True):
             name = f"{backend}{'_fp8' if fp8 else ''}"
-            out, masked_m, recv_x, recv_scale, src_info, layout_range = ep_path(backend, fp8)
+            out, masked_m, recv_x, _recv_scale, src_info, layout_range = ep_path(backend, fp8)
             torch.cuda.synchronize()
             outs[name] = out
             checks[name] = {
@@ -192,7 +192,7 @@ def main() -> None:
         for fp8 in (False, True):
 
             def raw(fp8=fp8):
-                recv, cnt, handle, _, _ = buf.low_latency_dispatch(x, ids64, mt, e, use_fp8=fp8)
+                _recv, _cnt, handle, _, _ = buf.low_latency_dispatch(x, ids64, mt, e, use_fp8=fp8)
                 return buf.low_latency_combine(y_bf16, ids64, weights, handle)[0]
 
             rows.append({"path": f"deep_ep raw Buffer calls{' (fp8 dispatch)' if fp8 else ''}", "us": _time_us(raw)})
@@ -235,8 +235,7 @@ def main() -> None:
             f"{meta['gpu']}, torch {meta['torch']} (CUDA {meta['cuda']}), deep_ep {meta['deep_ep']}, "
             f"commit {meta['commit']}\n\nShape: {meta['shape']}\n\n## Checks\n\n"
         )
-        for key, val in checks.items():
-            f.write(f"- {key}: {val}\n")
+        f.writelines(f"- {key}: {val}\n" for key, val in checks.items())
         f.write("\n## Latency (median of 50 calls, CUDA events)\n\n| path | µs |\n|---|---|\n")
         for r in rows:
             f.write(f"| {r['path']} | {r['us']:.1f} |\n")
@@ -273,7 +272,7 @@ def _local_dispatch_combine(x, ids, weights, e, y_bf16):
     y_local = torch.randn(e, t, x.shape[1], device=x.device).bfloat16()  # the local layout has max_m = T
 
     def run():
-        xd, _, masked_m, slot_index, slot_pos = dispatch_rows(x, ids, e, t, weights)
+        _xd, _, masked_m, slot_index, slot_pos = dispatch_rows(x, ids, e, t, weights)
         return local_combine(y_local, slot_index, masked_m, weights, t, slot_pos=slot_pos)
 
     return run

@@ -55,11 +55,17 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 60.0) -> li
             while len(results) + len(errors) < world:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"EP workers did not finish within {timeout:.0f} s (ranks done: {sorted(results)})")
+                    raise TimeoutError(
+                        f"EP workers did not finish within {timeout:.0f} s (ranks done: {sorted(results)})"
+                    )
                 try:
                     rank, ok, value = out.get(timeout=min(left, 1.0))
                 except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results and r not in errors]
+                    dead = [
+                        r
+                        for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in results and r not in errors
+                    ]
                     if dead:
                         raise RuntimeError(f"EP worker(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
                     continue
@@ -71,7 +77,9 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 60.0) -> li
                     p.kill()
                     p.join()
     if errors:
-        raise RuntimeError("EP worker(s) failed:\n" + "\n".join(f"--- rank {r}\n{tb}" for r, tb in sorted(errors.items())))
+        raise RuntimeError(
+            "EP worker(s) failed:\n" + "\n".join(f"--- rank {r}\n{tb}" for r, tb in sorted(errors.items()))
+        )
     return [results[r] for r in range(world)]
 
 
@@ -82,8 +90,15 @@ class EPMoE(nn.Module):
     Input ``[T, H]``; weights random from ``seed`` so every rank builds the same model.
     """
 
-    def __init__(self, hidden: int = 32, inter: int = 16, num_experts: int = 8, top_k: int = 2,
-                 seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        hidden: int = 32,
+        inter: int = 16,
+        num_experts: int = 8,
+        top_k: int = 2,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.top_k = top_k
@@ -126,7 +141,9 @@ def ep_model_worker(rank: int, world: int, kind: str, steps: list[list[int]], ma
     from moe_fx.passes.split_ep import ep_weights_freed
 
     model = _make_model(kind)
-    inputs = [torch.randn(s[rank], 32, generator=torch.Generator().manual_seed(1000 * i + rank)) for i, s in enumerate(steps)]
+    inputs = [
+        torch.randn(s[rank], 32, generator=torch.Generator().manual_seed(1000 * i + rank)) for i, s in enumerate(steps)
+    ]
     with torch.no_grad():
         eager = [model(x) if x.shape[0] <= max_tokens else None for x in inputs]
     sink: list = []
@@ -146,5 +163,8 @@ def ep_model_worker(rank: int, world: int, kind: str, steps: list[list[int]], ma
         if out.shape != ref.shape:
             results[-1] = f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
     weights = [p for n, p in model.named_parameters() if n in ("w13", "w2", "gate_up", "down")]
-    return {"errors": results, "freed": [ep_weights_freed(p) for p in weights],
-            "matched": [r.one_line() for r in sink if getattr(r, "matched", False)]}
+    return {
+        "errors": results,
+        "freed": [ep_weights_freed(p) for p in weights],
+        "matched": [r.one_line() for r in sink if getattr(r, "matched", False)],
+    }

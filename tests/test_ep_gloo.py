@@ -9,10 +9,7 @@ bounded by a timeout so that a hang fails the test instead of CI.
 
 from __future__ import annotations
 
-import os
-
 import pytest
-
 from ep_workers import ep_model_worker, run_ranks
 
 pytestmark = pytest.mark.timeout(180)

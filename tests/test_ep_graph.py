@@ -13,13 +13,12 @@ import operator
 import pytest
 import torch
 import torch.distributed as dist
+from ep_workers import EPMoE
 
 import moe_fx  # noqa: F401
 from moe_fx.backend import make_backend
 from moe_fx.config import MoEConfig
 from moe_fx.passes.split_ep import ep_weights_freed
-
-from ep_workers import EPMoE
 
 fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
 
@@ -61,13 +60,16 @@ def _capture(model, x, config):
 
 
 def _ops(gm):
-    return [str(n.target).replace("moe_fx.", "") for n in gm.graph.nodes
-            if n.op == "call_function" and "moe_fx" in str(n.target)]
+    return [
+        str(n.target).replace("moe_fx.", "")
+        for n in gm.graph.nodes
+        if n.op == "call_function" and "moe_fx" in str(n.target)
+    ]
 
 
 @pytest.mark.parametrize("fake_group", [(0, 2), (1, 2)], indirect=True)
 def test_split_ep_graph(fake_group):
-    rank, world = fake_group
+    rank, _world = fake_group
     model = EPMoE(hidden=32, inter=16, num_experts=8, top_k=2)
     full_w13, full_w2 = model.w13.detach().clone(), model.w2.detach().clone()
     gm = _capture(model, torch.randn(6, 32), MoEConfig(ep_group="default", max_tokens_per_rank=8))
@@ -78,12 +80,13 @@ def test_split_ep_graph(fake_group):
     experts = next(n for n in nodes if n.target is torch.ops.moe_fx.masked_experts.default)
     combine = next(n for n in nodes if n.target is torch.ops.moe_fx.ep_combine.default)
     # The shared expert (its two linears) sits between dispatch and combine: it can overlap the exchange.
-    shared = [n for n in nodes if n.op == "call_function" and "linear" in str(n.target)
-              and pos[disp] < pos[n] < pos[combine]]
+    shared = [
+        n for n in nodes if n.op == "call_function" and "linear" in str(n.target) and pos[disp] < pos[n] < pos[combine]
+    ]
     assert len(shared) == 2
     assert pos[disp] < pos[experts] < pos[combine]
     # Fake values: [E_local, M, H] layout with M = max_tokens_per_rank * world.
-    recv_x, recv_scale, masked_m, src_info, layout_range = disp.meta["example_value"]
+    recv_x, _recv_scale, masked_m, src_info, layout_range = disp.meta["example_value"]
     assert tuple(recv_x.shape) == (4, 16, 32) and tuple(masked_m.shape) == (4,) and masked_m.dtype == torch.int32
     assert tuple(src_info.shape) == (4, 16) and tuple(layout_range.shape) == (4, 2)
     assert tuple(experts.meta["val"].shape) == (4, 16, 32) and tuple(combine.meta["val"].shape) == (6, 32)

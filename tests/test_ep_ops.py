@@ -37,8 +37,16 @@ ops = torch.ops.moe_fx
 
 
 def _problem(**kw) -> DispatchProblem:
-    base = dict(world_size=8, device_type="cuda", dtype="bfloat16", hidden=7168, top_k=8, num_experts=256,
-                max_tokens_per_rank=128, use_fp8=False)
+    base = {
+        "world_size": 8,
+        "device_type": "cuda",
+        "dtype": "bfloat16",
+        "hidden": 7168,
+        "top_k": 8,
+        "num_experts": 256,
+        "max_tokens_per_rank": 128,
+        "use_fp8": False,
+    }
     base.update(kw)
     return DispatchProblem(**base)
 
@@ -74,15 +82,22 @@ def test_deepep_fallback_reasons(kw, deep_ep_error, why):
 def test_selection_requests_and_single_rank():
     assert decide_dispatch_backend(_problem(world_size=1, num_experts=32), deep_ep_error=None).backend == "local"
     # An explicit DeepEP request runs it even with one rank (the single-GPU check), or says why not.
-    assert decide_dispatch_backend(_problem(world_size=1, num_experts=32), deep_ep_error=None, request="deepep").backend == "deepep_ll"
+    assert (
+        decide_dispatch_backend(_problem(world_size=1, num_experts=32), deep_ep_error=None, request="deepep").backend
+        == "deepep_ll"
+    )
     bad = decide_dispatch_backend(_problem(hidden=1000), deep_ep_error=None, request="deepep")
     assert bad.error is not None and "hidden size 1000" in bad.error
     assert decide_dispatch_backend(_problem(), deep_ep_error=None, request="torch_dist").backend == "torch_dist"
     with pytest.raises(ValueError, match="unknown EP backend"):
         decide_dispatch_backend(_problem(), deep_ep_error=None, request="nccl")
     # Newer DeepEP versions: the supported set is an input too.
-    assert decide_dispatch_backend(_problem(hidden=3072), deep_ep_error=None,
-                                   supported_hidden=DEEPEP_LL_HIDDEN + (3072,)).backend == "deepep_ll"
+    assert (
+        decide_dispatch_backend(
+            _problem(hidden=3072), deep_ep_error=None, supported_hidden=DEEPEP_LL_HIDDEN + (3072,)
+        ).backend
+        == "deepep_ll"
+    )
 
 
 def test_fallback_logged_once(caplog):
@@ -112,7 +127,11 @@ def one_rank():
 
 
 def _routing(t, e, k, gen, holes=True):
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]) if t else torch.empty(0, k, dtype=torch.long)
+    ids = (
+        torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        if t
+        else torch.empty(0, k, dtype=torch.long)
+    )
     if holes and t > 2:
         ids[1, 0] = -1
     weights = torch.rand(t, k, generator=gen)
@@ -191,11 +210,16 @@ def test_ep_errors(one_rank):
     with pytest.raises(ValueError, match="no process group named"):
         ops.ep_dispatch(x, ids, 4, 8, "no-such-group")
     with pytest.raises(ValueError, match="masked_m must be int32"):
-        ops.masked_experts(torch.randn(2, 4, 16), torch.zeros(2, dtype=torch.int64), torch.randn(2, 8, 16),
-                           torch.randn(2, 16, 4))
+        ops.masked_experts(
+            torch.randn(2, 4, 16), torch.zeros(2, dtype=torch.int64), torch.randn(2, 8, 16), torch.randn(2, 16, 4)
+        )
     with pytest.raises(ValueError, match="x_scale"):
-        ops.masked_experts(torch.randn(2, 4, 128).to(torch.float8_e4m3fn), torch.zeros(2, dtype=torch.int32),
-                           torch.randn(2, 8, 128).bfloat16(), torch.randn(2, 128, 4).bfloat16())
+        ops.masked_experts(
+            torch.randn(2, 4, 128).to(torch.float8_e4m3fn),
+            torch.zeros(2, dtype=torch.int32),
+            torch.randn(2, 8, 128).bfloat16(),
+            torch.randn(2, 128, 4).bfloat16(),
+        )
 
 
 def test_masked_experts_reference_ignores_rows_past_masked_m():

@@ -139,8 +139,13 @@ def _check_backend(backend: str, where: str) -> None:
 
 
 def check_dispatch_inputs(
-    hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_tokens_per_rank: int, world: int,
-    use_fp8: bool, backend: str,
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    max_tokens_per_rank: int,
+    world: int,
+    use_fp8: bool,
+    backend: str,
 ) -> tuple[int, int]:
     """Validate ``ep_dispatch`` inputs; return ``(E_local, M)``."""
     if hidden.dim() != 2 or hidden.dtype not in FLOAT_DTYPES:
@@ -163,8 +168,15 @@ def check_dispatch_inputs(
 
 
 def check_combine_inputs(
-    expert_out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, src_info: torch.Tensor,
-    layout_range: torch.Tensor, num_experts: int, max_tokens_per_rank: int, world: int, backend: str,
+    expert_out: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    src_info: torch.Tensor,
+    layout_range: torch.Tensor,
+    num_experts: int,
+    max_tokens_per_rank: int,
+    world: int,
+    backend: str,
 ) -> None:
     """Validate ``ep_combine`` inputs against the layout ``ep_dispatch`` produced."""
     e_local, m = _check_layout_sizes(num_experts, max_tokens_per_rank, world, "ep_combine")
@@ -174,14 +186,18 @@ def check_combine_inputs(
             f"{expert_out.dtype} {list(expert_out.shape)}"
         )
     if topk_ids.dtype not in ID_DTYPES or topk_ids.dim() != 2:
-        raise ValueError(f"moe_fx.ep_combine: topk_ids must be int32/int64 [T, K], got {topk_ids.dtype} {list(topk_ids.shape)}")
+        raise ValueError(
+            f"moe_fx.ep_combine: topk_ids must be int32/int64 [T, K], got {topk_ids.dtype} {list(topk_ids.shape)}"
+        )
     if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.dtype.is_floating_point:
         raise ValueError(
             f"moe_fx.ep_combine: topk_weights must be float {list(topk_ids.shape)}, got {topk_weights.dtype} "
             f"{list(topk_weights.shape)}"
         )
     if tuple(src_info.shape) != (e_local, m) or src_info.dtype != torch.int32:
-        raise ValueError(f"moe_fx.ep_combine: src_info must be int32 [{e_local}, {m}], got {src_info.dtype} {list(src_info.shape)}")
+        raise ValueError(
+            f"moe_fx.ep_combine: src_info must be int32 [{e_local}, {m}], got {src_info.dtype} {list(src_info.shape)}"
+        )
     if tuple(layout_range.shape) != (e_local, world) or layout_range.dtype != torch.int64:
         raise ValueError(
             f"moe_fx.ep_combine: layout_range must be int64 [{e_local}, {world}], got {layout_range.dtype} "
@@ -191,19 +207,27 @@ def check_combine_inputs(
 
 
 def check_masked_experts_inputs(
-    x: torch.Tensor, masked_m: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str,
-    x_scale: torch.Tensor | None, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+    x: torch.Tensor,
+    masked_m: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str,
+    x_scale: torch.Tensor | None,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
 ) -> None:
     """Validate ``masked_experts`` inputs (masked layout + experts-op weight contract)."""
     if x.dim() != 3 or (x.dtype not in FLOAT_DTYPES and x.dtype != _FP8):
-        raise ValueError(f"moe_fx.masked_experts: x must be a 3-D [E, M, H] float or fp8 tensor, got {x.dtype} {list(x.shape)}")
+        raise ValueError(
+            f"moe_fx.masked_experts: x must be a 3-D [E, M, H] float or fp8 tensor, got {x.dtype} {list(x.shape)}"
+        )
     e, _, h = x.shape
     if masked_m.dtype != torch.int32 or tuple(masked_m.shape) != (e,):
-        raise ValueError(f"moe_fx.masked_experts: masked_m must be int32 [{e}], got {masked_m.dtype} {list(masked_m.shape)}")
-    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != e or w13.shape[2] != h or w13.shape[1] % 2:
         raise ValueError(
-            f"moe_fx.masked_experts: w13 must be [E={e}, 2I, H={h}], got {list(w13.shape)}"
+            f"moe_fx.masked_experts: masked_m must be int32 [{e}], got {masked_m.dtype} {list(masked_m.shape)}"
         )
+    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != e or w13.shape[2] != h or w13.shape[1] % 2:
+        raise ValueError(f"moe_fx.masked_experts: w13 must be [E={e}, 2I, H={h}], got {list(w13.shape)}")
     if tuple(w2.shape) != (e, h, w13.shape[1] // 2):
         raise ValueError(f"moe_fx.masked_experts: w2 must be [{e}, {h}, {w13.shape[1] // 2}], got {list(w2.shape)}")
     if x.dtype == _FP8:
@@ -269,7 +293,9 @@ def ep_dispatch(
 
     See the module docstring for shapes. Collective: every rank of the group must call it.
     """
-    return _lowering().ep_dispatch_impl(hidden, topk_ids, num_experts, max_tokens_per_rank, group_name, use_fp8, backend)
+    return _lowering().ep_dispatch_impl(
+        hidden, topk_ids, num_experts, max_tokens_per_rank, group_name, use_fp8, backend
+    )
 
 
 _LIB.impl("ep_dispatch", ep_dispatch, "CompositeExplicitAutograd")
@@ -428,8 +454,16 @@ def ep_combine(
     Collective: every rank of the group must call it, after the matching ``ep_dispatch``.
     """
     return _lowering().ep_combine_impl(
-        expert_out, topk_ids, topk_weights, src_info, layout_range, num_experts, max_tokens_per_rank, group_name,
-        use_fp8, backend,
+        expert_out,
+        topk_ids,
+        topk_weights,
+        src_info,
+        layout_range,
+        num_experts,
+        max_tokens_per_rank,
+        group_name,
+        use_fp8,
+        backend,
     )
 
 

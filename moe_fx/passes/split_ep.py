@@ -19,8 +19,8 @@ compile time.
 
 Local weights and what "frees the rest" means: each weight (and fp8 scale) node of an experts
 node is narrowed in the graph to this rank's experts (``torch.narrow(w, 0, start, E_local)``, a view;
-no new graph inputs, constants or buffers). When the real tensor behind the node is known
-(``ctx.real_value``: Dynamo's lifted parameters and get_attr tensors), is contiguous, owns its whole
+no new graph inputs, constants or buffers). When the node is a graph input whose real tensor is known
+(``ctx.real_value``: the parameters Dynamo lifts into inputs), is contiguous, owns its whole
 (resizable) storage and is read by nothing but experts nodes this pass splits, it is compacted in
 place: the rank's experts are copied to its first ``E_local`` rows and its storage is shrunk to
 exactly those rows (``untyped_storage().resize_``), and the graph narrows rows ``[0, E_local)``. So the
@@ -30,8 +30,9 @@ graph reads only the rows that exist. Consequences, on purpose: after compiling 
 model cannot run any more (its expert weights hold only this rank's experts; reading past them is
 invalid), as with a sharded checkpoint. The tensor is marked (``_moe_fx_ep_local``) so that a
 recompile narrows it again instead of compacting twice; other passes must not read values of tensors
-for which :func:`ep_weights_freed` is true. Otherwise (a computed weight, a view into a larger
-storage, other readers) the graph narrows rows ``[rank * E_local, ...)`` and nothing is freed.
+for which :func:`ep_weights_freed` is true. Otherwise (a get_attr tensor made by an earlier pass, a
+computed weight, a view into a larger storage, other readers) the graph narrows rows
+``[rank * E_local, ...)`` and nothing is freed.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import operator
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from moe_fx.ops.ep import ep_group_name, resolve_ep_group
 
@@ -54,9 +55,7 @@ _EXPERTS = torch.ops.moe_fx.experts.default
 #: Dynamo records a direct call as the overload packet; rewrites produce the default overload.
 _EXPERTS_TARGETS = (torch.ops.moe_fx.experts.default, torch.ops.moe_fx.experts)
 _ARG_NAMES = [a.name for a in _EXPERTS._schema.arguments]
-_ARG_DEFAULTS = {
-    a.name: a.default_value for a in _EXPERTS._schema.arguments if a.has_default_value()
-}
+_ARG_DEFAULTS = {a.name: a.default_value for a in _EXPERTS._schema.arguments if a.has_default_value()}
 _LOCAL_ATTR = "_moe_fx_ep_local"
 _FP8 = torch.float8_e4m3fn
 
@@ -155,6 +154,10 @@ class _Rewriter:
 
     def compactable(self, arg: Any, splittable: set[fx.Node]) -> int | None:
         """``id`` of the real tensor behind ``arg`` if it may be compacted in place, else None."""
+        if not isinstance(arg, fx.Node) or arg.op != "placeholder":
+            # Only Dynamo-lifted parameters: a get_attr tensor was made by an earlier pass (stacked
+            # per-expert weights, whose original parameters may be views into it) and is left whole.
+            return None
         real = _real_value(self.ctx, self.gm, arg)
         if real is None or hasattr(real, _LOCAL_ATTR):
             return None
@@ -230,8 +233,18 @@ class _Rewriter:
             parts = [self.call(operator.getitem, (disp, i)) for i in range(5)]
             y = self.call(
                 torch.ops.moe_fx.masked_experts.default,
-                (parts[0], parts[2], w13, w2, a["activation"], parts[1] if use_fp8 else None, w13_scale, w2_scale,
-                 self.expected_m(hidden_v, top_k, num_experts), a.get("impl", a.get("kernel", "auto"))),
+                (
+                    parts[0],
+                    parts[2],
+                    w13,
+                    w2,
+                    a["activation"],
+                    parts[1] if use_fp8 else None,
+                    w13_scale,
+                    w2_scale,
+                    self.expected_m(hidden_v, top_k, num_experts),
+                    a.get("impl", a.get("kernel", "auto")),
+                ),
             )
         # The combine goes just before the first reader of the result, so that independent work the
         # model does in between (shared experts) sits between dispatch and combine.
@@ -240,8 +253,18 @@ class _Rewriter:
         with graph.inserting_before(first_user if first_user is not None else node.next):
             out = self.call(
                 torch.ops.moe_fx.ep_combine.default,
-                (y, ids, combine_weights, parts[3], parts[4], num_experts, self.max_tokens, self.group_name, use_fp8,
-                 "auto"),
+                (
+                    y,
+                    ids,
+                    combine_weights,
+                    parts[3],
+                    parts[4],
+                    num_experts,
+                    self.max_tokens,
+                    self.group_name,
+                    use_fp8,
+                    "auto",
+                ),
             )
         out.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "example_value")})
         node.replace_all_uses_with(out)
@@ -299,6 +322,9 @@ def split_ep(gm: fx.GraphModule, ctx: Any) -> int:
         gm.recompile()
     log.info(
         "split_ep: %d experts node(s) split over %d ranks (rank %d); %.1f MiB of other ranks' experts released",
-        len(splittable), world, rank, released / 2**20,
+        len(splittable),
+        world,
+        rank,
+        released / 2**20,
     )
     return len(splittable)

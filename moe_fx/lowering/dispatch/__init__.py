@@ -40,8 +40,15 @@ def _group(group_name: str) -> torch.distributed.ProcessGroup:
 
 
 def _choose(
-    hidden: int, dtype: torch.dtype, device: torch.device, top_k: int, num_experts: int, max_tokens: int,
-    world: int, use_fp8: bool, backend: str,
+    hidden: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    top_k: int,
+    num_experts: int,
+    max_tokens: int,
+    world: int,
+    use_fp8: bool,
+    backend: str,
 ) -> DispatchChoice:
     key = (hidden, dtype, device.type, top_k, num_experts, max_tokens, world, use_fp8, backend)
     choice = _CHOICES.get(key)
@@ -51,16 +58,31 @@ def _choose(
 
 
 def _decide(
-    hidden: int, dtype: torch.dtype, device: torch.device, top_k: int, num_experts: int, max_tokens: int,
-    world: int, use_fp8: bool, backend: str,
+    hidden: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    top_k: int,
+    num_experts: int,
+    max_tokens: int,
+    world: int,
+    use_fp8: bool,
+    backend: str,
 ) -> DispatchChoice:
     problem = DispatchProblem(
-        world_size=world, device_type=device.type, dtype=str(dtype).removeprefix("torch."), hidden=hidden,
-        top_k=top_k, num_experts=num_experts, max_tokens_per_rank=max_tokens, use_fp8=use_fp8,
+        world_size=world,
+        device_type=device.type,
+        dtype=str(dtype).removeprefix("torch."),
+        hidden=hidden,
+        top_k=top_k,
+        num_experts=num_experts,
+        max_tokens_per_rank=max_tokens,
+        use_fp8=use_fp8,
     )
     choice = choose_dispatch_backend(problem, backend)
     if choice.error is not None:
-        raise RuntimeError(f"moe_fx EP: backend={backend!r} requested but cannot run: {choice.error} ({problem.describe()})")
+        raise RuntimeError(
+            f"moe_fx EP: backend={backend!r} requested but cannot run: {choice.error} ({problem.describe()})"
+        )
     return choice
 
 
@@ -79,8 +101,15 @@ def ep_dispatch_impl(
     check_dispatch_inputs(hidden, topk_ids, num_experts, max_tokens_per_rank, world, use_fp8, backend)
     # combine decides from expert_out's dtype: bf16 after fp8 dispatch (DeepEP's only case), else hidden's.
     choice = _choose(
-        hidden.shape[1], hidden.dtype, hidden.device, topk_ids.shape[1], num_experts, max_tokens_per_rank, world,
-        use_fp8, backend,
+        hidden.shape[1],
+        hidden.dtype,
+        hidden.device,
+        topk_ids.shape[1],
+        num_experts,
+        max_tokens_per_rank,
+        world,
+        use_fp8,
+        backend,
     )
     if choice.backend == "deepep_ll":
         from moe_fx.lowering.dispatch import deepep
@@ -110,8 +139,15 @@ def ep_combine_impl(
         expert_out, topk_ids, topk_weights, src_info, layout_range, num_experts, max_tokens_per_rank, world, backend
     )
     choice = _choose(
-        expert_out.shape[2], expert_out.dtype, expert_out.device, topk_ids.shape[1], num_experts,
-        max_tokens_per_rank, world, use_fp8, backend,
+        expert_out.shape[2],
+        expert_out.dtype,
+        expert_out.device,
+        topk_ids.shape[1],
+        num_experts,
+        max_tokens_per_rank,
+        world,
+        use_fp8,
+        backend,
     )
     if choice.backend == "deepep_ll":
         from moe_fx.lowering.dispatch import deepep

@@ -41,8 +41,9 @@ def get_buffer(group: dist.ProcessGroup, *, max_tokens_per_rank: int, hidden: in
     key = (group.group_name, max_tokens_per_rank, hidden, num_experts)
     buf = _FITS.get(key)
     if buf is None:
-        buf = _FITS[key] = _get_buffer(group, max_tokens_per_rank=max_tokens_per_rank, hidden=hidden,
-                                       num_experts=num_experts)
+        buf = _FITS[key] = _get_buffer(
+            group, max_tokens_per_rank=max_tokens_per_rank, hidden=hidden, num_experts=num_experts
+        )
     return buf
 
 
@@ -89,8 +90,13 @@ def dispatch(
     _check_tokens(t, max_tokens_per_rank, group.rank())
     buf = get_buffer(group, max_tokens_per_rank=max_tokens_per_rank, hidden=h, num_experts=num_experts)
     recv, recv_count, handle, _event, _hook = buf.low_latency_dispatch(
-        hidden.contiguous(), topk_ids.to(torch.int64).contiguous(), max_tokens_per_rank, num_experts,
-        use_fp8=use_fp8, async_finish=False, return_recv_hook=False,
+        hidden.contiguous(),
+        topk_ids.to(torch.int64).contiguous(),
+        max_tokens_per_rank,
+        num_experts,
+        use_fp8=use_fp8,
+        async_finish=False,
+        return_recv_hook=False,
     )
     src_info, layout_range = handle[0], handle[1]
     if use_fp8:
@@ -116,7 +122,11 @@ def combine(
     buf = get_buffer(group, max_tokens_per_rank=max_tokens_per_rank, hidden=h, num_experts=num_experts)
     handle = (src_info, layout_range, max_tokens_per_rank, h, num_experts)
     out, _event, _hook = buf.low_latency_combine(
-        expert_out.contiguous(), topk_ids.to(torch.int64).contiguous(), topk_weights.float().contiguous(), handle,
-        async_finish=False, return_recv_hook=False,
+        expert_out.contiguous(),
+        topk_ids.to(torch.int64).contiguous(),
+        topk_weights.float().contiguous(),
+        handle,
+        async_finish=False,
+        return_recv_hook=False,
     )
     return out

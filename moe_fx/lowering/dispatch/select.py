@@ -48,7 +48,7 @@ DEEPEP_LL_MAX_TOPK = 9
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
     name = str(dtype)
-    return name[len("torch.") :] if name.startswith("torch.") else name
+    return name.removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -185,8 +185,11 @@ def choose_dispatch_backend(problem: DispatchProblem, request: str = "auto") -> 
         _LOGGED.add(key)
         if choice.backend == "torch_dist" and request == "auto" and problem.device_type == "cuda":
             # A GPU fallback away from DeepEP is worth a warning: it is much slower at decode sizes.
-            log.warning("moe_fx EP %s: falling back to torch.distributed: %s", problem.describe(),
-                        choice.reasons.get("deepep_ll", ""))
+            log.warning(
+                "moe_fx EP %s: falling back to torch.distributed: %s",
+                problem.describe(),
+                choice.reasons.get("deepep_ll", ""),
+            )
         else:
             log.info("moe_fx EP %s: %s", problem.describe(), choice.summary())
     return choice

@@ -61,7 +61,7 @@ def receive_slots(counts: torch.Tensor, device: torch.device) -> tuple[torch.Ten
     buffer holds rank 0's rows (expert 0's, then expert 1's, ...), then rank 1's, and so on. Returns
     ``(expert_index, row_index)`` int64 ``[N]`` for the ``N`` received rows.
     """
-    e_local, world = counts.shape
+    e_local, _world = counts.shape
     offsets = counts.cumsum(1) - counts  # where rank r's rows start in expert e's rows
     per_block = counts.t().reshape(-1)  # blocks in receive order: (rank, expert)
     block_end = per_block.cumsum(0)
@@ -119,11 +119,14 @@ def dispatch(
     t, h = hidden.shape
     e_local, m = num_experts // world, max_tokens_per_rank * world
     dev = hidden.device
-    order, token, counts = _send_order(topk_ids, num_experts)
+    _order, token, counts = _send_order(topk_ids, num_experts)
 
     send_meta = torch.cat(
-        [counts.view(world, e_local), torch.full((world, 1), t, dtype=torch.int64, device=dev),
-         _id_flags(topk_ids, num_experts).view(1, 1).expand(world, 1)],
+        [
+            counts.view(world, e_local),
+            torch.full((world, 1), t, dtype=torch.int64, device=dev),
+            _id_flags(topk_ids, num_experts).view(1, 1).expand(world, 1),
+        ],
         dim=1,
     )
     if world > 1:
@@ -161,7 +164,9 @@ def dispatch(
     return recv_x, recv_scale, masked_m, src_info, layout_range
 
 
-def _all_to_all(x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+def _all_to_all(
+    x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     if group.size() == 1:
         return x
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))

@@ -61,8 +61,15 @@ def masked_experts_cuda(
     fp8_w = w13.dtype == _FP8
     act_dtype = torch.bfloat16 if x.dtype == _FP8 else x.dtype
     choice = choose_experts_kernel(
-        device_type="cuda", dtype=act_dtype, hidden=h, intermediate=inter, num_experts=e, request=impl,
-        fp8=fp8_w, activation=activation, device=x.device,
+        device_type="cuda",
+        dtype=act_dtype,
+        hidden=h,
+        intermediate=inter,
+        num_experts=e,
+        request=impl,
+        fp8=fp8_w,
+        activation=activation,
+        device=x.device,
     )
     if choice.error is not None:
         raise RuntimeError(f"moe_fx.masked_experts: impl={impl!r} cannot run: {choice.error}")
@@ -98,8 +105,9 @@ def masked_experts_cuda(
             dg.m_grouped_fp8_gemm_nt_masked((a2, a2_scale), (w2, w2_scale.contiguous()), y, masked_m, exp_m)
         else:
             dg.m_grouped_bf16_gemm_nt_masked(x, w13, gate_up, masked_m, exp_m)
-            dg.m_grouped_bf16_gemm_nt_masked(act_mul(gate_up, masked_m, activation, max_total_m=bound), w2, y,
-                                             masked_m, exp_m)
+            dg.m_grouped_bf16_gemm_nt_masked(
+                act_mul(gate_up, masked_m, activation, max_total_m=bound), w2, y, masked_m, exp_m
+            )
         return y.to(act_dtype)
     from moe_fx.lowering.triton.grouped_gemm import masked_gemm_bf16, masked_gemm_fp8
 
