@@ -31,12 +31,18 @@ def main() -> int:
             with torch.no_grad():
                 want = model(ids).logits.float()
                 got = compiled(ids).logits.float()
+                torch._dynamo.reset()
+                plain = torch.compile(model)(ids).logits.float()  # bf16 noise of Inductor alone
             err = ((got - want).norm() / want.norm()).item()
+            noise = ((plain - want).norm() / want.norm()).item()
             kernels = sorted({r.kernel for r in report.matched})
-            line_ok = len(report.matched) == 2 and err < 3e-2
+            # bf16 logits of a random model differ between any two implementations; compare with the
+            # difference plain torch.compile makes.
+            line_ok = len(report.matched) == 2 and err < max(3e-2, 2 * noise)
             ok &= line_ok
             print(f"{family:12s} {impl:10s} matched {len(report.matched)}/{len(report.regions)} kernels={kernels} "
-                  f"rel_err={err:.2e} {time.perf_counter() - start:.0f}s {'OK' if line_ok else 'FAIL'}")
+                  f"rel_err={err:.2e} (plain inductor {noise:.2e}) {time.perf_counter() - start:.0f}s "
+                  f"{'OK' if line_ok else 'FAIL'}")
             for r in report.regions:
                 if not r.matched:
                     print("   not matched:", r.one_line())
