@@ -119,3 +119,32 @@ def test_split_ep_leaves_one_rank_and_no_group_alone(fake_group):
     gm = _capture(model, torch.randn(4, 32), MoEConfig())
     assert _ops(gm) == ["experts"]
     assert not ep_weights_freed(model.w13)
+
+
+@pytest.mark.parametrize("fake_group", [(1, 2)], indirect=True)
+def test_split_ep_deepseek_shared_experts_between_dispatch_and_combine(fake_group):
+    # transformers' DeepSeek-V3 block: routed experts (recognized and rewritten), then
+    # `hidden.view(...)` and `+ shared_experts(residual)`. The combine is moved past the re-view so
+    # that the whole shared expert sits between dispatch and combine.
+    from moe_fx.testing import tiny_hf_model
+
+    model = tiny_hf_model("deepseek_v3", num_layers=1)
+    experts = model.model.layers[0].mlp.experts
+    full = experts.gate_up_proj.detach().clone()
+    gm = _capture(model, torch.randint(0, 128, (1, 6)), MoEConfig(ep_group="default", max_tokens_per_rank=8))
+    assert _ops(gm) == ["ep_dispatch.default", "masked_experts.default", "ep_combine.default"]
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    disp = next(n for n in nodes if n.target is torch.ops.moe_fx.ep_dispatch.default)
+    combine = next(n for n in nodes if n.target is torch.ops.moe_fx.ep_combine.default)
+
+    def module(n):
+        stack = n.meta.get("nn_module_stack") or {}
+        return list(stack.values())[-1][0] if stack else ""
+
+    shared = [n for n in nodes if n.op == "call_function" and "shared_experts" in module(n)]
+    assert len(shared) >= 3  # gate, up, down projections (and the activation, product)
+    assert all(pos[disp] < pos[n] < pos[combine] for n in shared)
+    # Rank 1 keeps experts 4..7, compacted into the parameter's first rows.
+    assert ep_weights_freed(experts.gate_up_proj) and ep_weights_freed(experts.down_proj)
+    assert torch.equal(experts.gate_up_proj.detach()[:4], full[4:8])

@@ -7,9 +7,9 @@ Runs after the MoE regions have been rewritten into ``torch.ops.moe_fx.experts``
     y    = moe_fx.masked_experts(recv[0], recv[2], w13_local, w2_local, activation, x_scale, ...)
     out  = moe_fx.ep_combine(y, topk_ids, topk_weights, recv[3], recv[4], E, max_tokens_per_rank, group_name)
 
-Dispatch and the experts are placed where the experts node was, the combine just before the first
-user of its output, so work in between (a DeepSeek block's shared experts) sits between the
-communication ops in the graph. ``use_fp8`` is set when the expert weights are fp8 and activations
+Dispatch and the experts are placed where the experts node was, the combine (with the views that
+re-shape its result) just before the first real consumer of its output, so work in between (a
+DeepSeek block's shared experts) sits between the communication ops in the graph. ``use_fp8`` is set when the expert weights are fp8 and activations
 bf16 (the experts then consume DeepEP's fp8 tokens and scales directly).
 
 Invariants kept (moe_fx/passes/manager.py): every new node gets a fake value (``example_value`` and
@@ -46,6 +46,7 @@ import torch
 from torch import fx
 
 from moe_fx.ops.ep import ep_group_name, resolve_ep_group
+from moe_fx.passes.graph_utils import op_name
 
 __all__ = ["ep_weights_freed", "split_ep"]
 
@@ -269,6 +270,7 @@ class _Rewriter:
         out.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "example_value")})
         node.replace_all_uses_with(out)
         graph.erase_node(node)
+        _sink(out)
 
     def expected_m(self, hidden_v: Any, top_k: int | None, num_experts: int) -> int:
         """Uniform-load rows per local expert (DESIGN.md): ``ceil(T_total * K / E)``, to 16, in ``[16, M]``."""
@@ -277,6 +279,35 @@ class _Rewriter:
         t = t if isinstance(t, int) else self.max_tokens
         est = math.ceil(t * self.world * (top_k or 1) / num_experts)
         return max(16, min(m, -(-est // 16) * 16))
+
+
+#: Pure ops that only re-view or cast a tensor: the combine is moved with them to their first other consumer.
+_VIEW_OPS = frozenset(
+    {"view", "reshape", "unsqueeze", "squeeze", "flatten", "contiguous", "view_as", "reshape_as", "to", "type"}
+)
+
+
+def _sink(out: fx.Node) -> None:
+    """Move ``out`` (a combine) and the view/cast nodes that follow it down to their first other consumer.
+
+    Models usually re-view the experts' result at once (``.view(*orig_shape)``) and add the shared
+    experts after; placing the combine (and those views) just before the add leaves the shared-expert
+    work between dispatch and combine, where it can overlap the exchange.
+    """
+    chain, frontier = [out], [out]
+    while frontier:
+        for u in frontier.pop().users:
+            if u not in chain and op_name(u) in _VIEW_OPS and u.args and u.args[0] in chain:
+                chain.append(u)
+                frontier.append(u)
+    order = {n: i for i, n in enumerate(out.graph.nodes)}
+    consumers = [u for n in chain for u in n.users if u not in chain]
+    if not consumers:
+        return
+    first = min(consumers, key=order.__getitem__)
+    # Every chain node's other inputs precede the node itself, hence also ``first``; keep their order.
+    for n in sorted((n for n in chain if order[n] < order[first]), key=order.__getitem__):
+        first.prepend(n)
 
 
 def split_ep(gm: fx.GraphModule, ctx: Any) -> int:
