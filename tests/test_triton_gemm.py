@@ -122,3 +122,12 @@ def test_fp8_block_k_must_divide_128():
     s = torch.ones(1, 16, 1)
     with pytest.raises(ValueError):
         masked_gemm_fp8(a, s, a, torch.ones(1, 1, 1), torch.ones(1, dtype=torch.int32), config=TileConfig(16, 16, 256))
+
+
+def test_offsets_beyond_int32_are_refused():
+    """Rows x row stride of one group must fit int32 offsets; bigger inputs get a clear error, not garbage."""
+    a = torch.empty(1, 2**16, 2**15 + 8, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(1, 64, 2**15 + 8, dtype=torch.bfloat16, device="meta")
+    mm = torch.ones(1, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="int32"):
+        masked_gemm_bf16(a, b, mm)

@@ -11,7 +11,7 @@ import torch
 
 from moe_fx.lowering.triton._loader import kernels
 from moe_fx.lowering.triton.configs import TileConfig
-from moe_fx.lowering.triton.grouped_gemm import _check_masked, _out, _pow2, num_programs
+from moe_fx.lowering.triton.grouped_gemm import _check_masked, _out, _pow2, check_offsets, num_programs
 
 __all__ = ["ACT_CODES", "act_mul", "silu_mul", "silu_mul_quant_fp8"]
 
@@ -33,6 +33,7 @@ def _check_x(name: str, x: torch.Tensor, masked_m: torch.Tensor, activation: str
 
 
 def _launch(x, y, ys, masked_m, g, m, i, act, quant, block_m, max_total_m):
+    check_offsets("act_mul", x, y, ys)
     block_n = _GROUP if quant else min(128, _pow2(max(i, 16)))
     cfg = TileConfig(block_m, block_n, 0, 1, 4, 1, 4)
     tiles_m = g * -(-m // block_m)

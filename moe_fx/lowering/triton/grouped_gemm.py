@@ -55,6 +55,25 @@ def _check_masked(name: str, masked_m: torch.Tensor, groups: int, device: torch.
         )
 
 
+_I32 = 2**31
+
+
+def check_offsets(name: str, *tensors: torch.Tensor) -> None:
+    """Raise if a tensor's offsets inside one group (all but dim 0) could overflow int32.
+
+    The kernels index the group with int64 and rows / columns inside a group with int32 (cheaper
+    address arithmetic in the main loop); that bounds one group to 2**31 elements of offset.
+    """
+    for t in tensors:
+        if t is not None and t.dim() == 3 and t.numel():
+            span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape[1:], t.stride()[1:]))
+            if span >= _I32:
+                raise ValueError(
+                    f"{name}: one group of a {list(t.shape)} tensor (strides {list(t.stride())}) spans {span} "
+                    "elements, beyond the kernels' int32 offsets; split the groups or the rows"
+                )
+
+
 def _out(name: str, out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device):
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
@@ -106,6 +125,7 @@ def masked_gemm_bf16(
     n = b.shape[1]
     _check_masked("masked_gemm_bf16", masked_m, g, a.device)
     out = _out("masked_gemm_bf16", out, (g, m, n), a.dtype, a.device)
+    check_offsets("masked_gemm_bf16", a, b, out)
     if g == 0 or m == 0 or n == 0:
         return out
     cfg = config or configs.get_config(
@@ -173,6 +193,7 @@ def masked_gemm_fp8(
         )
     _check_masked("masked_gemm_fp8", masked_m, g, a.device)
     out = _out("masked_gemm_fp8", out, (g, m, n), torch.bfloat16, a.device)
+    check_offsets("masked_gemm_fp8", a, a_scale, b, b_scale, out)
     if g == 0 or m == 0 or n == 0:
         return out
     cfg = config or configs.get_config(
