@@ -82,12 +82,12 @@ def test_dispatch_weights_on_input_and_fp8(device):
         q_ref, s_ref = quantize_fp8_per_token_group(hidden.float())
         for i in range(e):
             m = int(mm[i])
+            if m == 0:
+                continue
             s = si[i, :m].long()
             tok = s // k
             scale = s_ref[tok] * (w.reshape(-1)[s].unsqueeze(-1) if woi else 1)
             torch.testing.assert_close(xs[i, :m], scale, rtol=1e-6, atol=0)
-            if device == "cpu":
-                continue  # the interpreter's fp32 -> fp8 cast truncates (31.7 -> 16): codes are checked on GPU
             # a code may differ by one step where the division rounds differently; compare values
             back = xq[i, :m].float() * xs[i, :m].repeat_interleave(128, -1)[:, :h]
             want = q_ref[tok].float() * scale.repeat_interleave(128, -1)[:, :h]

@@ -74,18 +74,19 @@ def _reference_fp8_acts(hidden, ids, w, q13, s13, q2, s2):
     return out
 
 
-@pytest.mark.gpu
-@gpu
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("kind", ["random", "hot", "holes"])
-def test_triton_experts_fp8(kind):
+def test_triton_experts_fp8(device, kind):
     gen = torch.Generator().manual_seed(9)
-    for shape in SHAPES["cuda"]:
-        hidden, ids, w, w13, w2 = _problem(*shape, kind, "cuda", gen)
+    # the CPU interpreter truncates fp32 -> bf16 (the GEMM outputs): looser bound against the recipe there
+    recipe_tol = 1.5e-2 if device == "cuda" else 4e-2
+    for shape in SHAPES[device]:
+        hidden, ids, w, w13, w2 = _problem(*shape, kind, device, gen)
         q13, s13 = quantize_fp8_blockwise(w13)
         q2, s2 = quantize_fp8_blockwise(w2)
         out = triton_experts(hidden, ids, w, q13, q2, w13_scale=s13, w2_scale=s2)
         ref_acts = _reference_fp8_acts(hidden, ids, w, q13, s13, q2, s2)
-        assert rel_err(out, ref_acts) < 1.5e-2, rel_err(out, ref_acts)  # same recipe: rounding only
+        assert rel_err(out, ref_acts) < recipe_tol, rel_err(out, ref_acts)  # same recipe: rounding only
         ref = experts_reference(hidden, ids, w, q13, q2, w13_scale=s13, w2_scale=s2)
         assert rel_err(out, ref) < 8e-2, rel_err(out, ref)  # the activation quantisation's cost
         bf16 = experts_reference(hidden, ids, w, w13, w2)

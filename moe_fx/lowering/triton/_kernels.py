@@ -207,6 +207,23 @@ def masked_gemm_fp8_kernel(
 
 
 @triton.jit
+def _e4m3_grid(x):
+    """Round fp32 (already within +-448) to the nearest float8_e4m3fn value, ties to even, in fp32.
+
+    Used only under the CPU interpreter, whose fp32 -> fp8 cast is wrong for values between codes
+    (31.7 -> 16) but exact for representable ones: rounding first makes the cast exact there.
+    """
+    ax = tl.abs(x)
+    e = tl.floor(tl.log2(tl.maximum(ax, 2.0**-6)))  # exponent; subnormals share the step of 2**-6
+    ulp = tl.exp2(e - 3.0)  # 3 mantissa bits
+    y = ax / ulp
+    r = tl.floor(y + 0.5)
+    half_odd = ((r - y) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) == 1.0)
+    r = tl.where(half_odd, r - 1.0, r)
+    return tl.where(x < 0, -r * ulp, r * ulp)
+
+
+@triton.jit
 def _gated(g, u, ACT: tl.constexpr):
     """act(g) * u in fp32; ACT: 0 silu, 1 gelu (erf), 2 gelu (tanh)."""
     if ACT == 0:
@@ -240,6 +257,7 @@ def act_mul_kernel(
     s_sn,
     ACT: tl.constexpr,
     QUANT: tl.constexpr,
+    INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     E_POW2: tl.constexpr,
@@ -265,6 +283,8 @@ def act_mul_kernel(
             amax = tl.reduce(tl.abs(v), 1, _maxf)
             scale = tl.maximum(amax, SCALE_EPS) / FP8_MAX
             q = tl.clamp(v / scale[:, None], -FP8_MAX, FP8_MAX)
+            if INTERP:
+                q = _e4m3_grid(q)
             tl.store(y_ptrs, q.to(y_ptr.dtype.element_ty), mask=mask)
             s_ptrs = ys_ptr + e64 * s_sg + offs_m * s_sm + pid_n * s_sn
             tl.store(s_ptrs, scale, mask=offs_m < m_e)
@@ -304,6 +324,7 @@ def dispatch_kernel(
     WEIGHTS_ON_INPUT: tl.constexpr,
     QUANT: tl.constexpr,
     STORE_SLOT: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """One program per token: claim a row in each of its experts, then copy the token into them.
 
@@ -337,7 +358,10 @@ def dispatch_kernel(
             v = v.to(tl.float32)
             amax = tl.reduce(tl.abs(v), 0, _maxf)
             scale = tl.maximum(amax, SCALE_EPS) / FP8_MAX
-            q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX).to(x_ptr.dtype.element_ty)
+            q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
+            if INTERP:
+                q = _e4m3_grid(q)
+            q = q.to(x_ptr.dtype.element_ty)
             # q(w * x) has the codes of q(x) and the scale w * scale: quantise once, scale per slot.
             vals = tl.broadcast_to(q[None, :], (K_POW2, BLOCK_H))
             s_val = tl.full((K_POW2,), 1.0, tl.float32) * scale

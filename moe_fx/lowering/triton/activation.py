@@ -45,7 +45,8 @@ def _launch(x, y, ys, masked_m, g, m, i, act, quant, block_m, max_total_m):
         x, y, ys if quant else y, masked_m,
         g, m, i,
         *x.stride(), *y.stride(), *sstride,
-        ACT=ACT_CODES[act], QUANT=quant, BLOCK_M=block_m, BLOCK_N=block_n, E_POW2=_pow2(g),
+        ACT=ACT_CODES[act], QUANT=quant,
+        INTERP=x.device.type == "cpu", BLOCK_M=block_m, BLOCK_N=block_n, E_POW2=_pow2(g),
         num_warps=4,
     )  # fmt: skip
 

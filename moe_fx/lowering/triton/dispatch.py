@@ -86,7 +86,8 @@ def dispatch_rows(
             t, k, h, num_experts, max_m,
             *hidden.stride(), *topk_ids.stride(), *w_strides, *x.stride(), *xs_strides,
             K_POW2=max(2, _pow2(k)), BLOCK_H=block_h, WEIGHTS_ON_INPUT=weights_on_input, QUANT=quant_fp8,
-            STORE_SLOT=with_slot_index, num_warps=4,
+            STORE_SLOT=with_slot_index,
+            INTERP=dev.type == "cpu", num_warps=4,
         )  # fmt: skip
     elif t and k:
         slot_pos.fill_(-1)
