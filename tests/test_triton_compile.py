@@ -43,7 +43,7 @@ def _kernels():
     return k
 
 
-GEMM = dict(GROUP_M=8, E_POW2=128, EVEN_K=True, UPCAST=False, s_ak=1, s_bk=1, s_cn=1)
+GEMM = {"GROUP_M": 8, "E_POW2": 128, "EVEN_K": True, "UPCAST": False, "s_ak": 1, "s_bk": 1, "s_cn": 1}
 
 
 @pytest.mark.parametrize(
@@ -75,7 +75,7 @@ def test_elementwise_kernels_compile(quant):
     _compile(
         k.act_mul_kernel,
         {"x_ptr": "*bf16", "y_ptr": out_t, "ys_ptr": "*fp32", "masked_m_ptr": "*i32"},
-        dict(ACT=0, QUANT=quant, INTERP=False, BLOCK_M=16, BLOCK_N=128, E_POW2=128),
+        {"ACT": 0, "QUANT": quant, "INTERP": False, "BLOCK_M": 16, "BLOCK_N": 128, "E_POW2": 128},
     )
     _compile(
         k.dispatch_kernel,
@@ -83,11 +83,11 @@ def test_elementwise_kernels_compile(quant):
             "h_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp32", "counts_ptr": "*i32", "x_ptr": out_t,
             "xs_ptr": "*fp32", "slot_ptr": "*i32", "pos_ptr": "*i64",
         },
-        dict(K_POW2=8, BLOCK_H=128 if quant else 1024, WEIGHTS_ON_INPUT=quant, QUANT=quant, STORE_SLOT=True, INTERP=False),
+        {"K_POW2": 8, "BLOCK_H": 128 if quant else 1024, "WEIGHTS_ON_INPUT": quant, "QUANT": quant, "STORE_SLOT": True, "INTERP": False},
     )  # fmt: skip
     _compile(
         k.combine_kernel,
         {"y_ptr": "*bf16", "pos_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16"},
-        dict(K_POW2=8, BLOCK_H=1024, HAS_W=quant),
+        {"K_POW2": 8, "BLOCK_H": 1024, "HAS_W": quant},
     )
-    _compile(k.invert_slots_kernel, {"slot_ptr": "*i32", "masked_m_ptr": "*i32", "pos_ptr": "*i64"}, dict(BLOCK=128))
+    _compile(k.invert_slots_kernel, {"slot_ptr": "*i32", "masked_m_ptr": "*i32", "pos_ptr": "*i64"}, {"BLOCK": 128})
