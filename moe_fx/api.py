@@ -41,8 +41,20 @@ def compile(model: Callable, config: MoEConfig | None = None, **torch_compile_kw
 
     if "backend" in torch_compile_kwargs:
         raise TypeError("moe_fx.compile() picks the backend itself; pass other torch.compile arguments only")
+    config = config or MoEConfig()
     enable_capture()
+    _capture_modules(model, config)
     return torch.compile(model, backend=make_backend(config), **torch_compile_kwargs)
+
+
+def _capture_modules(model: Callable, config: MoEConfig) -> list[RegionReport]:
+    """Module-level capture before tracing (FP8 checkpoint experts, whose forwards Dynamo cannot trace)."""
+    from moe_fx.passes.match_fp8_experts import capture_fp8_experts
+
+    module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
+    if not isinstance(module, torch.nn.Module) or not config.enabled:
+        return []
+    return capture_fp8_experts(module, config.kernel)
 
 
 @dataclass
@@ -114,7 +126,7 @@ def explain(model: Callable, *example_inputs: Any, config: MoEConfig | None = No
 
     config = config or MoEConfig()
     enable_capture()
-    sink: list[RegionReport] = []
+    sink: list[RegionReport] = _capture_modules(model, config)
     report = ExplainReport()
     inner = make_backend(config, sink=sink, inductor=False)
 

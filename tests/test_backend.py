@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -112,3 +113,31 @@ def test_verify_never_still_matches_structurally():
     torch.manual_seed(0)
     _, cap = run_captured(DenseBmmMoE(), torch.randn(4, 32), config=moe_fx.MoEConfig(verify="never"))
     assert cap.reports[0].matched and cap.reports[0].verified == "structure"
+
+
+def test_quantize_fp8_packs_weights_once_at_rewrite_time():
+    model = tiny_hf_model("qwen3_moe", num_layers=2, dtype=torch.bfloat16, hidden=128, intermediate=128)
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+    params_before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    got, cap = run_captured(model, ids, config=moe_fx.MoEConfig(quantize="fp8"))
+    code = cap.code
+    assert code.count("torch.ops.moe_fx.experts.default(") == 2
+    # Each op reads its own fp8 buffers (`..._scale = moe_fx_fp8_<n>_...` in the call, and the clearing line).
+    assert len(set(re.findall(r"w13_scale = (moe_fx_fp8_\d+)_w13_scale", code))) == 2
+    assert all(r.fp8 for r in cap.reports if r.matched)
+    # The model's own parameters are untouched; the fp8 copies live on the graph module.
+    assert params_before == {n: p.data_ptr() for n, p in model.named_parameters()}
+    from helpers import rel_err
+
+    assert rel_err(got.logits, want) < 0.2  # fp8 weights of a random tiny model, see bench/fp8_accuracy.py
+
+
+def test_explain_reports_fp8_checkpoint_experts():
+    from moe_fx.testing_fp8 import tiny_fp8_hf_model
+
+    model = tiny_fp8_hf_model()
+    report = moe_fx.explain(model, torch.randint(0, 64, (1, 5)))
+    fp8 = [r for r in report.regions if r.form == "fp8_experts"]
+    assert fp8 and all(r.matched and r.fp8 for r in fp8)

@@ -36,12 +36,15 @@ class PassContext:
         example_inputs: the real tensors Dynamo passes with the graph, in placeholder order.
         report: one :class:`RegionReport` per candidate MoE region, matched or not.
         timings: seconds spent in each pass, by name.
+        pack_weights: ``(w13, w2, recipe) -> (w13', w13_scale, w2', w2_scale)``, the lowering's weight
+            packing, handed in by the backend (passes never import kernels).
     """
 
     config: MoEConfig = field(default_factory=MoEConfig)
     example_inputs: list[Any] = field(default_factory=list)
     report: list[RegionReport] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    pack_weights: Callable[..., tuple] | None = None
     _placeholder_values: dict[str, Any] | None = None
 
     def bind(self, gm: fx.GraphModule) -> None:
@@ -72,7 +75,12 @@ def _pass_list() -> list[tuple[str, Pass]]:
     # Imported lazily so that each pass module can import this one for PassContext.
     from moe_fx.passes.rewrite_moe import rewrite_moe_regions
 
-    passes: list[tuple[str, Pass]] = [("rewrite_moe_regions", rewrite_moe_regions)]
+    from moe_fx.passes.quantize_experts import quantize_experts
+
+    passes: list[tuple[str, Pass]] = [
+        ("rewrite_moe_regions", rewrite_moe_regions),
+        ("quantize_experts", quantize_experts),
+    ]
     try:
         from moe_fx.passes.split_ep import split_ep
     except ImportError:  # expert parallelism not built into this checkout
