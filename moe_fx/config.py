@@ -19,8 +19,9 @@ class MoEConfig:
             once, at rewrite time, to fp8 e4m3 with 128x128 block scales.
         verify: check every matched region numerically against the reference op on random probes
             before rewriting it (``"auto"``: when the probe is cheap enough, see ``verify_max_flops``).
-        verify_max_flops: the largest probe (in flops) ``verify="auto"`` runs; above it a region is
-            rewritten on its structural match alone.
+        verify_max_flops: the largest probe (in flops) ``verify="auto"`` runs on CPU weights (1000x
+            that on an accelerator); above it a region is rewritten on its structural match alone,
+            with the activation read from the graph and routing weights on the output.
         enabled: ``False`` turns every pass off (the backend then behaves like plain Inductor).
         ep_group: process group for expert parallelism: ``None`` (no expert parallelism), ``"default"``
             (torch.distributed's default group), a ``ProcessGroup``, or a group's c10d name. Each rank

@@ -196,7 +196,10 @@ def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked) -> ProbeRe
     if not acts:
         return ProbeResult(False, reason="no gated activation (silu/gelu) inside the region")
     mode = ctx.config.verify
-    if mode == "never" or (mode == "auto" and estimate_probe_flops(region) > ctx.config.verify_max_flops):
+    budget = ctx.config.verify_max_flops
+    if stacked[0].device.type != "cpu":
+        budget *= 1000  # an accelerator runs the probe in milliseconds at prefill sizes
+    if mode == "never" or (mode == "auto" and estimate_probe_flops(region) > budget):
         return ProbeResult(True, acts[0], False, reason="structure")
     return probe_region(region, flow, ctx.real_value, stacked, acts)
 
