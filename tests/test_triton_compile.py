@@ -83,7 +83,10 @@ def test_elementwise_kernels_compile(quant):
             "h_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp32", "counts_ptr": "*i32", "x_ptr": out_t,
             "xs_ptr": "*fp32", "slot_ptr": "*i32", "pos_ptr": "*i64",
         },
-        {"K_POW2": 8, "BLOCK_H": 128 if quant else 1024, "WEIGHTS_ON_INPUT": quant, "QUANT": quant, "STORE_SLOT": True, "INTERP": False},
+        {
+            "K_POW2": 8, "BLOCK_H": 128 if quant else 1024, "WEIGHTS_ON_INPUT": quant, "QUANT": quant,
+            "STORE_SLOT": True, "INTERP": False,
+        },
     )  # fmt: skip
     _compile(
         k.combine_kernel,
