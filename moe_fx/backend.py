@@ -86,13 +86,17 @@ def make_backend(
     config = config or MoEConfig()
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        _run_moe_passes(gm, example_inputs, config, sink)
+        ctx = _run_moe_passes(gm, example_inputs, config, sink)
         if not inductor:
-            return gm.forward
-        from torch._inductor.compile_fx import compile_fx
+            compiled = gm.forward
+        else:
+            from torch._inductor.compile_fx import compile_fx
 
-        patches = {"post_grad_custom_post_pass": _cache_salt(), **config.inductor_options}
-        return compile_fx(gm, list(example_inputs), config_patches=patches)
+            patches = {"post_grad_custom_post_pass": _cache_salt(), **config.inductor_options}
+            compiled = compile_fx(gm, list(example_inputs), config_patches=patches)
+        for action in ctx.after_compile:
+            action()
+        return compiled
 
     backend.moe_fx_config = config  # type: ignore[attr-defined]
     return backend

@@ -101,3 +101,6 @@ def experts_cuda(
 
 
 torch.library.register_kernel("moe_fx::experts", "cuda", experts_cuda)
+
+# The CUDA kernel of moe_fx::masked_experts (expert parallelism) registers itself on import.
+from moe_fx.lowering.experts import masked as _masked  # noqa: E402,F401

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-__all__ = ["DataFlow", "is_factory", "is_matmul", "is_mutation", "node_value", "op_name", "tensor_value"]
+__all__ = ["DataFlow", "add_weight_buffer", "is_factory", "is_matmul", "is_mutation", "node_value", "op_name", "tensor_value"]
 
 _FACTORIES = frozenset(
     {"zeros", "zeros_like", "empty", "empty_like", "new_zeros", "new_empty", "full", "full_like",
@@ -130,3 +130,17 @@ class DataFlow:
                     seen.add(u)
                     stack.append(u)
         return seen
+
+
+def add_weight_buffer(gm: fx.GraphModule, name: str, value: torch.Tensor) -> None:
+    """Register ``value`` as a buffer of Dynamo's graph module so AOTAutograd lifts it as a static input.
+
+    Dynamo records where each parameter/buffer of its graph module came from (``_param_name_to_source``);
+    AOTAutograd requires an entry for every one, so a buffer a pass adds gets a source of its own.
+    """
+    from torch._dynamo.source import ConstantSource
+
+    gm.register_buffer(name, value)
+    sources = getattr(gm, "_param_name_to_source", None)
+    if sources is not None:
+        sources[name] = ConstantSource(f"moe_fx_{name}")

@@ -38,6 +38,8 @@ class PassContext:
         timings: seconds spent in each pass, by name.
         pack_weights: ``(w13, w2, recipe) -> (w13', w13_scale, w2', w2_scale)``, the lowering's weight
             packing, handed in by the backend (passes never import kernels).
+        after_compile: actions the backend runs once the graph is compiled (AOTAutograd re-reads the
+            example inputs' metadata while compiling, so a pass must not change them before that).
     """
 
     config: MoEConfig = field(default_factory=MoEConfig)
@@ -45,6 +47,7 @@ class PassContext:
     report: list[RegionReport] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     pack_weights: Callable[..., tuple] | None = None
+    after_compile: list[Callable[[], None]] = field(default_factory=list)
     _placeholder_values: dict[str, Any] | None = None
 
     def bind(self, gm: fx.GraphModule) -> None:

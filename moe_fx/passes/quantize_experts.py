@@ -14,7 +14,7 @@ import logging
 import torch
 import torch.fx as fx
 
-from moe_fx.passes.graph_utils import tensor_value
+from moe_fx.passes.graph_utils import add_weight_buffer, tensor_value
 from moe_fx.passes.manager import PassContext
 
 __all__ = ["quantize_experts"]
@@ -61,7 +61,7 @@ def quantize_experts(gm: fx.GraphModule, ctx: PassContext) -> int:
         new_nodes = []
         with g.inserting_before(node):
             for name, value in zip(names, (q13, s13, q2, s2), strict=True):
-                gm.register_buffer(name, value)
+                add_weight_buffer(gm, name, value)
                 n = g.get_attr(name)
                 n.meta["example_value"] = _fake_like(value, hidden)
                 new_nodes.append(n)
