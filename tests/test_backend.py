@@ -141,3 +141,19 @@ def test_explain_reports_fp8_checkpoint_experts():
     report = moe_fx.explain(model, torch.randint(0, 64, (1, 5)))
     fp8 = [r for r in report.regions if r.form == "fp8_experts"]
     assert fp8 and all(r.matched and r.fp8 for r in fp8)
+
+
+def test_expert_loop_through_inductor_shares_storage_without_recompiling():
+    from moe_fx.testing import LoopMoE
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = LoopMoE()
+    compiled = moe_fx.compile(model)
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad():
+        for seed in range(3):
+            x = torch.randn(6, 32, generator=torch.Generator().manual_seed(seed))
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert len({p.untyped_storage().data_ptr() for e in model.experts for p in e.parameters()}) == 2
