@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "DENSE_MATCHING_VARIANTS",
     "DENSE_VARIANTS",
     "HF_FAMILIES",
     "DenseBmmMoE",
@@ -201,6 +202,8 @@ class TitanGroupedMoE(_RoutedBlock):
 
 #: Near-miss variants of :class:`DenseBmmMoE` that the pass must leave untouched (all but "ok").
 DENSE_VARIANTS = ("ok", "relu", "clamp", "no_weight", "up_first", "weights_reused", "bias")
+#: Variants of :class:`DenseBmmMoE` that compute a supported MoE differently (matched).
+DENSE_MATCHING_VARIANTS = ("ok", "on_input")
 
 
 class DenseBmmMoE(_RoutedBlock):
@@ -209,15 +212,16 @@ class DenseBmmMoE(_RoutedBlock):
     ``variant`` (one of :data:`DENSE_VARIANTS`) makes near misses: ``relu`` activation, a GPT-OSS-like
     ``clamp`` before the activation, ``no_weight`` (routing weights only select), ``up_first`` (halves
     of ``gate_up`` swapped), ``weights_reused`` (the expert weights also feed another output term),
-    ``bias`` (an extra per-expert bias after the down projection).
+    ``bias`` (an extra per-expert bias after the down projection). ``on_input`` is a supported
+    variant: routing weights scale each expert's input (Llama 4 style) instead of its output.
     """
 
     def __init__(
         self, hidden: int = 32, inter: int = 16, num_experts: int = 8, top_k: int = 2, variant: str = "ok"
     ) -> None:
         super().__init__(hidden, num_experts, top_k)
-        if variant not in DENSE_VARIANTS:
-            raise ValueError(f"unknown variant {variant!r}; known: {DENSE_VARIANTS}")
+        if variant not in DENSE_VARIANTS + DENSE_MATCHING_VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; known: {DENSE_VARIANTS + DENSE_MATCHING_VARIANTS}")
         self.variant = variant
         self.gate_up = nn.Parameter(torch.randn(num_experts, 2 * inter, hidden) * 0.2)
         self.down = nn.Parameter(torch.randn(num_experts, hidden, inter) * 0.2)
@@ -230,6 +234,9 @@ class DenseBmmMoE(_RoutedBlock):
         dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
         dense = dense.scatter(1, ids, torch.ones_like(weights) if v == "no_weight" else weights)
         xe = x.unsqueeze(0).expand(self.num_experts, -1, -1)
+        if v == "on_input":
+            # Unselected experts see x * 0 and, bias-free, return 0: no output weighting needed.
+            xe = xe * dense.t().unsqueeze(-1).to(x.dtype)
         h = torch.bmm(xe, self.gate_up.transpose(1, 2))
         gate, up = h.chunk(2, dim=-1)
         if v == "up_first":
@@ -243,7 +250,7 @@ class DenseBmmMoE(_RoutedBlock):
         y = torch.bmm(act * up, self.down.transpose(1, 2))
         if v == "bias":
             y = y + self.bias
-        out = (y * dense.t().unsqueeze(-1)).sum(dim=0)
+        out = y.sum(dim=0) if v == "on_input" else (y * dense.t().unsqueeze(-1)).sum(dim=0)
         if v == "weights_reused":
             out = out + self.down.mean(dim=(0, 2))
         return out.reshape(shape)

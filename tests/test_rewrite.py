@@ -169,3 +169,17 @@ def test_logging_says_what_was_rewritten_and_why_not(caplog):
     text = caplog.text
     assert "rewrote down: matched -/dense_bmm" in text.replace("?/", "-/")
     assert "left down untouched: unsupported op 'relu'" in text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routing_weights_on_input_detected(dtype):
+    """Llama 4 style: routing weights scale the expert input; the probe finds weights_on_input=True."""
+    torch.manual_seed(0)
+    model = DenseBmmMoE(variant="on_input").to(dtype)
+    x = torch.randn(7, 32, dtype=dtype)
+    out, cap = run_captured(model, x)
+    assert cap.count(OP) == 1 and "weights_on_input = True" in cap.code
+    assert cap.reports[0].weights_on_input
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=3e-2 if dtype == torch.bfloat16 else 1e-5,
+                                   atol=3e-2 if dtype == torch.bfloat16 else 1e-5)
