@@ -142,11 +142,12 @@ def test_compiled_tiny_model_takes_deepgemm_end_to_end(monkeypatch, quantize):
         backend = make_backend(MoEConfig(quantize=quantize), sink=reports)
         compiled = torch.compile(model, backend=backend, fullgraph=False)
         got = compiled(tokens).logits.float()
+        torch._dynamo.reset()
+        # bf16 logits of a random model differ between any two compilations: measure plain Inductor's.
+        noise = _rel(torch.compile(model)(tokens).logits.float(), want)
     assert calls, f"the compiled model never ran deepgemm_experts; pass reports: {reports}"
-    if quantize and torch.float8_e4m3fn not in calls:
-        pytest.skip("MoEConfig(quantize='fp8') is not applied by the passes in this checkout")
     assert set(calls) == {torch.float8_e4m3fn if quantize else torch.bfloat16}
-    assert _rel(got, want) < (0.08 if quantize else 0.02), _rel(got, want)
+    assert _rel(got, want) < (0.08 if quantize else 0.02) + 2 * noise, (_rel(got, want), noise)
 
 
 def test_fp8_checkpoint_model_uses_its_fp8_weights_on_deepgemm(monkeypatch):
