@@ -51,7 +51,7 @@ class RegionReport:
         """A single log line describing the outcome."""
         if self.matched:
             return (
-                f"{self.layer}: matched {self.family or '?'}/{self.form} E={self.num_experts} K={self.top_k} "
+                f"{self.layer}: matched {self.family or '-'}/{self.form} E={self.num_experts} K={self.top_k} "
                 f"H={self.hidden} I={self.intermediate} {self.dtype} act={self.activation}"
                 + (" weights_on_input" if self.weights_on_input else "")
                 + (f" kernel={self.kernel}" if self.kernel else "")
