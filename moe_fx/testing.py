@@ -22,6 +22,7 @@ __all__ = [
     "DENSE_MATCHING_VARIANTS",
     "DENSE_VARIANTS",
     "HF_FAMILIES",
+    "OTHER_HF_FAMILIES",
     "DenseBmmMoE",
     "LoopMoE",
     "SwiGLUExpert",
@@ -31,6 +32,9 @@ __all__ = [
 ]
 
 HF_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
+#: More transformers families: Qwen2-MoE and OLMoE are matched; GPT-OSS (clamped, interleaved, biased experts)
+#: and Llama 4 (dense sigmoid scores on the expert input) are left untouched.
+OTHER_HF_FAMILIES = ("qwen2_moe", "olmoe", "gpt_oss", "llama4")
 
 
 def tiny_hf_config(
@@ -92,11 +96,32 @@ def tiny_hf_config(
             v_head_dim=8,
             **{**common, "num_key_value_heads": 4},
         )
+    elif family == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(
+            intermediate_size=4 * intermediate, moe_intermediate_size=intermediate,
+            shared_expert_intermediate_size=2 * intermediate, num_experts=num_experts, num_experts_per_tok=top_k,
+            **common,
+        )
+    elif family == "olmoe":
+        cfg = transformers.OlmoeConfig(
+            intermediate_size=intermediate, num_experts=num_experts, num_experts_per_tok=top_k, **common
+        )
+    elif family == "gpt_oss":
+        cfg = transformers.GptOssConfig(
+            intermediate_size=intermediate, num_local_experts=num_experts, num_experts_per_tok=top_k,
+            head_dim=hidden // 4, layer_types=["full_attention"] * num_layers, **common,
+        )
+    elif family == "llama4":
+        cfg = transformers.Llama4TextConfig(
+            intermediate_size=intermediate, intermediate_size_mlp=2 * intermediate, num_local_experts=num_experts,
+            num_experts_per_tok=1, head_dim=hidden // 4, interleave_moe_layer_step=1, **common,
+        )
     else:
-        raise ValueError(f"unknown family {family!r}; known: {HF_FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; known: {HF_FAMILIES + OTHER_HF_FAMILIES}")
     for key, value in overrides.items():
         setattr(cfg, key, value)
-    cfg._experts_implementation = experts_implementation
+    if family != "llama4":  # Llama 4 has one experts implementation only
+        cfg._experts_implementation = experts_implementation
     return cfg
 
 
@@ -119,6 +144,8 @@ def tiny_hf_model(family: str, *, dtype: torch.dtype = torch.float32, seed: int 
             # transformers initialises some routers and experts with zeros/empty; make every weight random.
             if p.dim() >= 2:
                 p.normal_(0.0, 0.2 if p.dim() == 3 or "gate" in name else 0.05)
+            elif name.endswith("bias") and "experts" in name:
+                p.normal_(0.0, 0.2)  # GPT-OSS expert biases start at zero
     return model.to(dtype).eval()
 
 

@@ -183,3 +183,23 @@ def test_routing_weights_on_input_detected(dtype):
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), rtol=3e-2 if dtype == torch.bfloat16 else 1e-5,
                                    atol=3e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("family, matched", [("qwen2_moe", True), ("olmoe", True), ("gpt_oss", False), ("llama4", False)])
+def test_other_hf_families(family, matched):
+    """Qwen2-MoE and OLMoE match; GPT-OSS (biased, clamped experts) and Llama 4 stay exactly as they were."""
+    from helpers import logits, rel_err
+    from moe_fx.testing import tiny_hf_model
+
+    model = tiny_hf_model(family, num_layers=1, num_experts=4)
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = logits(model(ids))
+    got, cap = run_captured(model, ids)
+    assert cap.count(OP) == (1 if matched else 0)
+    assert [r.matched for r in cap.reports] == [matched]
+    if matched:
+        assert rel_err(logits(got), want) < 1e-5
+    else:
+        _, plain = run_captured(model, ids, passes=False)
+        assert cap.code == plain.code and cap.reports[0].reason
