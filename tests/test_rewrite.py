@@ -27,6 +27,41 @@ def _body(code: str) -> str:
 class TestExpectedGraphs(TestCase):
     """The graph after the pass, printed, for the user-written forms."""
 
+    def _hf_moe_slice(self, impl: str) -> str:
+        """The graph lines from the router to the line after the op, for a 1-layer tiny Qwen3-MoE."""
+        model = tiny_hf_model("qwen3_moe", num_layers=1, experts_implementation=impl, dtype=torch.bfloat16)
+        _, cap = run_captured(model, torch.randint(0, 128, (1, 5)))
+        lines = _body(cap.code).splitlines()
+        start = next(i for i, ln in enumerate(lines) if "router_logits = " in ln)
+        end = next(i for i, ln in enumerate(lines) if OP in ln)
+        return "\n".join(lines[start : end + 2])
+
+    def test_hf_grouped_mm(self):
+        self.assertExpectedInline(self._hf_moe_slice("grouped_mm"), """\
+    router_logits = torch._C._nn.linear(hidden_states_11, model_modules_layers_modules_0_modules_mlp_modules_gate_parameters_weight);  hidden_states_11 = model_modules_layers_modules_0_modules_mlp_modules_gate_parameters_weight = None
+    router_probs = torch.nn.functional.softmax(router_logits, dtype = torch.float32, dim = -1);  router_logits = None
+    topk = torch.topk(router_probs, 2, dim = -1);  router_probs = None
+    router_top_value = topk[0]
+    router_indices = topk[1];  topk = None
+    sum_1 = router_top_value.sum(dim = -1, keepdim = True)
+    router_top_value /= sum_1;  router_top_value_1 = router_top_value;  router_top_value = sum_1 = None
+    router_top_value_2 = router_top_value_1.to(torch.bfloat16);  router_top_value_1 = None
+    experts_default = torch.ops.moe_fx.experts.default(hidden_states_reshaped, router_indices, router_top_value_2, model_modules_layers_modules_0_modules_mlp_modules_experts_parameters_gate_up_proj, model_modules_layers_modules_0_modules_mlp_modules_experts_parameters_down_proj, activation = 'silu', weights_on_input = False, impl = 'auto');  hidden_states_reshaped = router_indices = router_top_value_2 = model_modules_layers_modules_0_modules_mlp_modules_experts_parameters_gate_up_proj = model_modules_layers_modules_0_modules_mlp_modules_experts_parameters_down_proj = None
+    final_hidden_states_1 = experts_default.to(torch.bfloat16);  experts_default = None""")
+
+    def test_hf_batched_mm(self):
+        self.assertExpectedInline(self._hf_moe_slice("batched_mm"), """\
+    router_logits = torch._C._nn.linear(hidden_states_11, model_modules_layers_modules_0_modules_mlp_modules_gate_parameters_weight);  hidden_states_11 = model_modules_layers_modules_0_modules_mlp_modules_gate_parameters_weight = None
+    router_probs = torch.nn.functional.softmax(router_logits, dtype = torch.float32, dim = -1);  router_logits = None
+    topk = torch.topk(router_probs, 2, dim = -1);  router_probs = None
+    router_top_value = topk[0]
+    router_indices = topk[1];  topk = None
+    sum_1 = router_top_value.sum(dim = -1, keepdim = True)
+    router_top_value /= sum_1;  router_top_value_1 = router_top_value;  router_top_value = sum_1 = None
+    router_top_value_2 = router_top_value_1.to(torch.bfloat16);  router_top_value_1 = None
+    experts_default = torch.ops.moe_fx.experts.default(hidden_states_reshaped, router_indices, router_top_value_2, model_modules_layers_modules_0_modules_mlp_modules_experts_parameters_gate_up_proj, model_modules_layers_modules_0_modules_mlp_modules_experts_parameters_down_proj, activation = 'silu', weights_on_input = False, impl = 'auto');  hidden_states_reshaped = router_indices = router_top_value_2 = model_modules_layers_modules_0_modules_mlp_modules_experts_parameters_gate_up_proj = model_modules_layers_modules_0_modules_mlp_modules_experts_parameters_down_proj = None
+    final_hidden_states_1 = experts_default.to(torch.bfloat16);  experts_default = None""")
+
     def test_titan_grouped_mm(self):
         torch.manual_seed(0)
         _, cap = run_captured(TitanGroupedMoE().bfloat16(), torch.randn(6, 32, dtype=torch.bfloat16))
