@@ -62,6 +62,17 @@ class Region:
     top_k: int
     ops: set[str] = field(default_factory=set)
 
+    @property
+    def form(self) -> str:
+        """How the experts were written: ``expert_loop``, ``grouped_mm``, ``batched_mm`` or ``dense_bmm``."""
+        if self.anchors.kind == "per_expert":
+            return "expert_loop"
+        if self.ops & {"_grouped_mm", "grouped_mm", "grouped_mm_fallback"}:
+            return "grouped_mm"
+        # batched_mm gathers each routed token's expert weights; a dense form runs every expert.
+        weight_indexed = any(op_name(u) == "getitem" for w in self.anchors.nodes for u in w.users)
+        return "batched_mm" if weight_indexed else "dense_bmm"
+
     def output_readers(self, flow: DataFlow) -> list[fx.Node]:
         """Nodes outside the region that read its output value."""
         readers = [u for u in self.output.users if u not in self.nodes]

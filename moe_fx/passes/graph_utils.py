@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-__all__ = ["DataFlow", "add_weight_buffer", "is_factory", "is_matmul", "is_mutation", "node_value", "op_name", "tensor_value"]
+__all__ = ["DataFlow", "add_weight_buffer", "fake_mode_of", "is_factory", "is_matmul", "is_mutation", "node_value", "op_name", "tensor_value"]
 
 _FACTORIES = frozenset(
     {"zeros", "zeros_like", "empty", "empty_like", "new_zeros", "new_empty", "full", "full_like",
@@ -132,11 +132,24 @@ class DataFlow:
         return seen
 
 
-def add_weight_buffer(gm: fx.GraphModule, name: str, value: torch.Tensor) -> None:
-    """Register ``value`` as a buffer of Dynamo's graph module so AOTAutograd lifts it as a static input.
+def fake_mode_of(values: list[object]):
+    """The fake mode Dynamo made the graph's example values with (not necessarily the ambient one)."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor
 
-    Dynamo records where each parameter/buffer of its graph module came from (``_param_name_to_source``);
-    AOTAutograd requires an entry for every one, so a buffer a pass adds gets a source of its own.
+    for v in values:
+        if isinstance(v, FakeTensor):
+            return v.fake_mode
+    return detect_fake_mode(values)
+
+
+def add_weight_buffer(gm: fx.GraphModule, name: str, value: torch.Tensor, like: fx.Node) -> fx.Node:
+    """Register ``value`` as a buffer of Dynamo's graph module and return a get_attr node reading it.
+
+    Call it inside ``graph.inserting_before(...)``. The node's example value is a fake of ``value`` in the
+    fake mode of ``like``'s value. Dynamo records where each parameter/buffer of its graph module came
+    from (``_param_name_to_source``); AOTAutograd requires an entry for every one, so a buffer a pass
+    adds gets a source of its own (and is then lifted as a static input).
     """
     from torch._dynamo.source import ConstantSource
 
@@ -144,3 +157,7 @@ def add_weight_buffer(gm: fx.GraphModule, name: str, value: torch.Tensor) -> Non
     sources = getattr(gm, "_param_name_to_source", None)
     if sources is not None:
         sources[name] = ConstantSource(f"moe_fx_{name}")
+    node = gm.graph.get_attr(name)
+    mode = fake_mode_of([tensor_value(like)])
+    node.meta["example_value"] = mode.from_tensor(value, static_shapes=True) if mode is not None else value
+    return node

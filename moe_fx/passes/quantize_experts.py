@@ -33,12 +33,6 @@ def _real_weight(node: fx.Node, ctx: PassContext) -> torch.Tensor | None:
     return None
 
 
-def _fake_like(t: torch.Tensor, like: fx.Node) -> torch.Tensor:
-    value = tensor_value(like)
-    mode = getattr(value, "fake_mode", None)
-    return mode.from_tensor(t, static_shapes=True) if mode is not None else t
-
-
 def quantize_experts(gm: fx.GraphModule, ctx: PassContext) -> int:
     """Quantise the weights of every bf16 ``moe_fx::experts`` node to fp8 blocks; return how many."""
     if ctx.config.quantize != "fp8" or ctx.pack_weights is None:
@@ -57,19 +51,16 @@ def quantize_experts(gm: fx.GraphModule, ctx: PassContext) -> int:
             continue
         with torch.no_grad():
             q13, s13, q2, s2 = ctx.pack_weights(w13, w2, "fp8")
-        names = [f"moe_fx_fp8_{count}_{suffix}" for suffix in ("w13", "w13_scale", "w2", "w2_scale")]
-        new_nodes = []
+        suffixes = ("w13", "w13_scale", "w2", "w2_scale")
         with g.inserting_before(node):
-            for name, value in zip(names, (q13, s13, q2, s2), strict=True):
-                add_weight_buffer(gm, name, value)
-                n = g.get_attr(name)
-                n.meta["example_value"] = _fake_like(value, hidden)
-                new_nodes.append(n)
-        node.args = (*node.args[:3], new_nodes[0], new_nodes[2], *node.args[5:])
-        node.kwargs = {**node.kwargs, "w13_scale": new_nodes[1], "w2_scale": new_nodes[3]}
-        for r in ctx.report:
-            if r.matched and not r.fp8 and (r.num_experts, r.hidden, r.intermediate) == tuple(w2.shape[:2]) + (w2.shape[2],):
-                r.fp8 = True
-                break
+            q13_n, s13_n, q2_n, s2_n = (
+                add_weight_buffer(gm, f"moe_fx_fp8_{count}_{suffix}", value, hidden)
+                for suffix, value in zip(suffixes, (q13, s13, q2, s2), strict=True)
+            )
+        node.args = (*node.args[:3], q13_n, q2_n, *node.args[5:])
+        node.kwargs = {**node.kwargs, "w13_scale": s13_n, "w2_scale": s2_n}
+        report_index = node.meta.get("moe_fx", {}).get("report_index")
+        if report_index is not None:
+            ctx.report[report_index].fp8 = True
         count += 1
     return count

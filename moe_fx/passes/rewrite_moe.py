@@ -17,12 +17,10 @@ import re
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor
 
 from moe_fx.passes.extract_region import Region, extract_region
 from moe_fx.passes.find_experts import ExpertWeights, find_expert_weights
-from moe_fx.passes.graph_utils import DataFlow, add_weight_buffer, op_name, tensor_value
+from moe_fx.passes.graph_utils import DataFlow, add_weight_buffer, fake_mode_of, tensor_value
 from moe_fx.passes.manager import PassContext
 from moe_fx.passes.report import RegionReport
 from moe_fx.passes.verify_region import (
@@ -60,16 +58,6 @@ def _clean_path(path: str) -> str:
     return re.sub(r"\[(\d+)\]", r".\1", path)
 
 
-def _form(region: Region) -> str:
-    ops = region.ops
-    if region.anchors.kind == "per_expert":
-        return "expert_loop"
-    if ops & {"_grouped_mm", "grouped_mm", "grouped_mm_fallback"}:
-        return "grouped_mm"
-    weight_indexed = any(op_name(u) == "getitem" for w in region.anchors.nodes for u in w.users)
-    return "batched_mm" if weight_indexed else "dense_bmm"
-
-
 def _stack_per_expert(anchors: ExpertWeights, ctx: PassContext) -> tuple[torch.Tensor, torch.Tensor] | None:
     gate = [ctx.real_value(n) for n in anchors.gate]
     up = [ctx.real_value(n) for n in anchors.up]
@@ -102,34 +90,17 @@ def _share_storage(anchors: ExpertWeights, ctx: PassContext, w13: torch.Tensor, 
             ctx.real_value(d).data = w2[e]
 
 
-def _fake_mode(values: list[object]):
-    """The fake mode Dynamo made the graph's example values with (not necessarily the ambient one)."""
-    for v in values:
-        if isinstance(v, FakeTensor):
-            return v.fake_mode
-    return detect_fake_mode(values)
-
-
-def _fake(t: torch.Tensor, like: fx.Node) -> torch.Tensor:
-    mode = _fake_mode([tensor_value(like)])
-    return mode.from_tensor(t, static_shapes=True) if mode is not None else t
-
-
 def _insert_op(
     gm: fx.GraphModule, flow: DataFlow, region: Region, probe: ProbeResult, ctx: PassContext,
-    stacked: tuple[torch.Tensor, torch.Tensor], index: int,
+    stacked: tuple[torch.Tensor, torch.Tensor], index: int, report_index: int,
 ) -> fx.Node:
     g = gm.graph
     a = region.anchors
     with g.inserting_before(region.output):
         if a.kind == "per_expert":
             w13, w2 = stacked
-            names = (f"moe_fx_w13_{index}", f"moe_fx_w2_{index}")
-            add_weight_buffer(gm, names[0], w13)
-            add_weight_buffer(gm, names[1], w2)
-            w13_node, w2_node = g.get_attr(names[0]), g.get_attr(names[1])
-            w13_node.meta["example_value"] = _fake(w13, region.hidden)
-            w2_node.meta["example_value"] = _fake(w2, region.hidden)
+            w13_node = add_weight_buffer(gm, f"moe_fx_w13_{index}", w13, region.hidden)
+            w2_node = add_weight_buffer(gm, f"moe_fx_w2_{index}", w2, region.hidden)
         elif a.transposed:
             w13_node = g.call_method("transpose", (a.w13, 1, 2))
             w2_node = g.call_method("transpose", (a.w2, 1, 2))
@@ -145,13 +116,14 @@ def _insert_op(
             kwargs,
         )
     fake_args = [tensor_value(n) for n in (region.hidden, region.ids, region.weights, w13_node, w2_node)]
-    mode = _fake_mode(fake_args)
+    mode = fake_mode_of(fake_args)
     with mode if mode is not None else torch.no_grad():
         op.meta["example_value"] = torch.ops.moe_fx.experts.default(*fake_args, **kwargs)
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if key in region.output.meta:
             op.meta[key] = region.output.meta[key]
-    op.meta["moe_fx"] = {"form": _form(region), "E": a.num_experts, "K": region.top_k}
+    # report_index lets later passes (quantize_experts) update this region's entry in ctx.report.
+    op.meta["moe_fx"] = {"form": region.form, "E": a.num_experts, "K": region.top_k, "report_index": report_index}
     for reader in region.output_readers(flow):
         reader.replace_input_with(region.output, op)
         if region.output_base is not None:
@@ -232,7 +204,7 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
             report.reason = str(found)
             log.info("moe_fx: left %s untouched: %s", report.layer, report.reason)
             continue
-        report.form, report.top_k = _form(region), region.top_k
+        report.form, report.top_k = region.form, region.top_k
         report.dtype = str(tensor_value(region.hidden).dtype).replace("torch.", "")
         report.device = tensor_value(region.hidden).device.type
         stacked = _stacked_weights(region, ctx)
@@ -247,7 +219,7 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         if region.anchors.kind == "per_expert":
             anchors, (w13, w2) = region.anchors, stacked
             ctx.after_compile.append(lambda a=anchors, x=w13, y=w2: _share_storage(a, ctx, x, y))
-        _insert_op(gm, flow, region, probe, ctx, stacked, count)
+        _insert_op(gm, flow, region, probe, ctx, stacked, count, len(ctx.report) - 1)
         report.matched, report.activation, report.weights_on_input = True, probe.activation, probe.weights_on_input
         report.verified = "structure" if probe.reason == "structure" else f"numerics (rel err {probe.error:.1e})"
         count += 1

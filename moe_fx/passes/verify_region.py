@@ -95,8 +95,7 @@ def estimate_probe_flops(region: Region) -> float:
     """Flops of one probe run: every routed token through one expert (dense forms: through all)."""
     a = region.anchors
     t = _hint(region.num_tokens)
-    rows = t * a.num_experts if region.anchors.kind == "stacked" and "bmm" in region.ops and "getitem" not in {
-        op_name(u) for w in a.nodes for u in w.users} else t * region.top_k
+    rows = t * a.num_experts if region.form == "dense_bmm" else t * region.top_k
     return 6.0 * rows * a.hidden * a.intermediate
 
 
@@ -161,7 +160,6 @@ def probe_region(
     tol = _TOLERANCE.get(dtype, 3e-2)
     gen = torch.Generator().manual_seed(1234)
     probes = [_probe_inputs(region, device, s, gen) for s in (1.0, 4.0)]
-    values: list[list[object]] = []
     with torch.no_grad():
         outs = []
         for hidden, ids, weights in probes:
@@ -176,7 +174,6 @@ def probe_region(
                         return ProbeResult(False, reason=f"no real value for {node.name}")
                     v = _hint(v)
                 args.append(v)
-            values.append(args)
             try:
                 # The Interpreter, unlike gm(...), does not print the traceback of an expected failure.
                 outs.append(fx.Interpreter(gm).run(*args))
