@@ -7,7 +7,7 @@ For each shape (Mixtral-8x7B, Qwen3-30B-A3B, a DeepSeek-V3 EP-8 shard) and token
   ``torch.compile`` (``--no-compile-hf`` times them uncompiled);
 * ``moe_fx_bf16``, ``moe_fx_fp8``: :func:`moe_fx.lowering.experts.triton_experts.triton_experts` with
   the bf16 weights, and with the same weights quantised once to fp8 128x128 blocks;
-* with ``--deepgemm`` and ``deep_gemm`` importable: ``torch.ops.moe_fx.experts(kernel="deepgemm")``.
+* with ``--deepgemm`` and ``deep_gemm`` importable: ``torch.ops.moe_fx.experts(impl="deepgemm")``.
 
 Decode rows (T <= 256) are timed as plain calls and as CUDA-graph replays (``*_graph`` columns;
 an implementation that cannot be captured, e.g. one that synchronises with the host, gets none).
@@ -224,7 +224,7 @@ def main() -> None:
         action="store_true",
         help="also compile hf eager (its data-dependent loop breaks the graph per expert; slow to compile)",
     )
-    ap.add_argument("--deepgemm", action="store_true", help="add torch.ops.moe_fx.experts(kernel='deepgemm') rows")
+    ap.add_argument("--deepgemm", action="store_true", help="add torch.ops.moe_fx.experts(impl='deepgemm') rows")
     ap.add_argument("--graph-max-t", type=int, default=256)
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cells after this many seconds")
@@ -307,8 +307,8 @@ def main() -> None:
         fns["moe_fx_bf16"] = experts_fn(triton_experts, w13, w2)
         fns["moe_fx_fp8"] = experts_fn(triton_experts, q13, q2, s13, s2)
         if deep_gemm_ok:
-            fns["moe_fx_deepgemm_bf16"] = experts_fn(torch.ops.moe_fx.experts, w13, w2, kernel="deepgemm")
-            fns["moe_fx_deepgemm_fp8"] = experts_fn(torch.ops.moe_fx.experts, q13, q2, s13, s2, kernel="deepgemm")
+            fns["moe_fx_deepgemm_bf16"] = experts_fn(torch.ops.moe_fx.experts, w13, w2, impl="deepgemm")
+            fns["moe_fx_deepgemm_fp8"] = experts_fn(torch.ops.moe_fx.experts, q13, q2, s13, s2, impl="deepgemm")
         meta.setdefault("check_rel_err_vs_fp32_reference", {})[shape] = check_outputs(fns, e, k, h, w13, w2)
         log("check", shape, json.dumps(meta["check_rel_err_vs_fp32_reference"][shape]))
         for t in map(int, args.tokens.split(",")):
@@ -393,26 +393,38 @@ def write_markdown(path: str, meta: dict, rows: list[dict]) -> None:
             )
         else:
             lines.append(f"| {r['shape']} | {r['T']} | {r['impl']} | {r['mode']} | {r.get('error', '')} | | | | | | |")
-    # fastest per (shape, T, mode)
+    # per (shape, T, mode): the best of transformers against each moe_fx implementation
+    mine_names = [n for n in dict.fromkeys(r["impl"] for r in rows) if n.startswith("moe_fx")]
     lines += [
         "",
-        "## Fastest per row",
+        "## moe_fx against the best of transformers, per row",
         "",
-        "| shape | T | mode | fastest | µs | moe_fx best | µs | frac of floor |",
-        "|---|---|---|---|---|---|---|---|",
+        "Speed-up = best transformers µs / moe_fx µs (same dtype for bf16; fp8 rows move half the weight bytes). "
+        "frac = the best moe_fx row's fraction of its own floor.",
+        "",
+        "| shape | T | mode | best transformers | µs | "
+        + " | ".join(f"{n} µs (x)" for n in mine_names)
+        + " | best moe_fx frac |",
+        "|---|---|---|---|---|" + "---|" * len(mine_names) + "---|",
     ]
     keys = sorted({(r["shape"], r["T"], r["mode"]) for r in rows}, key=lambda x: (x[0], x[1], x[2]))
     for key in keys:
-        cell = [r for r in rows if (r["shape"], r["T"], r["mode"]) == key and "us" in r]
+        cell = {r["impl"]: r for r in rows if (r["shape"], r["T"], r["mode"]) == key and "us" in r}
         if not cell:
             continue
-        best = min(cell, key=lambda r: r["us"])
-        mine = [r for r in cell if r["impl"].startswith("moe_fx")]
-        mb = min(mine, key=lambda r: r["us"]) if mine else None
-        lines.append(
-            f"| {key[0]} | {key[1]} | {key[2]} | {best['impl']} | {best['us']:.1f} | "
-            + (f"{mb['impl']} | {mb['us']:.1f} | {100 * mb['frac_floor']:.0f}% |" if mb else "| | |")
-        )
+        hf = [r for n, r in cell.items() if n.startswith("hf_")]
+        best_hf = min(hf, key=lambda r: r["us"]) if hf else None
+        parts = [key[0], str(key[1]), key[2], best_hf["impl"] if best_hf else "", f"{best_hf['us']:.1f}" if best_hf else ""]
+        for n in mine_names:
+            r = cell.get(n)
+            if r is None:
+                parts.append("")
+            else:
+                sp = f" ({best_hf['us'] / r['us']:.2f}x)" if best_hf else ""
+                parts.append(f"{r['us']:.1f}{sp}")
+        mine = [r for n, r in cell.items() if n.startswith("moe_fx")]
+        parts.append(f"{100 * min(mine, key=lambda r: r['us'])['frac_floor']:.0f}%" if mine else "")
+        lines.append("| " + " | ".join(parts) + " |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 

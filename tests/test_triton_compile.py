@@ -28,6 +28,8 @@ def _compile(fn, types: dict, consts: dict, warps: int = 4, stages: int = 3):
             sig[name] = "constexpr"
         else:
             sig[name] = types.get(name, "i32")
+            if sig[name].startswith("tensordesc"):
+                continue
             if name.endswith("_ptr") or name.startswith("s_") or name in ("N", "K", "H", "I"):
                 attrs[(idx,)] = [["tt.divisibility", 16]]
     try:
@@ -47,25 +49,50 @@ GEMM = {"GROUP_M": 8, "E_POW2": 128, "EVEN_K": True, "UPCAST": False, "s_ak": 1,
 
 
 @pytest.mark.parametrize(
-    "fp8,bm,bn,bk,warps,stages",
-    [(False, 128, 256, 64, 8, 3), (False, 16, 64, 128, 4, 4), (True, 128, 128, 128, 8, 4), (True, 16, 32, 128, 4, 5)],
+    "fp8,bm,bn,bk,warps,stages,tma",
+    [
+        (False, 128, 256, 64, 8, 3, False),
+        (False, 128, 256, 64, 8, 3, True),
+        (False, 16, 64, 128, 4, 4, False),
+        (True, 128, 128, 128, 8, 4, False),
+        (True, 128, 128, 128, 4, 3, True),
+        (True, 128, 256, 128, 8, 3, True),
+        (True, 16, 32, 128, 4, 5, False),
+    ],
 )
-def test_gemm_compiles_pipelined(fp8, bm, bn, bk, warps, stages):
+def test_gemm_compiles_pipelined(fp8, bm, bn, bk, warps, stages, tma):
     k = _kernels()
-    consts = dict(GEMM, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    consts = dict(GEMM, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, TMA=tma)
+    elem = "fp8e4nv" if fp8 else "bf16"
+    if tma:
+        types = {"a_ptr": f"tensordesc<{elem}[1, {bm}, {bk}]>", "b_ptr": f"tensordesc<{elem}[1, {bn}, {bk}]>"}
+    else:
+        types = {"a_ptr": f"*{elem}", "b_ptr": f"*{elem}"}
+    types["c_ptr"] = "*bf16"
     if fp8:
         fn = k.masked_gemm_fp8_kernel
-        types = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16"}
+        types.update({"as_ptr": "*fp32", "bs_ptr": "*fp32"})
         consts["s_ask"] = 1
+        consts["SCALAR_BS"] = bn <= 128
     else:
         fn = k.masked_gemm_kernel
-        types = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16"}
         consts["IEEE"] = False
     types["masked_m_ptr"] = "*i32"
     ptx = _compile(fn, types, consts, warps, stages).asm["ptx"]
-    assert "cp.async" in ptx, "main loop not pipelined (no async copies)"
+    if tma:
+        assert "cp.async.bulk.tensor" in ptx, "TMA loads expected"
+    else:
+        assert "cp.async" in ptx, "main loop not pipelined (no async copies)"
     assert ("wgmma.mma_async" in ptx) == (bm >= 64), "Hopper MMA expected exactly for 64+ row tiles"
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
+    if fp8 and bm >= 64:
+        # Promotion of each k step: one FMA per accumulator element a thread holds when b's scale
+        # is one value per tile, plus one multiply per element (the outer product of the scales)
+        # when it varies per column. More would mean the scale product is recomputed per element.
+        per_thread = bm * bn // (32 * warps)
+        fma, mul = ptx.count("fma.rn.f32"), ptx.count("mul.f32")
+        assert fma == per_thread, (fma, per_thread)
+        assert mul <= (per_thread if bn > 128 else 8), (mul, per_thread)
 
 
 @pytest.mark.parametrize("quant", [False, True])

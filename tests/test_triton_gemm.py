@@ -76,7 +76,7 @@ def _fp8_inputs(g, m, n, k, device, gen, mn_major_scale: bool):
     return a, a_s, b, b_s
 
 
-@pytest.mark.parametrize("device", [pytest.param("cuda", marks=[pytest.mark.gpu, gpu])])
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("mn_major_scale", [False, True])
 def test_masked_gemm_fp8(device, mn_major_scale):
     gen = torch.Generator().manual_seed(2)
@@ -88,6 +88,49 @@ def test_masked_gemm_fp8(device, mn_major_scale):
         a_deq = a.float() * a_s.repeat_interleave(128, -1)[..., :k]
         ref = torch.bmm(a_deq, dequantize_blockwise(b, b_s).transpose(1, 2))
         _check_rows(out, ref, mm.cpu(), 1e-2)  # same quantised operands: only accumulation order + bf16 out
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("block_n", [64, 256])
+def test_tma_and_scale_variants_on_cpu(kind, block_n):
+    """TMA descriptor loads (zero-filled tails) and both fp8 scale paths (b's scale as one value per
+    tile when the tile sits in one 128-column block, per column otherwise) equal the pointer path."""
+    gen = torch.Generator().manual_seed(5)
+    g, m, n, k = 3, 20, 200, 264  # N and K tails; block_n 64: one b scale per tile, 256: per column
+    mm = torch.tensor([0, 20, 7], dtype=torch.int32)
+    if kind == "fp8":
+        a, a_s, b, b_s = _fp8_inputs(g, m, n, k, "cpu", gen, False)
+        ref = torch.bmm(
+            a.float() * a_s.repeat_interleave(128, -1)[..., :k], dequantize_blockwise(b, b_s).transpose(1, 2)
+        )
+    else:
+        a = torch.randn(g, m, k, generator=gen).to(torch.bfloat16)
+        b = (torch.randn(g, n, k, generator=gen) / k**0.5).to(torch.bfloat16)
+        ref = torch.bmm(a.float(), b.float().transpose(1, 2))
+    outs = []
+    for tma in (False, True):
+        cfg = TileConfig(16, block_n, 128 if kind == "fp8" else 64, 1, 4, 1, 1, tma=tma)
+        out = torch.full((g, m, n), float("nan"), dtype=torch.bfloat16)
+        if kind == "fp8":
+            masked_gemm_fp8(a, a_s, b, b_s, mm, out=out, config=cfg)
+        else:
+            masked_gemm_bf16(a, b, mm, out=out, config=cfg)
+        _check_rows(out, ref, mm, 1e-2)
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], equal_nan=True, rtol=0, atol=0)
+
+
+def test_tma_needs_aligned_operands():
+    """A row stride that is not a multiple of 16 bytes cannot feed TMA: the pointer path runs instead."""
+    from moe_fx.lowering.triton.grouped_gemm import _operands, _tma_ok
+
+    cfg = TileConfig(16, 64, 64, tma=True)
+    good = torch.empty(2, 8, 64, dtype=torch.bfloat16)
+    odd = torch.empty(2, 8, 68, dtype=torch.bfloat16)[:, :, :60]  # row stride 136 bytes
+    assert _tma_ok(good) and not _tma_ok(odd) and not _tma_ok(good.transpose(1, 2))
+    assert _operands(cfg, good, good)[2] is True
+    assert _operands(cfg, odd, good)[2] is False
+    assert _operands(TileConfig(16, 64, 64), good, good)[2] is False
 
 
 @pytest.mark.gpu
@@ -108,6 +151,7 @@ def test_every_tile_candidate_is_correct(kind):
         b = torch.randn(g, n, k, generator=gen).to(torch.bfloat16).cuda()
         ref = torch.bmm(a.float(), b.float().transpose(1, 2))
     cfgs = {c for bucket in (16, 32, 64, 256) for c in candidates(kind, bucket)}
+    assert any(c.tma for c in cfgs) and any(not c.tma for c in cfgs)
     for cfg in cfgs:
         out = torch.full((g, m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         if kind == "fp8":

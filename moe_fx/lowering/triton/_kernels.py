@@ -90,8 +90,14 @@ def masked_gemm_kernel(
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
-    """c[g, :m_g, :] = a[g, :m_g, :] @ b[g]^T, fp32 accumulation, stored in c's dtype."""
+    """c[g, :m_g, :] = a[g, :m_g, :] @ b[g]^T, fp32 accumulation, stored in c's dtype.
+
+    With TMA, ``a_ptr`` / ``b_ptr`` are 3-D tensor descriptors (blocks ``[1, BLOCK_M, BLOCK_K]`` /
+    ``[1, BLOCK_N, BLOCK_K]``): the copy engine zero-fills past the tensor's edges, so tails need
+    no masks; rows past ``masked_m`` inside the buffer load garbage that is never stored.
+    """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e, rows, tiles, cum = _valid_tiles(masked_m_ptr, E, M, BLOCK_M, E_POW2)
@@ -105,11 +111,15 @@ def masked_gemm_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < m_e
         mask_n = offs_n < N
-        a_ptrs = a_ptr + e64 * s_ag + offs_m[:, None] * s_am + offs_k[None, :] * s_ak
-        b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
+        if not TMA:
+            a_ptrs = a_ptr + e64 * s_ag + offs_m[:, None] * s_am + offs_k[None, :] * s_ak
+            b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
+            if TMA:
+                a = a_ptr.load([e, pid_m * BLOCK_M, k0]).reshape(BLOCK_M, BLOCK_K)
+                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
                 b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
             else:
@@ -122,8 +132,9 @@ def masked_gemm_kernel(
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_K * s_ak
-            b_ptrs += BLOCK_K * s_bk
+            if not TMA:
+                a_ptrs += BLOCK_K * s_ak
+                b_ptrs += BLOCK_K * s_bk
         c_ptrs = c_ptr + e64 * s_cg + offs_m[:, None] * s_cm + offs_n[None, :] * s_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -162,11 +173,17 @@ def masked_gemm_fp8_kernel(
     E_POW2: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    TMA: tl.constexpr = False,
+    SCALAR_BS: tl.constexpr = False,
 ):
     """fp8 x fp8 -> bf16: a with 1x128 per-row group scales, b with 128x128 block scales.
 
     BLOCK_K divides 128, so each k step lies in one scale group: the partial product of the step
     is scaled by a_scale[row, k//128] * b_scale[col//128, k//128] before it joins the accumulator.
+    SCALAR_BS (a column tile inside one 128-column scale block) folds b's scale into the row
+    scales first, so promoting the step costs one FMA per accumulator element instead of three:
+    that promotion runs on the CUDA cores beside the tensor cores and bounds this kernel's speed.
+    TMA: ``a_ptr`` / ``b_ptr`` are tensor descriptors, as in :func:`masked_gemm_kernel`.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -181,13 +198,20 @@ def masked_gemm_fp8_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < m_e
         mask_n = offs_n < N
-        a_ptrs = a_ptr + e64 * s_ag + offs_m[:, None] * s_am + offs_k[None, :] * s_ak
-        b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
+        if not TMA:
+            a_ptrs = a_ptr + e64 * s_ag + offs_m[:, None] * s_am + offs_k[None, :] * s_ak
+            b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
         as_ptrs = as_ptr + e64 * s_asg + offs_m * s_asm
-        bs_ptrs = bs_ptr + e64 * s_bsg + (offs_n // 128) * s_bsn
+        if SCALAR_BS:
+            bs_ptrs = bs_ptr + e64 * s_bsg + ((pid_n * BLOCK_N) // 128) * s_bsn
+        else:
+            bs_ptrs = bs_ptr + e64 * s_bsg + (offs_n // 128) * s_bsn
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
+            if TMA:
+                a = a_ptr.load([e, pid_m * BLOCK_M, k0]).reshape(BLOCK_M, BLOCK_K)
+                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
                 b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
             else:
@@ -195,13 +219,18 @@ def masked_gemm_fp8_kernel(
                 b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
             kg = k0 // 128
             a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_m, other=0.0)
-            b_s = tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)
-            if UPCAST:
-                acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee") * a_s[:, None] * b_s[None, :]
+            if SCALAR_BS:
+                scale = (a_s * tl.load(bs_ptrs + kg * s_bsk))[:, None]
             else:
-                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-            a_ptrs += BLOCK_K * s_ak
-            b_ptrs += BLOCK_K * s_bk
+                scale = a_s[:, None] * tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)[None, :]
+            # an explicit FMA: Triton stops fusing a multiply and an add by default after 3.9
+            if UPCAST:
+                acc = tl.fma(tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee"), scale, acc)
+            else:
+                acc = tl.fma(tl.dot(a, b), scale, acc)
+            if not TMA:
+                a_ptrs += BLOCK_K * s_ak
+                b_ptrs += BLOCK_K * s_bk
         c_ptrs = c_ptr + e64 * s_cg + offs_m[:, None] * s_cm + offs_n[None, :] * s_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 

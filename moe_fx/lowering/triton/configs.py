@@ -3,7 +3,8 @@
 A problem is keyed by the GEMM kind (``"bf16"`` covers bf16/fp16/fp32, ``"fp8"``), ``N``, ``K`` and a
 bucket of the expected rows per expert (``expected_m``, a host-side estimate such as
 ``ceil(T * K / E)``; never read from ``masked_m``, which stays on the device): powers of two from
-16 to 4096. Lookup order for a key: this process's memory, the user cache file
+16 to 4096; decode buckets (up to 32 rows) also by a bucket of the experts hit (``min(E, T * K)``:
+Mixtral at T=1 hits 2 of 8 experts, Qwen3 8 of 128, and the best tile differs). Lookup order for a key: this process's memory, the user cache file
 (``$MOE_FX_CACHE_DIR`` or ``~/.cache/moe_fx``, ``triton_tiles.json``), the table shipped with the
 package (``tuned_tiles.json``, measured on an H200), then a Hopper heuristic (decode: 16-row tiles
 that stream the weights; prefill: 128-row tiles). :func:`tune` benchmarks the candidates of a
@@ -38,6 +39,9 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 4
     programs_per_sm: int = 1
+    #: load A and B tiles through TMA tensor descriptors (Hopper's copy engine) instead of pointer
+    #: arithmetic; used only where the tensors meet TMA's alignment rules (else pointers, silently)
+    tma: bool = False
 
     def smem_bytes(self, elem_bytes: int) -> int:
         """Shared memory the pipelined A and B tiles take (the kernel's dominant use)."""
@@ -71,8 +75,8 @@ def _heuristic(
         # two programs per SM (98 KB of shared memory each) keep more weight bytes in flight
         return TileConfig(64, 128, bk, 4, 4, 4, 2 if fp8 else 1)
     if fp8:
-        return TileConfig(128, 128, 128, 8, 8, 4, 1)
-    return TileConfig(128, 256, 64, 8, 8, 3, 1)
+        return TileConfig(128, 128, 128, 8, 8, 4, 1, tma=True)
+    return TileConfig(128, 256, 64, 8, 8, 3, 1, tma=True)
 
 
 def candidates(kind: str, bucket: int) -> list[TileConfig]:
@@ -82,37 +86,42 @@ def candidates(kind: str, bucket: int) -> list[TileConfig]:
         bm = 16 if bucket <= 16 else 32
         out = []
         for bn in (32, 64, 128):
-            for bk, stages_list in ((128, (5,)),) if fp8 else ((128, (4,)),):
-                for stages in stages_list:
-                    cfg = TileConfig(bm, bn, bk, 1, 4, stages, 2)
-                    if cfg.smem_bytes(1 if fp8 else 2) <= 110_000:
-                        out.append(cfg)
-                    elif cfg.smem_bytes(1 if fp8 else 2) <= 220_000:
-                        out.append(TileConfig(bm, bn, bk, 1, 4, stages, 1))
+            for ppsm in (2, 4) if bn == 32 else (2,):
+                cfg = TileConfig(bm, bn, 128, 1, 4, 5 if fp8 else 4, ppsm)
+                if cfg.smem_bytes(1 if fp8 else 2) * ppsm > 220_000:
+                    cfg = TileConfig(bm, bn, 128, 1, 4, 5 if fp8 else 4, 1)
+                out.append(cfg)
         return out
     if bucket <= 128:
         if fp8:
             return [
-                TileConfig(64, 128, 128, 4, 4, 4, 1),
-                TileConfig(64, 256, 128, 4, 8, 3, 1),
-                TileConfig(128, 128, 128, 8, 8, 4, 1),
+                TileConfig(64, 128, 128, 4, 4, 4, 2),
+                TileConfig(64, 128, 128, 4, 4, 4, 2, tma=True),
+                TileConfig(64, 256, 128, 4, 8, 3, 1, tma=True),
+                TileConfig(128, 128, 128, 8, 8, 4, 1, tma=True),
             ]
         return [
             TileConfig(64, 128, 64, 4, 4, 4, 1),
-            TileConfig(64, 256, 64, 4, 8, 4, 1),
-            TileConfig(128, 128, 64, 8, 8, 4, 1),
+            TileConfig(64, 128, 64, 4, 4, 4, 2, tma=True),
+            TileConfig(64, 256, 64, 4, 8, 4, 1, tma=True),
+            TileConfig(128, 128, 64, 8, 8, 4, 1, tma=True),
         ]
     if fp8:
+        # Two resident programs per SM let one promote (scale) its partial sums while the other's
+        # tensor-core work runs: the overlap that DeepGEMM gets from two consumer warp groups.
         return [
             TileConfig(128, 128, 128, 8, 8, 4, 1),
-            TileConfig(128, 256, 128, 8, 8, 3, 1),
-            TileConfig(64, 256, 128, 8, 4, 4, 1),
+            TileConfig(128, 128, 128, 8, 8, 4, 1, tma=True),
+            TileConfig(128, 128, 128, 8, 4, 3, 2, tma=True),
+            TileConfig(64, 128, 128, 8, 4, 4, 2, tma=True),
+            TileConfig(128, 256, 128, 8, 8, 3, 1, tma=True),
         ]
     return [
         TileConfig(128, 256, 64, 8, 8, 3, 1),
-        TileConfig(128, 128, 64, 8, 8, 4, 1),
-        TileConfig(128, 128, 64, 8, 4, 4, 1),
-        TileConfig(64, 256, 64, 8, 4, 4, 1),
+        TileConfig(128, 256, 64, 8, 8, 3, 1, tma=True),
+        TileConfig(128, 128, 64, 8, 8, 4, 1, tma=True),
+        TileConfig(128, 128, 64, 8, 4, 3, 2, tma=True),
+        TileConfig(64, 256, 64, 8, 4, 4, 1, tma=True),
     ]
 
 
@@ -133,8 +142,12 @@ def _cuda_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def _key(device_name: str, kind: str, n: int, k: int, bucket: int) -> str:
-    return f"{device_name}|{kind}|N{n}|K{k}|m{bucket}"
+def _key(device_name: str, kind: str, n: int, k: int, bucket: int, active_groups: int | None = None) -> str:
+    """Cache key; decode buckets (<= 32 rows) also carry a bucket of the experts hit, which sets their best tile."""
+    key = f"{device_name}|{kind}|N{n}|K{k}|m{bucket}"
+    if active_groups is not None and bucket <= 32:
+        key += f"|g{m_bucket(active_groups)}"
+    return key
 
 
 def _read(path: pathlib.Path) -> dict[str, dict]:
@@ -183,32 +196,48 @@ def get_config(
         # Interpreter: few, small programs keep the emulation quick; speed is not measured there.
         return TileConfig(16, 64, 64, 1, 4, 1, 1)
     bucket = m_bucket(expected_m)
-    key = _key(_device_name(device), kind, n, k, bucket)
-    mkey = key if active_groups is None or bucket > 32 else f"{key}|g{m_bucket(active_groups)}"
+    name = _device_name(device)
+    mkey = _key(name, kind, n, k, bucket, active_groups)
     cfg = _memory.get(mkey)
     if cfg is None:
-        raw = _disk().get(key) or _shipped().get(key)
-        cfg = TileConfig(**raw) if raw else _heuristic(kind, n, k, bucket, active_groups, num_sms)
+        keys = (mkey, _key(name, kind, n, k, bucket))
+        raw = next((table[key] for table in (_disk(), _shipped()) for key in keys if key in table), None)
+        cfg = _from_dict(raw) if raw else _heuristic(kind, n, k, bucket, active_groups, num_sms)
         _memory[mkey] = cfg
     return cfg
 
 
+def _from_dict(raw: dict) -> TileConfig:
+    known = {f for f in TileConfig.__dataclass_fields__}
+    return TileConfig(**{f: v for f, v in raw.items() if f in known})
+
+
 def tune(
-    kind: str, n: int, k: int, expected_m: int, device: torch.device, bench: Callable[[TileConfig], float]
+    kind: str,
+    n: int,
+    k: int,
+    expected_m: int,
+    device: torch.device,
+    bench: Callable[[TileConfig], float],
+    active_groups: int | None = None,
+    *,
+    force: bool = False,
+    timings: dict[TileConfig, float] | None = None,
 ) -> TileConfig:
     """Time every candidate of the bucket with ``bench(cfg) -> ms`` and cache the fastest on disk.
 
-    A bucket already in the user cache is not tuned again. Candidates that fail to compile or run
-    (too much shared memory, say) are skipped with a log line.
+    A bucket already in the user cache is not tuned again (unless ``force``). Candidates that fail
+    to compile or run (too much shared memory, say) are skipped with a log line. ``timings``, when
+    given, receives every candidate's time in ms (benchmark reports).
     """
     # lazy: configs is importable without triton
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
     bucket = m_bucket(expected_m)
-    key = _key(_device_name(device), kind, n, k, bucket)
-    if key in _disk():
-        cfg = TileConfig(**_disk()[key])
+    key = _key(_device_name(device), kind, n, k, bucket, active_groups)
+    if key in _disk() and not force:
+        cfg = _from_dict(_disk()[key])
         _memory[key] = cfg
         return cfg
     best: tuple[float, TileConfig] | None = None
@@ -219,12 +248,11 @@ def tune(
             log.info("moe_fx: tile %s failed for %s: %s", cfg, key, str(err).splitlines()[0][:200])
             continue
         log.info("moe_fx: %s %s -> %.4f ms", key, cfg, ms)
+        if timings is not None:
+            timings[cfg] = ms
         if best is None or ms < best[0]:
             best = (ms, cfg)
-    if best is None:
-        cfg = _heuristic(kind, n, k, bucket)
-    else:
-        cfg = best[1]
+    cfg = _heuristic(kind, n, k, bucket, active_groups) if best is None else best[1]
     _memory[key] = cfg
     _disk()[key] = asdict(cfg)
     path = cache_path()

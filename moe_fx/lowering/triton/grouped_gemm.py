@@ -84,6 +84,43 @@ def _out(name: str, out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, 
     return out
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Whether ``t`` (3-D) can be read through a TMA descriptor: unit last stride, 16-byte aligned rest."""
+    size = t.element_size()
+    return (
+        t.dim() == 3
+        and t.stride(2) == 1
+        and t.data_ptr() % 16 == 0
+        and all((st * size) % 16 == 0 for st in t.stride()[:2])
+        and t.shape[2] * size >= 16
+    )
+
+
+def _tma_capable(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return True  # the interpreter emulates descriptors (tests exercise the TMA branch there)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (9, 0)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def _operands(cfg: configs.TileConfig, a: torch.Tensor, b: torch.Tensor) -> tuple[object, object, bool]:
+    """``(a, b, tma)``: TMA descriptors when the config asks for them and the tensors allow it."""
+    if not (cfg.tma and _tma_capable(a.device) and _tma_ok(a) and _tma_ok(b)):
+        return a, b, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (
+        TensorDescriptor.from_tensor(a, [1, cfg.block_m, cfg.block_k]),
+        TensorDescriptor.from_tensor(b, [1, cfg.block_n, cfg.block_k]),
+        True,
+    )
+
+
 def _tile_bound(groups: int, m: int, n: int, cfg: configs.TileConfig, max_total_m: int | None) -> int:
     tiles_m = groups * -(-m // cfg.block_m)
     if max_total_m is not None:
@@ -133,13 +170,14 @@ def masked_gemm_bf16(
     )
     nprog = num_programs(a.device, cfg, _tile_bound(g, m, n, cfg, max_total_m))
     kern = kernels(a.device)
+    a_in, b_in, tma = _operands(cfg, a, b)
     kern.masked_gemm_kernel[(nprog,)](
-        a, b, out, masked_m,
+        a_in, b_in, out, masked_m,
         g, m, n, k,
         *a.stride(), *b.stride(), *out.stride(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         E_POW2=_pow2(g), EVEN_K=k % cfg.block_k == 0, IEEE=a.dtype == torch.float32, UPCAST=a.device.type == "cpu",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
@@ -203,27 +241,47 @@ def masked_gemm_fp8(
         raise ValueError(f"masked_gemm_fp8: block_k must divide 128 (one scale group per k step), got {cfg.block_k}")
     nprog = num_programs(a.device, cfg, _tile_bound(g, m, n, cfg, max_total_m))
     kern = kernels(a.device)
+    a_in, b_in, tma = _operands(cfg, a, b)
     kern.masked_gemm_fp8_kernel[(nprog,)](
-        a, a_scale, b, b_scale, out, masked_m,
+        a_in, a_scale, b_in, b_scale, out, masked_m,
         g, m, n, k,
         *a.stride(), *a_scale.stride(), *b.stride(), *b_scale.stride(), *out.stride(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         E_POW2=_pow2(g), EVEN_K=k % cfg.block_k == 0, UPCAST=a.device.type == "cpu",
+        TMA=tma, SCALAR_BS=cfg.block_n <= 128 and 128 % cfg.block_n == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
 
 def tune_masked_gemm(
-    kind: str, groups: int, n: int, k: int, expected_m: int, device: torch.device | str = "cuda"
+    kind: str,
+    groups: int,
+    n: int,
+    k: int,
+    expected_m: int,
+    device: torch.device | str = "cuda",
+    active_groups: int | None = None,
+    *,
+    force: bool = False,
+    timings: dict[configs.TileConfig, float] | None = None,
 ) -> configs.TileConfig:
-    """Benchmark the candidate tiles for one (kind, N, K, bucket) on uniform loads; cache the best on disk."""
+    """Benchmark the candidate tiles for one (kind, N, K, bucket) and cache the best on disk.
+
+    ``force`` tunes again a bucket the cache already holds; ``timings`` receives each candidate's ms.
+
+    Loads are uniform: ``expected_m`` rows in each of the first ``active_groups`` groups (all by
+    default), the rest empty, as a decode step that hits few experts leaves them.
+    """
     import triton.testing
 
     device = torch.device(device)
     bucket = configs.m_bucket(expected_m)
     m = max(expected_m, 1)
-    masked_m = torch.full((groups,), m, dtype=torch.int32, device=device)
+    active = groups if active_groups is None else max(1, min(active_groups, groups))
+    masked_m = torch.zeros(groups, dtype=torch.int32, device=device)
+    masked_m[:active] = m
+    hints = {"expected_m": bucket, "max_total_m": active * m, "active_groups": active}
     if kind == "fp8":
         a = torch.randn(groups, m, k, device=device).to(_FP8)
         b = torch.randn(groups, n, k, device=device).to(_FP8)
@@ -231,17 +289,19 @@ def tune_masked_gemm(
         b_s = torch.rand(groups, -(-n // 128), -(-k // 128), device=device) + 0.5
 
         def run(cfg):
-            return masked_gemm_fp8(a, a_s, b, b_s, masked_m, expected_m=bucket, config=cfg)
+            return masked_gemm_fp8(a, a_s, b, b_s, masked_m, config=cfg, **hints)
     else:
         a = torch.randn(groups, m, k, device=device, dtype=torch.bfloat16)
         b = torch.randn(groups, n, k, device=device, dtype=torch.bfloat16)
 
         def run(cfg):
-            return masked_gemm_bf16(a, b, masked_m, expected_m=bucket, config=cfg)
+            return masked_gemm_bf16(a, b, masked_m, config=cfg, **hints)
 
     def bench(cfg: configs.TileConfig) -> float:
         run(cfg)
         torch.cuda.synchronize(device)
         return triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=25)
 
-    return configs.tune(kind, n, k, expected_m, device, bench)
+    return configs.tune(
+        kind, n, k, expected_m, device, bench, active_groups if bucket <= 32 else None, force=force, timings=timings
+    )

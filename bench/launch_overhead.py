@@ -1,0 +1,95 @@
+"""Host-side cost of one moe_fx experts call at decode size (what CUDA graphs remove).
+
+Times, at T=1 for each shape, the wall time per call of back-to-back calls (the GPU work is tiny,
+so the host is the bottleneck) for: the Triton pipeline called directly, the registered op
+``torch.ops.moe_fx.experts`` (dispatcher, input checks, kernel choice), an empty Triton kernel
+launch, and a small torch op; then prints a cProfile of the op's calls (top functions by own time).
+
+    python bench/launch_overhead.py [--shapes qwen3,mixtral] [--calls 300] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from moe_layer import SHAPES, routing_sets  # noqa: E402
+
+
+def per_call_us(fn, calls: int) -> float:
+    """Median over 5 rounds of wall µs per call, ``calls`` calls per round, synchronised at the ends."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - t0) / calls * 1e6)
+    return sorted(rounds)[2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", default="qwen3,mixtral")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import triton
+    import triton.language as tl
+
+    import moe_fx.lowering  # noqa: F401  (registers the CUDA kernel of the op)
+    from moe_fx.lowering.experts.triton_experts import triton_experts
+    from moe_fx.lowering.quant import quantize_fp8_blockwise
+
+    @triton.jit
+    def _empty(x_ptr, a, b, c, d, e, f, g, h, i, j, BLOCK: tl.constexpr):
+        pass
+
+    lines = [f"# Host cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"]
+    x = torch.empty(16, device="cuda")
+    lines.append(f"empty triton kernel, 11 args: {per_call_us(lambda: _empty[(1,)](x, *range(1, 11), BLOCK=16), args.calls):.1f} us")
+    lines.append(f"torch.empty(16): {per_call_us(lambda: torch.empty(16, device='cuda'), args.calls):.1f} us")
+    for shape in args.shapes.split(","):
+        _, e, k, h, i = SHAPES[shape]
+        w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) / h**0.5
+        w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) / i**0.5
+        q13, s13 = quantize_fp8_blockwise(w13)
+        q2, s2 = quantize_fp8_blockwise(w2)
+        hidden, ids, w = routing_sets(1, e, k, h, 1)[0]
+        for name, ws in (("bf16", (w13, w2, None, None)), ("fp8", (q13, q2, s13, s2))):
+            direct = per_call_us(lambda: triton_experts(hidden, ids, w, ws[0], ws[1], w13_scale=ws[2], w2_scale=ws[3]), args.calls)
+            op = per_call_us(
+                lambda: torch.ops.moe_fx.experts(hidden, ids, w, ws[0], ws[1], w13_scale=ws[2], w2_scale=ws[3], impl="triton"),
+                args.calls,
+            )
+            lines.append(f"{shape} T=1 {name}: triton_experts {direct:.1f} us/call, torch.ops.moe_fx.experts {op:.1f} us/call")
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(100):
+                torch.ops.moe_fx.experts(hidden, ids, w, ws[0], ws[1], w13_scale=ws[2], w2_scale=ws[3], impl="triton")
+            prof.disable()
+            torch.cuda.synchronize()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
+            lines.append(f"cProfile, 100 calls, {shape} {name}:\n" + buf.getvalue()[-4000:])
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

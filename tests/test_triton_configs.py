@@ -1,0 +1,113 @@
+"""Tile configurations: lookup order, decode keys by experts hit, the tuning cache on disk (CPU only)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moe_fx.lowering.triton import configs  # noqa: E402
+from moe_fx.lowering.triton.configs import TileConfig  # noqa: E402
+
+GPU = torch.device("cuda")  # only named: nothing runs on it
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty tuning cache in tmp_path, a fake GPU name, no shipped table."""
+    monkeypatch.setenv("MOE_FX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(configs, "_device_name", lambda device: "FakeGPU")
+    monkeypatch.setattr(configs, "_shipped", lambda: {})
+    monkeypatch.setattr(configs, "_memory", {})
+    monkeypatch.setattr(configs, "_disk_loaded", None)
+    return tmp_path
+
+
+def _bench_from(times: dict):
+    calls = []
+
+    def bench(cfg):
+        calls.append(cfg)
+        return times.get(cfg, 1.0)
+
+    return bench, calls
+
+
+def test_tune_caches_on_disk_and_a_second_run_does_not_tune(fresh, monkeypatch):
+    cands = configs.candidates("fp8", 256)
+    bench, calls = _bench_from({cands[2]: 0.1})
+    timings = {}
+    best = configs.tune("fp8", 4096, 7168, 300, GPU, bench, timings=timings)
+    assert best == cands[2] and len(calls) == len(cands) and timings[cands[2]] == 0.1
+    on_disk = json.loads((fresh / "triton_tiles.json").read_text())
+    assert on_disk == {"FakeGPU|fp8|N4096|K7168|m512": asdict(cands[2])}
+    # a new process (memory and disk state dropped) reads the file and does not benchmark again
+    monkeypatch.setattr(configs, "_memory", {})
+    monkeypatch.setattr(configs, "_disk_loaded", None)
+    bench2, calls2 = _bench_from({})
+    assert configs.tune("fp8", 4096, 7168, 300, GPU, bench2) == cands[2] and not calls2
+    assert configs.get_config("fp8", 4096, 7168, 300, GPU) == cands[2]
+    # force tunes again
+    configs.tune("fp8", 4096, 7168, 300, GPU, bench2, force=True)
+    assert len(calls2) == len(cands)
+
+
+def test_failing_candidates_are_skipped(fresh):
+    cands = configs.candidates("bf16", 1024)
+
+    def bench(cfg):
+        if cfg == cands[0]:
+            raise RuntimeError("out of shared memory")
+        return 2.0 if cfg == cands[1] else 3.0
+
+    assert configs.tune("bf16", 2048, 768, 1024, GPU, bench) == cands[1]
+
+
+def test_decode_keys_carry_the_experts_hit(fresh):
+    """Decode buckets are tuned per experts-hit bucket; prefill buckets are not."""
+    few = TileConfig(16, 32, 128, 1, 4, 4, 4)
+    many = TileConfig(16, 64, 128, 1, 4, 4, 2)
+    configs.tune("bf16", 1536, 2048, 1, GPU, lambda c: 0.1 if c == few else 1.0, active_groups=2)
+    configs.tune("bf16", 1536, 2048, 1, GPU, lambda c: 0.1 if c == many else 1.0, active_groups=128)
+    configs._memory.clear()
+    assert configs.get_config("bf16", 1536, 2048, 1, GPU, active_groups=2) == few
+    assert configs.get_config("bf16", 1536, 2048, 1, GPU, active_groups=128) == many
+    # an experts-hit bucket never tuned falls back to the heuristic, not to another bucket's entry
+    assert configs.get_config("bf16", 1536, 2048, 1, GPU, active_groups=40) == configs._heuristic(
+        "bf16", 1536, 2048, 16, 40
+    )
+    assert configs._key("X", "bf16", 8, 8, 256, 2) == configs._key("X", "bf16", 8, 8, 256)
+
+
+def test_lookup_order_memory_user_shipped_heuristic(fresh, monkeypatch):
+    shipped = TileConfig(128, 128, 64, 8, 8, 4, 1, tma=True)
+    user = TileConfig(64, 256, 64, 8, 4, 4, 1, tma=True)
+    monkeypatch.setattr(configs, "_shipped", lambda: {"FakeGPU|bf16|N64|K64|m256": asdict(shipped)})
+    assert configs.get_config("bf16", 64, 64, 200, GPU) == shipped
+    assert configs.get_config("bf16", 64, 32, 200, GPU) == configs._heuristic("bf16", 64, 32, 256)
+    # entries written by an older moe_fx (no tma field) or a newer one (unknown fields) still load
+    old = {k: v for k, v in asdict(user).items() if k != "tma"}
+    (fresh / "triton_tiles.json").write_text(json.dumps({"FakeGPU|bf16|N64|K64|m256": {**old, "future": 1}}))
+    monkeypatch.setattr(configs, "_memory", {})
+    monkeypatch.setattr(configs, "_disk_loaded", None)
+    assert configs.get_config("bf16", 64, 64, 200, GPU) == TileConfig(**old)
+
+
+def test_unreadable_cache_is_ignored_with_a_warning(fresh, caplog):
+    (fresh / "triton_tiles.json").write_text("{not json")
+    with caplog.at_level("WARNING", logger="moe_fx.lowering.triton"):
+        cfg = configs.get_config("fp8", 512, 512, 4096, GPU)
+    assert cfg == configs._heuristic("fp8", 512, 512, 4096)
+    assert "unreadable tile cache" in caplog.text
+
+
+def test_candidates_fit_shared_memory():
+    """Every candidate fits Hopper's 227 KB of shared memory per SM at its programs per SM."""
+    for kind in ("bf16", "fp8"):
+        for bucket in (16, 32, 64, 128, 256, 4096):
+            for cfg in configs.candidates(kind, bucket):
+                assert cfg.smem_bytes(1 if kind == "fp8" else 2) * cfg.programs_per_sm <= 227 * 1024, (kind, cfg)
