@@ -26,24 +26,24 @@ from moe_layer import SHAPES, routing_sets  # noqa: E402
 
 
 def per_call_us(fn, calls: int) -> float:
-    """Median over 5 rounds of wall µs per call, ``calls`` calls per round, synchronised at the ends."""
+    """Median over 3 rounds of wall µs per call, ``calls`` calls per round, synchronised at the ends."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
     rounds = []
-    for _ in range(5):
+    for _ in range(3):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
         rounds.append((time.perf_counter() - t0) / calls * 1e6)
-    return sorted(rounds)[2]
+    return sorted(rounds)[1]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", default="qwen3,mixtral")
-    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import triton
@@ -57,9 +57,12 @@ def main() -> None:
     def _empty(x_ptr, a, b, c, d, e, f, g, h, i, j, BLOCK: tl.constexpr):
         pass
 
-    lines = [f"# Host cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"]
+    lines = [
+        f"# Host cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
+    ]
     x = torch.empty(16, device="cuda")
-    lines.append(f"empty triton kernel, 11 args: {per_call_us(lambda: _empty[(1,)](x, *range(1, 11), BLOCK=16), args.calls):.1f} us")
+    empty_us = per_call_us(lambda: _empty[(1,)](x, *range(1, 11), BLOCK=16), args.calls)
+    lines.append(f"empty triton kernel, 11 args: {empty_us:.1f} us")
     lines.append(f"torch.empty(16): {per_call_us(lambda: torch.empty(16, device='cuda'), args.calls):.1f} us")
     for shape in args.shapes.split(","):
         _, e, k, h, i = SHAPES[shape]
@@ -69,16 +72,30 @@ def main() -> None:
         q2, s2 = quantize_fp8_blockwise(w2)
         hidden, ids, w = routing_sets(1, e, k, h, 1)[0]
         for name, ws in (("bf16", (w13, w2, None, None)), ("fp8", (q13, q2, s13, s2))):
-            direct = per_call_us(lambda: triton_experts(hidden, ids, w, ws[0], ws[1], w13_scale=ws[2], w2_scale=ws[3]), args.calls)
-            op = per_call_us(
-                lambda: torch.ops.moe_fx.experts(hidden, ids, w, ws[0], ws[1], w13_scale=ws[2], w2_scale=ws[3], impl="triton"),
-                args.calls,
+
+            def direct(ws=ws, hidden=hidden, ids=ids, w=w):
+                return triton_experts(hidden, ids, w, ws[0], ws[1], w13_scale=ws[2], w2_scale=ws[3])
+
+            def op(ws=ws, hidden=hidden, ids=ids, w=w):
+                return torch.ops.moe_fx.experts(
+                    hidden, ids, w, ws[0], ws[1], w13_scale=ws[2], w2_scale=ws[3], impl="triton"
+                )
+
+            graph = torch.cuda.CUDAGraph()
+            op()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                op()
+            lines.append(
+                f"{shape} T=1 {name}: triton_experts {per_call_us(direct, args.calls):.1f} us/call, "
+                f"torch.ops.moe_fx.experts {per_call_us(op, args.calls):.1f} us/call, "
+                f"CUDA-graph replay {per_call_us(graph.replay, args.calls):.1f} us/call"
             )
-            lines.append(f"{shape} T=1 {name}: triton_experts {direct:.1f} us/call, torch.ops.moe_fx.experts {op:.1f} us/call")
+            print(lines[-1], flush=True)
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(100):
-                torch.ops.moe_fx.experts(hidden, ids, w, ws[0], ws[1], w13_scale=ws[2], w2_scale=ws[3], impl="triton")
+                op()
             prof.disable()
             torch.cuda.synchronize()
             buf = io.StringIO()

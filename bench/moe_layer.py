@@ -229,7 +229,16 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cells after this many seconds")
     ap.add_argument("--tune", action="store_true", help="tune the Triton tiles of each shape first (cached)")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="no GPU: join the rows of earlier runs' JSON files (one session split over calls) into one md/png",
+    )
     args = ap.parse_args()
+    if args.merge:
+        merge_runs(args.merge, args.out, args.tag)
+        return
     if not torch.cuda.is_available():
         sys.exit("bench/moe_layer.py needs a CUDA GPU")
     import transformers
@@ -361,20 +370,50 @@ def main() -> None:
     log(f"done in {time.time() - t_start:.0f}s -> {base}.md")
 
 
+def merge_runs(paths: list[str], out_dir: str, tag: str) -> None:
+    """Join runs of this script (same machine and versions, e.g. shapes split over two device calls)."""
+    metas, rows = [], []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        metas.append(data["meta"])
+        rows += data["rows"]
+    meta = dict(metas[0])
+    for key in ("gpu", "torch", "triton", "transformers"):
+        if len({m[key] for m in metas}) != 1:
+            raise SystemExit(f"--merge: runs differ in {key}: {sorted({m[key] for m in metas})}")
+    meta["merged_from"] = [os.path.basename(p) for p in paths]
+    # one set of limits per run; the floors of each row used its own run's limits
+    meta["limits_per_run"] = [m["limits"] for m in metas]
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"moe_layer_{meta['date'][:10]}{'_' + tag if tag else ''}")
+    with open(base + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    write_markdown(base + ".md", meta, rows)
+    plot(base + ".png", meta, rows)
+    log(f"merged {len(rows)} rows -> {base}.md")
+
+
 def write_markdown(path: str, meta: dict, rows: list[dict]) -> None:
     lim = meta.get("limits", {})
+    runs = meta.get("limits_per_run", [lim])
     lines = [
-        "# One MoE layer on one GPU: transformers experts vs moe_fx Triton",
+        "# One MoE layer on one GPU: transformers experts vs moe_fx (Triton; DeepGEMM rows where built)",
         "",
         (
             f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
             f"transformers {meta['transformers']} · transformers modules compiled: {meta['hf_compiled']}"
         ),
         "",
-        (
-            f"Measured limits: copy {lim.get('copy_tbs', 0):.2f} TB/s, bf16 matmul {lim.get('bf16_tflops', 0):.0f} TFLOP/s, "
-            f"fp8 matmul {lim.get('fp8_tflops', 0):.0f} TFLOP/s."
-        ),
+        "Measured limits"
+        + (f" (each of the {len(runs)} merged runs measured its own; rows use their run's)" if len(runs) > 1 else "")
+        + ": "
+        + "; ".join(
+            f"copy {r.get('copy_tbs', 0):.2f} TB/s, bf16 matmul {r.get('bf16_tflops', 0):.0f} TFLOP/s, "
+            f"fp8 matmul {r.get('fp8_tflops', 0):.0f} TFLOP/s"
+            for r in runs
+        )
+        + ".",
         "",
         (
             "frac = floor / time, floor = max(bytes / copy rate, flops / matmul rate of the row's dtype); "

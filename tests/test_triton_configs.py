@@ -111,3 +111,12 @@ def test_candidates_fit_shared_memory():
         for bucket in (16, 32, 64, 128, 256, 4096):
             for cfg in configs.candidates(kind, bucket):
                 assert cfg.smem_bytes(1 if kind == "fp8" else 2) * cfg.programs_per_sm <= 227 * 1024, (kind, cfg)
+
+
+def test_fit_smem_shrinks_fp32_tiles():
+    """A bf16 table entry serving fp32 operands is cut to fit shared memory (fewer stages, then a shorter k step)."""
+    big = TileConfig(128, 256, 64, 8, 8, 3, 1, tma=True)
+    assert configs.fit_smem(big, 2) == big
+    fitted = configs.fit_smem(big, 4)
+    assert fitted.smem_bytes(4) <= configs.SMEM_BUDGET
+    assert (fitted.block_m, fitted.block_n, fitted.tma) == (128, 256, True) and fitted.num_stages >= 2

@@ -25,13 +25,7 @@ from types import ModuleType
 
 import torch
 
-from moe_fx.lowering.layouts import (
-    empty_mn_major_scales,
-    expected_m,
-    is_mn_major_tma_aligned,
-    masked_rows,
-    to_mn_major_tma_aligned,
-)
+from moe_fx.lowering.layouts import empty_mn_major_scales, expected_m, masked_rows
 
 __all__ = ["deepgemm_experts", "deepgemm_module"]
 
@@ -131,8 +125,18 @@ def deepgemm_experts(
     exp_m = expected_m(t, k, e, max_m)
     bound = t * k  # host-side bound on sum(masked_m): sizes the Triton grids
     dev = hidden.device
-    x, x_scale, masked_m, slot_index, slot_pos = dispatch_rows(
-        hidden, topk_ids, e, max_m, topk_weights, weights_on_input, quant_fp8=fp8
+    # fp8: the dispatch kernel quantises and writes its scales straight into DeepGEMM's MN-major
+    # TMA-aligned layout (no transposing copy); the combine needs only slot_pos, not slot_index.
+    x, x_scale, masked_m, _, slot_pos = dispatch_rows(
+        hidden,
+        topk_ids,
+        e,
+        max_m,
+        topk_weights,
+        weights_on_input,
+        quant_fp8=fp8,
+        with_slot_index=False,
+        x_scale=empty_mn_major_scales(e, max_m, h, device=dev) if fp8 else None,
     )
     gate_up = torch.empty(e, max_m, two_i, dtype=torch.bfloat16, device=dev)
     y = torch.empty(e, max_m, h, dtype=torch.bfloat16, device=dev)
@@ -141,9 +145,6 @@ def deepgemm_experts(
         sm100 = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 10
         extra = {"disable_ue8m0_cast": True} if sm100 else {}
         w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
-        if not is_mn_major_tma_aligned(x_scale):
-            # The dispatch kernel writes contiguous [E, max_m, H/128] scales; DeepGEMM reads MN-major.
-            x_scale = to_mn_major_tma_aligned(x_scale)
         dg.m_grouped_fp8_gemm_nt_masked((x, x_scale), (w13, w13_scale), gate_up, masked_m, exp_m, **extra)
         # The activation kernel quantises its output and writes the scales straight into DeepGEMM's
         # MN-major TMA-aligned layout: GEMM2 consumes them with no transposing copy.
@@ -155,5 +156,5 @@ def deepgemm_experts(
         dg.m_grouped_bf16_gemm_nt_masked(x, w13, gate_up, masked_m, exp_m)
         a2 = act_mul(gate_up, masked_m, activation, max_total_m=bound)
         dg.m_grouped_bf16_gemm_nt_masked(a2, w2, y, masked_m, exp_m)
-    out = local_combine(y, slot_index, masked_m, None if weights_on_input else topk_weights, t, slot_pos=slot_pos)
+    out = local_combine(y, None, masked_m, None if weights_on_input else topk_weights, t, slot_pos=slot_pos)
     return out.to(hidden.dtype)

@@ -19,11 +19,11 @@ import logging
 import os
 import pathlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
-__all__ = ["TileConfig", "cache_path", "candidates", "get_config", "m_bucket", "tune"]
+__all__ = ["TileConfig", "cache_path", "candidates", "fit_smem", "get_config", "m_bucket", "tune"]
 
 log = logging.getLogger("moe_fx.lowering.triton")
 
@@ -46,6 +46,26 @@ class TileConfig:
     def smem_bytes(self, elem_bytes: int) -> int:
         """Shared memory the pipelined A and B tiles take (the kernel's dominant use)."""
         return (self.block_m + self.block_n) * self.block_k * elem_bytes * self.num_stages
+
+
+#: shared memory a program's pipelined tiles may take (Hopper has 227 KB per SM; Triton adds a little)
+SMEM_BUDGET = 200 * 1024
+
+
+def fit_smem(cfg: TileConfig, elem_bytes: int) -> TileConfig:
+    """``cfg`` with fewer stages, then a shorter k step, until its tiles of ``elem_bytes`` fit the budget.
+
+    Tile tables are keyed by kind, not by element size: an entry tuned for bf16 also serves fp32
+    operands, whose tiles take twice the shared memory.
+    """
+    while cfg.smem_bytes(elem_bytes) > SMEM_BUDGET:
+        if cfg.num_stages > 2:
+            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_k > 32:
+            cfg = replace(cfg, block_k=cfg.block_k // 2)
+        else:
+            break
+    return cfg
 
 
 def m_bucket(expected_m: int) -> int:
@@ -112,9 +132,8 @@ def candidates(kind: str, bucket: int) -> list[TileConfig]:
         return [
             TileConfig(128, 128, 128, 8, 8, 4, 1),
             TileConfig(128, 128, 128, 8, 8, 4, 1, tma=True),
-            TileConfig(128, 128, 128, 8, 4, 3, 2, tma=True),
+            TileConfig(64, 128, 128, 8, 4, 4, 2),
             TileConfig(64, 128, 128, 8, 4, 4, 2, tma=True),
-            TileConfig(128, 256, 128, 8, 8, 3, 1, tma=True),
         ]
     return [
         TileConfig(128, 256, 64, 8, 8, 3, 1),

@@ -45,6 +45,7 @@ def dispatch_rows(
     *,
     with_slot_index: bool = True,
     clamp: bool = True,
+    x_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Dispatch, also returning each slot's row: the form :func:`triton_experts` uses.
 
@@ -58,6 +59,8 @@ def dispatch_rows(
     overhead dominates there without CUDA graphs): the combine only needs ``slot_pos``, and moe_fx's
     own kernels clamp ``masked_m`` to ``max_m`` themselves (unclamped counts exceed ``max_m`` only
     when a token names one expert several times and an expert then gets more than ``max_m`` rows).
+    ``x_scale`` (with ``quant_fp8``): a float32 ``[E, max_m, ceil(H/128)]`` tensor of ANY strides to
+    write the scales into, e.g. DeepGEMM's MN-major TMA-aligned layout, which then needs no copy.
     """
     _check_routing(hidden, topk_ids, topk_weights)
     if weights_on_input and topk_weights is None:
@@ -68,7 +71,15 @@ def dispatch_rows(
     k = topk_ids.shape[1]
     dev = hidden.device
     x = torch.empty(num_experts, max_m, h, dtype=torch.float8_e4m3fn if quant_fp8 else hidden.dtype, device=dev)
-    x_scale = torch.empty(num_experts, max_m, -(-h // _GROUP), dtype=torch.float32, device=dev) if quant_fp8 else None
+    if not quant_fp8:
+        x_scale = None
+    elif x_scale is None:
+        x_scale = torch.empty(num_experts, max_m, -(-h // _GROUP), dtype=torch.float32, device=dev)
+    elif tuple(x_scale.shape) != (num_experts, max_m, -(-h // _GROUP)) or x_scale.dtype != torch.float32:
+        raise ValueError(
+            f"local_dispatch: x_scale must be float32 {[num_experts, max_m, -(-h // _GROUP)]}, "
+            f"got {x_scale.dtype} {list(x_scale.shape)}"
+        )
     counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     if with_slot_index:
         slot_index = torch.full((num_experts, max_m), -1, dtype=torch.int32, device=dev)

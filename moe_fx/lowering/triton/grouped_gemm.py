@@ -66,12 +66,17 @@ def check_offsets(name: str, *tensors: torch.Tensor) -> None:
     """
     for t in tensors:
         if t is not None and t.dim() == 3 and t.numel():
-            span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape[1:], t.stride()[1:]))
+            span = _group_span(tuple(t.shape), t.stride())
             if span >= _I32:
                 raise ValueError(
                     f"{name}: one group of a {list(t.shape)} tensor (strides {list(t.stride())}) spans {span} "
                     "elements, beyond the kernels' int32 offsets; split the groups or the rows"
                 )
+
+
+@functools.lru_cache(maxsize=1024)
+def _group_span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    return sum((size - 1) * abs(st) for size, st in zip(shape[1:], stride[1:]))
 
 
 def _out(name: str, out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device):
@@ -165,8 +170,11 @@ def masked_gemm_bf16(
     check_offsets("masked_gemm_bf16", a, b, out)
     if g == 0 or m == 0 or n == 0:
         return out
-    cfg = config or configs.get_config(
-        "bf16", n, k, expected_m if expected_m is not None else m, a.device, active_groups, _sms(a.device)
+    cfg = config or configs.fit_smem(
+        configs.get_config(
+            "bf16", n, k, expected_m if expected_m is not None else m, a.device, active_groups, _sms(a.device)
+        ),
+        a.element_size(),
     )
     nprog = num_programs(a.device, cfg, _tile_bound(g, m, n, cfg, max_total_m))
     kern = kernels(a.device)
