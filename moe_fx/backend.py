@@ -85,14 +85,27 @@ def make_backend(
     """
     config = config or MoEConfig()
 
-    def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    def backend(
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        mode: str | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> Callable:
+        # torch.compile(..., backend="moe_fx", mode=..., options=...) hands these on: honour them as
+        # Inductor would (mode="reduce-overhead" is {"triton.cudagraphs": True}: CUDA graphs).
         ctx = _run_moe_passes(gm, example_inputs, config, sink)
         if not inductor:
             compiled = gm.forward
         else:
+            from torch._inductor import list_mode_options
             from torch._inductor.compile_fx import compile_fx
 
-            patches = {"post_grad_custom_post_pass": _cache_salt(), **config.inductor_options}
+            patches = {
+                **(list_mode_options(mode) if mode else {}),
+                **(options or {}),
+                "post_grad_custom_post_pass": _cache_salt(),
+                **config.inductor_options,
+            }
             compiled = compile_fx(gm, list(example_inputs), config_patches=patches)
         for action in ctx.after_compile:
             action()
@@ -102,6 +115,10 @@ def make_backend(
     return backend
 
 
-def moe_fx_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-    """The default ``backend="moe_fx"``: moe_fx passes with the default :class:`MoEConfig`, then Inductor."""
-    return make_backend()(gm, example_inputs)
+def moe_fx_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable:
+    """The default ``backend="moe_fx"``: moe_fx passes with the default :class:`MoEConfig`, then Inductor.
+
+    ``torch.compile``'s ``mode`` and ``options`` arrive here and go to Inductor, so
+    ``torch.compile(model, backend="moe_fx", mode="reduce-overhead")`` replays CUDA graphs.
+    """
+    return make_backend()(gm, example_inputs, **compile_kwargs)

@@ -46,6 +46,31 @@ def test_aligned_hopper_takes_deepgemm(fp8):
     assert c.reasons == {"triton": "deepgemm preferred", "reference": "deepgemm preferred"}
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_sized_batches_take_triton_under_auto_only(fp8):
+    """<= DEEPGEMM_MIN_ROWS rows per expert: "auto" prefers Triton (a preference, not a capability)."""
+    from moe_fx.lowering.select import DEEPGEMM_MIN_ROWS, ExpertsProblem, decode_rows
+
+    assert decode_rows(1, 8, 128) == 1 and decode_rows(8, 2, 8) == 2 and decode_rows(64, 8, 128) == 4
+    assert decode_rows(65, 8, 128) is None and decode_rows(4096, 8, 32) is None
+    p = problem(7168, 2048, fp8=fp8)
+    small = ExpertsProblem(**{**p.__dict__, "decode_rows": DEEPGEMM_MIN_ROWS})
+    c = decide_experts_kernel(small, H100)
+    assert c.kernel == "triton" and "decode-size batch (4 rows per expert" in c.reasons["deepgemm"]
+    assert decide_experts_kernel(small, H100, "deepgemm").kernel == "deepgemm"  # explicit: honoured
+    assert decide_experts_kernel(small, H100, "deepgemm").error is None
+    assert decide_experts_kernel(p, H100).kernel == "deepgemm"
+    # without usable Triton, DeepGEMM stays (it is still the best that runs)... but DeepGEMM needs Triton
+    # for its dispatch and combine, so nothing GPU-side runs: the reference does
+    no_triton = Capabilities("cuda", (9, 0), None, "triton is not installed")
+    assert decide_experts_kernel(small, no_triton).kernel == "reference"
+
+
+def test_explain_names_the_decode_rule():
+    kernel, reasons = explain_kernel("cuda", torch.bfloat16, 8, 4096, 1024, caps=H100)
+    assert kernel == "deepgemm" and "triton runs batches of <= 4 rows per expert" in reasons["triton"]
+
+
 @pytest.mark.parametrize(
     "h, i, bad",
     [
@@ -194,7 +219,7 @@ def test_runtime_fallback_logs_once_and_demotes(monkeypatch, caplog):
 
     monkeypatch.setattr(register, "choose_experts_kernel", on_fake_hopper)
     caplog.set_level(logging.WARNING, logger="moe_fx.lowering")
-    hidden, ids, w, w13, w2 = _inputs(h=128, i=128)
+    hidden, ids, w, w13, w2 = _inputs(t=12, h=128, i=128)  # 6 rows per expert: not decode-sized
     args = (hidden.bfloat16(), ids, w, w13.bfloat16(), w2.bfloat16())
     want = register.experts_reference(*args)
     for _ in range(3):

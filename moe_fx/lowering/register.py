@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from moe_fx.lowering.select import choose_experts_kernel, mark_kernel_unusable
+from moe_fx.lowering.select import choose_experts_kernel, decode_rows, mark_kernel_unusable
 from moe_fx.ops.checks import check_experts_inputs
 from moe_fx.ops.experts import experts_reference
 
@@ -79,6 +79,7 @@ def experts_cuda(
         fp8=fp8,
         activation=activation,
         device=hidden.device,
+        rows_per_expert=decode_rows(hidden.shape[0], topk_ids.shape[1], w13.shape[0]),
     )
     if choice.error is not None:
         raise RuntimeError(

@@ -8,6 +8,10 @@ The rule (DESIGN.md, "Choosing kernels"), in order of preference for ``kernel="a
   (``silu``, ``gelu``, ``gelu_tanh``), both GEMMs' N and K are
   multiples of 128 (GEMM1: N = 2I, K = H; GEMM2: N = H, K = I) and, for fp8 weights, the weight
   block is 128x128;
+  and the batch is not decode-sized: with at most :data:`DEEPGEMM_MIN_ROWS` rows per expert
+  (``ceil(T * K / E)``, known at run time only) the GEMMs just stream weights, Triton's decode
+  tiles match or beat DeepGEMM there (H200: bf16 Qwen3-30B-A3B T=1 45 vs 67 µs as CUDA-graph
+  replays) and cost a fraction of DeepGEMM's host time per call (358 vs 621 µs as plain calls);
 * ``"triton"``: moe_fx's own Triton kernels when a CUDA GPU and Triton are present (fp8 weights
   need SM89+ there);
 * ``"reference"``: the torch reference (CPU, or anything else).
@@ -36,6 +40,7 @@ __all__ = [
     "ExpertsProblem",
     "choose_experts_kernel",
     "decide_experts_kernel",
+    "decode_rows",
     "experts_kernel_checks",
     "explain_kernel",
     "mark_kernel_unusable",
@@ -48,6 +53,9 @@ log = logging.getLogger("moe_fx.lowering")
 AUTO_ORDER: tuple[str, ...] = ("deepgemm", "triton", "reference")
 #: DeepGEMM's tile edge: N and K of both GEMMs must be multiples of it, fp8 blocks must equal it.
 DEEPGEMM_ALIGN = 128
+#: At most this many rows per expert (``ceil(T * K / E)``), "auto" leaves DeepGEMM for Triton
+#: (bench/results/moe_layer_2026-12-02_v2.md: Triton equal or faster at <= 4, DeepGEMM ahead from 16).
+DEEPGEMM_MIN_ROWS = 4
 #: The fp8 weight block DeepGEMM's 1D2D recipe (and our Triton kernels) understand.
 SUPPORTED_FP8_BLOCK = (128, 128)
 #: Activation dtypes each GPU kernel accepts (fp8 weights need bf16 activations in both).
@@ -78,6 +86,8 @@ class ExpertsProblem:
         num_experts: E. hidden: H. intermediate: I (GEMM1 is ``[*, H] x [2I, H]^T``, GEMM2 ``[*, I] x [H, I]^T``).
         fp8_block: ``None`` for unquantised weights, else the (N, K) edge of the fp8 weight-scale blocks.
         activation: gated activation name (``"silu"`` = SwiGLU).
+        decode_rows: rows per expert of this call's batch when it is decode-sized (at most
+            :data:`DEEPGEMM_MIN_ROWS`), else ``None`` (larger batch, or not known: explain).
     """
 
     device_type: str
@@ -87,6 +97,7 @@ class ExpertsProblem:
     intermediate: int
     fp8_block: tuple[int, int] | None = None
     activation: str = "silu"
+    decode_rows: int | None = None
 
     @property
     def fp8(self) -> bool:
@@ -99,7 +110,8 @@ class ExpertsProblem:
     def describe(self) -> str:
         w = f"fp8 {self.fp8_block[0]}x{self.fp8_block[1]}" if self.fp8_block else self.dtype
         dims = f"E={self.num_experts} H={self.hidden} I={self.intermediate}"
-        return f"{dims} {self.dtype} weights={w} on {self.device_type}"
+        rows = f" ({self.decode_rows} rows per expert)" if self.decode_rows is not None else ""
+        return f"{dims} {self.dtype} weights={w} on {self.device_type}{rows}"
 
 
 @dataclass(frozen=True)
@@ -178,6 +190,12 @@ def _check_deepgemm(problem: ExpertsProblem, caps: Capabilities) -> str | None:
     return None
 
 
+def decode_rows(num_tokens: int, top_k: int, num_experts: int) -> int | None:
+    """``ceil(T * K / E)`` when it is at most :data:`DEEPGEMM_MIN_ROWS` (a decode-sized batch), else None."""
+    rows = -(-num_tokens * top_k // max(num_experts, 1))
+    return rows if rows <= DEEPGEMM_MIN_ROWS else None
+
+
 def _check_triton(problem: ExpertsProblem, caps: Capabilities) -> str | None:
     if caps.triton_error is not None:
         return caps.triton_error
@@ -221,6 +239,14 @@ def decide_experts_kernel(problem: ExpertsProblem, caps: Capabilities, request: 
         return ExpertsChoice(request, reasons, request, checks[request])
     winner = next(k for k in AUTO_ORDER if checks[k] is None)
     reasons = {k: (checks[k] or f"{winner} preferred") for k in AUTO_ORDER if k != winner}
+    if winner == "deepgemm" and problem.decode_rows is not None and checks["triton"] is None:
+        # a preference, not a capability: an explicit impl="deepgemm" still runs DeepGEMM here
+        winner = "triton"
+        reasons = {
+            "deepgemm": f"decode-size batch ({problem.decode_rows} rows per expert <= {DEEPGEMM_MIN_ROWS}): "
+            "Triton streams the weights as fast, at a fraction of DeepGEMM's host cost",
+            "reference": "triton preferred",
+        }
     return ExpertsChoice(winner, reasons, request)
 
 
@@ -307,9 +333,12 @@ def _problem(
     fp8: bool,
     fp8_block: tuple[int, int] | None,
     activation: str,
+    rows: int | None = None,
 ) -> ExpertsProblem:
     block = (tuple(fp8_block) if fp8_block is not None else SUPPORTED_FP8_BLOCK) if fp8 else None
-    return ExpertsProblem(device_type, _dtype_name(dtype), num_experts, hidden, intermediate, block, activation)
+    return ExpertsProblem(
+        device_type, _dtype_name(dtype), num_experts, hidden, intermediate, block, activation, rows
+    )
 
 
 def choose_experts_kernel(
@@ -325,13 +354,17 @@ def choose_experts_kernel(
     activation: str = "silu",
     caps: Capabilities | None = None,
     device: torch.device | str | None = None,
+    rows_per_expert: int | None = None,
 ) -> ExpertsChoice:
     """Pick the experts kernel for a problem given as plain values; log the choice once per shape.
 
     ``caps`` makes the call pure (tests, explain on a machine without the GPU); without it the
     capabilities of ``device`` (default: the current device of ``device_type``) are probed once.
+    ``rows_per_expert``: :func:`decode_rows` of the call's batch (None: not decode-sized, or unknown).
     """
-    problem = _problem(device_type, dtype, num_experts, hidden, intermediate, fp8, fp8_block, activation)
+    problem = _problem(
+        device_type, dtype, num_experts, hidden, intermediate, fp8, fp8_block, activation, rows_per_expert
+    )
     if caps is None:
         caps = probe_capabilities(device if device is not None else device_type)
     choice = decide_experts_kernel(problem, caps, request)
@@ -374,4 +407,10 @@ def explain_kernel(
     )
     if choice.error is not None:
         return f"{choice.kernel} (cannot run)", {choice.kernel: choice.error, **choice.reasons}
+    if choice.kernel == "deepgemm" and request == "auto":
+        # explain sees no batch: say what decode-sized batches run instead
+        return "deepgemm", {
+            **choice.reasons,
+            "triton": f"deepgemm preferred; triton runs batches of <= {DEEPGEMM_MIN_ROWS} rows per expert",
+        }
     return choice.kernel, dict(choice.reasons)
