@@ -103,14 +103,17 @@ def candidates(kind: str, bucket: int) -> list[TileConfig]:
     """The configurations :func:`tune` tries for a bucket (a short list: tuning runs on a lease)."""
     fp8 = kind == "fp8"
     if bucket <= 32:
+        # Decode: the GEMMs stream weights; what matters is bytes in flight per SM (tile width x
+        # k step x stages x programs per SM) against the number of tiles there are to spread.
         bm = 16 if bucket <= 16 else 32
         out = []
         for bn in (32, 64, 128):
-            for ppsm in (2, 4) if bn == 32 else (2,):
+            for ppsm in (2, 4) if bn == 32 else (1, 2):
                 cfg = TileConfig(bm, bn, 128, 1, 4, 5 if fp8 else 4, ppsm)
-                if cfg.smem_bytes(1 if fp8 else 2) * ppsm > 220_000:
-                    cfg = TileConfig(bm, bn, 128, 1, 4, 5 if fp8 else 4, 1)
-                out.append(cfg)
+                if cfg.smem_bytes(1 if fp8 else 2) * ppsm <= SMEM_BUDGET:
+                    out.append(cfg)
+        if not fp8:  # fp8 steps are one 128-wide scale group; bf16 can take longer k steps
+            out += [TileConfig(bm, 32, 256, 1, 4, 4, 2), TileConfig(bm, 64, 256, 1, 4, 3, 1)]
         return out
     if bucket <= 128:
         if fp8:

@@ -308,7 +308,10 @@ def tune_masked_gemm(
     def bench(cfg: configs.TileConfig) -> float:
         run(cfg)
         torch.cuda.synchronize(device)
-        return triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=25)
+        # CUDA-graph replays time the GPU alone: a plain call of a decode-sized GEMM is host-bound,
+        # and timing the host would pick tiles at random
+        with torch.cuda.device(device):
+            return triton.testing.do_bench_cudagraph(lambda: run(cfg), rep=25)
 
     return configs.tune(
         kind, n, k, expected_m, device, bench, active_groups if bucket <= 32 else None, force=force, timings=timings
