@@ -38,6 +38,14 @@ def _empty_kernel():
     return empty
 
 
+def _has_deep_gemm() -> bool:
+    try:
+        import deep_gemm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def per_call_us(fn, calls: int) -> float:
     """Median over 3 rounds of wall µs per call, ``calls`` calls per round, synchronised at the ends."""
     for _ in range(20):
@@ -55,7 +63,7 @@ def per_call_us(fn, calls: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shapes", default="qwen3,mixtral")
+    ap.add_argument("--shapes", default="qwen3")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -81,14 +89,17 @@ def main() -> None:
         q13, s13 = quantize_fp8_blockwise(w13)
         q2, s2 = quantize_fp8_blockwise(w2)
         hidden, ids, w = routing_sets(1, e, k, h, 1)[0]
-        for name, ws in (("bf16", (w13, w2, None, None)), ("fp8", (q13, q2, s13, s2))):
+        impls = ["triton"] + (["deepgemm"] if _has_deep_gemm() else [])
+        for (name, ws), impl in [
+            (c, i) for c in (("bf16", (w13, w2, None, None)), ("fp8", (q13, q2, s13, s2))) for i in impls
+        ]:
 
             def direct(ws=ws, hidden=hidden, ids=ids, w=w):
                 return triton_experts(hidden, ids, w, ws[0], ws[1], w13_scale=ws[2], w2_scale=ws[3])
 
-            def op(ws=ws, hidden=hidden, ids=ids, w=w):
+            def op(ws=ws, hidden=hidden, ids=ids, w=w, impl=impl):
                 return torch.ops.moe_fx.experts(
-                    hidden, ids, w, ws[0], ws[1], w13_scale=ws[2], w2_scale=ws[3], impl="triton"
+                    hidden, ids, w, ws[0], ws[1], w13_scale=ws[2], w2_scale=ws[3], impl=impl
                 )
 
             graph = torch.cuda.CUDAGraph()
@@ -97,7 +108,7 @@ def main() -> None:
             with torch.cuda.graph(graph):
                 op()
             lines.append(
-                f"{shape} T=1 {name}: triton_experts {per_call_us(direct, args.calls):.1f} us/call, "
+                f"{shape} T=1 {name} impl={impl}: triton_experts {per_call_us(direct, args.calls):.1f} us/call, "
                 f"torch.ops.moe_fx.experts {per_call_us(op, args.calls):.1f} us/call, "
                 f"CUDA-graph replay {per_call_us(graph.replay, args.calls):.1f} us/call"
             )
@@ -110,7 +121,7 @@ def main() -> None:
             torch.cuda.synchronize()
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
-            lines.append(f"cProfile, 100 calls, {shape} {name}:\n" + buf.getvalue()[-4000:])
+            lines.append(f"cProfile, 100 calls, {shape} {name} impl={impl}:\n" + buf.getvalue()[-4000:])
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -371,13 +371,18 @@ def main() -> None:
 
 
 def merge_runs(paths: list[str], out_dir: str, tag: str) -> None:
-    """Join runs of this script (same machine and versions, e.g. shapes split over two device calls)."""
-    metas, rows = [], []
+    """Join runs of this script (same machine and versions, e.g. shapes split over device calls).
+
+    Where two runs measured the same cell (shape, T, impl, mode), the later file's row is kept.
+    """
+    metas, by_key = [], {}
     for path in paths:
         with open(path) as f:
             data = json.load(f)
         metas.append(data["meta"])
-        rows += data["rows"]
+        for row in data["rows"]:  # a later run's row replaces an earlier one's (same shape, T, impl, mode)
+            by_key[(row["shape"], row["T"], row["impl"], row["mode"])] = {**row, "run": os.path.basename(path)}
+    rows = list(by_key.values())
     meta = dict(metas[0])
     for key in ("gpu", "torch", "triton", "transformers"):
         if len({m[key] for m in metas}) != 1:
@@ -469,41 +474,48 @@ def write_markdown(path: str, meta: dict, rows: list[dict]) -> None:
 
 
 def plot(path: str, meta: dict, rows: list[dict]) -> None:
+    """Time against T, one column per shape; plain calls on top, CUDA-graph replays (T <= 256) below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
-    for ax, shape in zip(axes[0], shapes):
-        for impl in dict.fromkeys(r["impl"] for r in rows):
-            for mode, style in (("plain", "-"), ("graph", ":")):
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    colors = {impl: plt.cm.tab10(n % 10) for n, impl in enumerate(impls)}
+    fig, axes = plt.subplots(2, len(shapes), figsize=(5.5 * len(shapes), 8), squeeze=False)
+    for col, shape in enumerate(shapes):
+        for row_i, mode in enumerate(("plain", "graph")):
+            ax = axes[row_i][col]
+            for impl in impls:
                 pts = sorted(
                     (r["T"], r["us"])
                     for r in rows
                     if r["shape"] == shape and r["impl"] == impl and r["mode"] == mode and "us" in r
                 )
                 if pts:
-                    ax.plot(*zip(*pts), style, marker="o", ms=3, label=f"{impl} ({mode})")
-        floor = sorted(
-            {
-                (r["T"], r["floor_us"])
-                for r in rows
-                if r["shape"] == shape and r["impl"] == "moe_fx_bf16" and "us" in r and r["mode"] == "plain"
-            }
-        )
-        if floor:
-            ax.plot(*zip(*floor), "k--", lw=1, label="bf16 floor")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens T")
-        ax.set_ylabel("µs")
-        ax.set_title(shape)
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=6)
-    fig.suptitle(f"one MoE layer, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}")
-    fig.tight_layout()
+                    style = "-" if impl.startswith("moe_fx") else "--"
+                    ax.plot(*zip(*pts), style, marker="o", ms=3, color=colors[impl], label=impl)
+            for dtype, style in (("bf16", "k:"), ("fp8", "k-.")):
+                floor = sorted(
+                    {
+                        (r["T"], r["floor_us"])
+                        for r in rows
+                        if r["shape"] == shape and r["impl"] == f"moe_fx_{dtype}" and r["mode"] == mode and "us" in r
+                    }
+                )
+                if floor:
+                    ax.plot(*zip(*floor), style, lw=1, label=f"{dtype} floor")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("tokens T")
+            ax.set_ylabel("µs")
+            ax.set_title(f"{shape}, {'plain calls' if mode == 'plain' else 'CUDA-graph replays'}")
+            ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8)
+    fig.suptitle(f"one MoE layer, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']} (lower is better)")
+    fig.tight_layout(rect=(0, 0.07, 1, 0.97))
     fig.savefig(path, dpi=110)
 
 
