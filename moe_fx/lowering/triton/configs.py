@@ -113,7 +113,9 @@ def candidates(kind: str, bucket: int) -> list[TileConfig]:
                 if cfg.smem_bytes(1 if fp8 else 2) * ppsm <= SMEM_BUDGET:
                     out.append(cfg)
         if not fp8:  # fp8 steps are one 128-wide scale group; bf16 can take longer k steps
-            out += [TileConfig(bm, 32, 256, 1, 4, 4, 2), TileConfig(bm, 64, 256, 1, 4, 3, 1)]
+            for cfg in (TileConfig(bm, 32, 256, 1, 4, 4, 2), TileConfig(bm, 64, 256, 1, 4, 3, 1)):
+                if cfg.smem_bytes(2) * cfg.programs_per_sm <= SMEM_BUDGET:
+                    out.append(cfg)
         return out
     if bucket <= 128:
         if fp8:
