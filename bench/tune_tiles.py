@@ -57,7 +57,7 @@ def main() -> None:
         f"triton {triton.__version__}",
         "",
         "Uniform loads: m = ceil(T*K/E) rows in each expert hit (decode: min(E, T*K) experts hit). "
-        "µs = median of triton.testing.do_bench; * = chosen. Tile = block_m x block_n x block_k / warps / "
+        "µs = mean of CUDA-graph replays (triton.testing.do_bench_cudagraph: GPU time, no launch cost); * = chosen. Tile = block_m x block_n x block_k / warps / "
         "stages / programs per SM (+tma).",
         "",
         "| shape | T | kind | GEMM N x K | m | tile | µs | TFLOP/s |",
