@@ -9,9 +9,9 @@ The rule (DESIGN.md, "Choosing kernels"), in order of preference for ``kernel="a
   multiples of 128 (GEMM1: N = 2I, K = H; GEMM2: N = H, K = I) and, for fp8 weights, the weight
   block is 128x128;
   and the batch is not decode-sized: with at most :data:`DEEPGEMM_MIN_ROWS` rows per expert
-  (``ceil(T * K / E)``, known at run time only) the GEMMs just stream weights, Triton's decode
-  tiles match or beat DeepGEMM there (H200: bf16 Qwen3-30B-A3B T=1 45 vs 67 µs as CUDA-graph
-  replays) and cost a fraction of DeepGEMM's host time per call (358 vs 621 µs as plain calls);
+  (``ceil(T * K / E)``, known at run time only) the GEMMs just stream weights, and Triton's
+  decode tiles match or beat DeepGEMM there (H200, CUDA-graph replays of the whole layer: Qwen3-30B-A3B
+  T=1 45 vs 67 µs bf16, 48 vs 60 fp8; elsewhere within 5%, bench/results/moe_layer_2026-12-02_v2.md);
 * ``"triton"``: moe_fx's own Triton kernels when a CUDA GPU and Triton are present (fp8 weights
   need SM89+ there);
 * ``"reference"``: the torch reference (CPU, or anything else).
@@ -244,7 +244,7 @@ def decide_experts_kernel(problem: ExpertsProblem, caps: Capabilities, request: 
         winner = "triton"
         reasons = {
             "deepgemm": f"decode-size batch ({problem.decode_rows} rows per expert <= {DEEPGEMM_MIN_ROWS}): "
-            "Triton streams the weights as fast, at a fraction of DeepGEMM's host cost",
+            "Triton's decode tiles stream the weights as fast or faster",
             "reference": "triton preferred",
         }
     return ExpertsChoice(winner, reasons, request)
