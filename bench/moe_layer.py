@@ -207,8 +207,6 @@ def check_outputs(fns: dict, e: int, k: int, h: int, w13, w2) -> dict:
 def hf_fits(impl: str, t: int, e: int, k: int, h: int, i: int) -> bool:
     if impl == "batched_mm":  # gathers a [T*K, 2I, H] weight copy: out of memory for large T
         return t * k * 3 * h * i * 2 < 40e9
-    if impl == "eager":
-        return True
     return True
 
 

@@ -57,7 +57,8 @@ def main() -> None:
         f"triton {triton.__version__}",
         "",
         "Uniform loads: m = ceil(T*K/E) rows in each expert hit (decode: min(E, T*K) experts hit). "
-        "µs = mean of CUDA-graph replays (triton.testing.do_bench_cudagraph: GPU time, no launch cost); * = chosen. Tile = block_m x block_n x block_k / warps / "
+        "µs = mean of CUDA-graph replays (triton.testing.do_bench_cudagraph: GPU time, no launch cost); "
+        "* = chosen. Tile = block_m x block_n x block_k / warps / "
         "stages / programs per SM (+tma).",
         "",
         "| shape | T | kind | GEMM N x K | m | tile | µs | TFLOP/s |",
@@ -71,8 +72,8 @@ def main() -> None:
             active = min(e, t * k)
             for kind in args.kinds.split(","):
                 for n_, k_ in ((2 * i, h), (h, i)):
-                    bucket = configs.m_bucket(em)
-                    key = (kind, n_, k_, bucket, configs.m_bucket(active) if bucket <= 32 else None)
+                    # the tuning cache's own key: one tuning per bucket, whichever shape and T reach it
+                    key = configs._key("", kind, n_, k_, configs.m_bucket(em), active)
                     if key in seen:
                         continue
                     seen.add(key)
@@ -81,7 +82,9 @@ def main() -> None:
                         continue
                     timings: dict = {}
                     s0 = time.time()
-                    best = tune_masked_gemm(kind, e, n_, k_, em, active_groups=active, force=args.force, timings=timings)
+                    best = tune_masked_gemm(
+                        kind, e, n_, k_, em, active_groups=active, force=args.force, timings=timings
+                    )
                     print(f"{shape} T={t} {kind} N={n_} K={k_} m={em}: {best} ({time.time() - s0:.1f}s)", flush=True)
                     flops = 2 * active * max(em, 1) * n_ * k_
                     for cfg, ms in sorted(timings.items(), key=lambda kv: kv[1]):

@@ -242,11 +242,11 @@ def decide_experts_kernel(problem: ExpertsProblem, caps: Capabilities, request: 
     if winner == "deepgemm" and problem.decode_rows is not None and checks["triton"] is None:
         # a preference, not a capability: an explicit impl="deepgemm" still runs DeepGEMM here
         winner = "triton"
-        reasons = {
-            "deepgemm": f"decode-size batch ({problem.decode_rows} rows per expert <= {DEEPGEMM_MIN_ROWS}): "
-            "Triton's decode tiles stream the weights as fast or faster",
-            "reference": "triton preferred",
-        }
+        reasons = {k: f"{winner} preferred" for k in AUTO_ORDER if k != winner}
+        reasons["deepgemm"] = (
+            f"decode-size batch ({problem.decode_rows} rows per expert <= {DEEPGEMM_MIN_ROWS}): "
+            "Triton's decode tiles stream the weights as fast or faster"
+        )
     return ExpertsChoice(winner, reasons, request)
 
 

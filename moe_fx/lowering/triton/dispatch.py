@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from moe_fx.lowering.triton._loader import kernels
-from moe_fx.lowering.triton.grouped_gemm import _check_masked, _pow2
+from moe_fx.lowering.triton.grouped_gemm import _check_masked, _out, _pow2
 
 __all__ = ["dispatch_rows", "local_combine", "local_dispatch"]
 
@@ -71,15 +71,10 @@ def dispatch_rows(
     k = topk_ids.shape[1]
     dev = hidden.device
     x = torch.empty(num_experts, max_m, h, dtype=torch.float8_e4m3fn if quant_fp8 else hidden.dtype, device=dev)
-    if not quant_fp8:
+    if quant_fp8:
+        x_scale = _out("local_dispatch: x_scale", x_scale, (num_experts, max_m, -(-h // _GROUP)), torch.float32, dev)
+    else:
         x_scale = None
-    elif x_scale is None:
-        x_scale = torch.empty(num_experts, max_m, -(-h // _GROUP), dtype=torch.float32, device=dev)
-    elif tuple(x_scale.shape) != (num_experts, max_m, -(-h // _GROUP)) or x_scale.dtype != torch.float32:
-        raise ValueError(
-            f"local_dispatch: x_scale must be float32 {[num_experts, max_m, -(-h // _GROUP)]}, "
-            f"got {x_scale.dtype} {list(x_scale.shape)}"
-        )
     counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     if with_slot_index:
         slot_index = torch.full((num_experts, max_m), -1, dtype=torch.int32, device=dev)

@@ -256,7 +256,7 @@ def masked_gemm_fp8(
         *a.stride(), *a_scale.stride(), *b.stride(), *b_scale.stride(), *out.stride(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         E_POW2=_pow2(g), EVEN_K=k % cfg.block_k == 0, UPCAST=a.device.type == "cpu",
-        TMA=tma, SCALAR_BS=cfg.block_n <= 128 and 128 % cfg.block_n == 0,
+        TMA=tma, SCALAR_BS=128 % cfg.block_n == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
@@ -313,6 +313,4 @@ def tune_masked_gemm(
         with torch.cuda.device(device):
             return triton.testing.do_bench_cudagraph(lambda: run(cfg), rep=25)
 
-    return configs.tune(
-        kind, n, k, expected_m, device, bench, active_groups if bucket <= 32 else None, force=force, timings=timings
-    )
+    return configs.tune(kind, n, k, expected_m, device, bench, active_groups, force=force, timings=timings)
