@@ -8,6 +8,7 @@ Public API::
 """
 
 from moe_fx import ops  # noqa: F401  (registers the custom ops)
+from moe_fx import lowering  # noqa: F401  (registers their device implementations)
 from moe_fx.config import MoEConfig
 
 __version__ = "0.1.0"

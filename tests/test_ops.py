@@ -111,7 +111,7 @@ def test_opcheck_and_dynamic_fake():
         (lambda a: a.update(weights=a["weights"].long()), TypeError, "topk_weights must be"),
         (lambda a: a.update(w2=a["w2"][:, :, :3]), ValueError, "inconsistent shapes"),
         (lambda a: a.update(w13=a["w13"].double()), TypeError, "w13 is torch.float64 but hidden is torch.float32"),
-        (lambda a: a.update(activation="relu"), ValueError, "unknown activation"),
+        (lambda a: a.update(activation="swish"), ValueError, "unknown activation"),
         (lambda a: a.update(hidden=a["hidden"][None]), ValueError, r"hidden must be a 2-D \[T, H\]"),
     ],
 )

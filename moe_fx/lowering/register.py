@@ -105,3 +105,7 @@ torch.library.register_kernel("moe_fx::experts", "cuda", experts_cuda)
 
 # The CUDA kernel of moe_fx::masked_experts (expert parallelism) registers itself on import.
 from moe_fx.lowering.experts import masked as _masked  # noqa: E402,F401
+from moe_fx.lowering.dispatch import ep_combine_impl, ep_dispatch_impl  # noqa: E402
+
+torch.library.register_kernel("moe_fx::ep_dispatch", ("cpu", "cuda"), ep_dispatch_impl)
+torch.library.register_kernel("moe_fx::ep_combine", ("cpu", "cuda"), ep_combine_impl)

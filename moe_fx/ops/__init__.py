@@ -1,11 +1,34 @@
 """moe_fx custom ops: the contract between the graph passes and the kernel lowering.
 
-Importing this package registers every op with ``torch.library`` (schema, fake and reference
-implementations). Kernels for devices are registered by :mod:`moe_fx.lowering`.
+Importing this package registers every op with ``torch.library`` (schema, fake and CPU reference
+implementations). Kernels for devices are registered by :mod:`moe_fx.lowering`, which ``import moe_fx``
+also imports.
 """
 
-from moe_fx.ops.checks import KERNELS
-from moe_fx.ops.experts import ACTIVATIONS, FP8_BLOCK, dequantize_blockwise, experts, experts_reference
 from moe_fx.ops import ep  # noqa: F401  (registers moe_fx::ep_dispatch / masked_experts / ep_combine)
+from moe_fx.ops.checks import KERNELS
+from moe_fx.ops.experts import (
+    ACTIVATIONS,
+    GATE_UP_LAYOUTS,
+    ExpertActivation,
+    check_ids_in_range,
+    dequantize_blockwise,
+    experts,
+    experts_reference,
+)
+from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, FP8_E4M3_MAX, FP8_SCALE_FLOOR
 
-__all__ = ["ACTIVATIONS", "FP8_BLOCK", "KERNELS", "dequantize_blockwise", "experts", "experts_reference"]
+__all__ = [
+    "ACTIVATIONS",
+    "FP8_BLOCK",
+    "FP8_DTYPE",
+    "FP8_E4M3_MAX",
+    "FP8_SCALE_FLOOR",
+    "GATE_UP_LAYOUTS",
+    "KERNELS",
+    "ExpertActivation",
+    "check_ids_in_range",
+    "dequantize_blockwise",
+    "experts",
+    "experts_reference",
+]

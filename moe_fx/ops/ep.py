@@ -38,24 +38,24 @@ same registry torch's functional collectives use) and resolve it with :func:`res
 Limits: a rank with more than ``max_tokens_per_rank`` tokens is an error on every rank (see
 :mod:`moe_fx.lowering.dispatch`, which explains why this is not chunked). ``T = 0`` works.
 
-This module holds schemas, fake implementations, the masked-experts reference and input checks. The
-communication ops have no device-free reference: their implementation is
-:mod:`moe_fx.lowering.dispatch` (looked up at call time), which runs on any backend torch.distributed
-supports (gloo on CPU, NCCL on GPU) and uses DeepEP's low-latency kernels where they fit.
+This module holds schemas, fake implementations, the masked-experts reference and input checks, and
+imports nothing from the lowering. The communication ops have no device-free reference: importing
+:mod:`moe_fx.lowering` registers their implementations (torch.distributed on any backend it supports,
+gloo on CPU and NCCL on GPU, and DeepEP's low-latency kernels where they fit).
 """
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.distributed as dist
 
-from moe_fx.ops.checks import FLOAT_DTYPES, ID_DTYPES
-from moe_fx.ops.experts import ACTIVATIONS, FP8_BLOCK, dequantize_blockwise
+from moe_fx.ops.checks import FLOAT_DTYPES, ID_DTYPES, check_activation, check_weight_scale
+from moe_fx.ops.experts import ExpertActivation, dequantize_blockwise
+from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
 __all__ = [
     "EP_BACKENDS",
+    "dequantize_activations",
     "ep_combine",
     "ep_dispatch",
     "ep_group_name",
@@ -66,7 +66,7 @@ __all__ = [
 
 #: Backend requests the EP ops accept: ``"auto"`` lets the lowering pick.
 EP_BACKENDS = ("auto", "torch_dist", "deepep")
-_FP8 = torch.float8_e4m3fn
+_FP8 = FP8_DTYPE
 
 
 # --------------------------------------------------------------------------------------------------
@@ -215,6 +215,14 @@ def check_masked_experts_inputs(
     x_scale: torch.Tensor | None,
     w13_scale: torch.Tensor | None,
     w2_scale: torch.Tensor | None,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    gated: bool = True,
+    gate_up_layout: str = "halves",
+    alpha: float = 1.0,
+    limit: float | None = None,
+    up_offset: float = 0.0,
 ) -> None:
     """Validate ``masked_experts`` inputs (masked layout + experts-op weight contract)."""
     if x.dim() != 3 or (x.dtype not in FLOAT_DTYPES and x.dtype != _FP8):
@@ -226,79 +234,57 @@ def check_masked_experts_inputs(
         raise ValueError(
             f"moe_fx.masked_experts: masked_m must be int32 [{e}], got {masked_m.dtype} {list(masked_m.shape)}"
         )
-    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != e or w13.shape[2] != h or w13.shape[1] % 2:
-        raise ValueError(f"moe_fx.masked_experts: w13 must be [E={e}, 2I, H={h}], got {list(w13.shape)}")
-    if tuple(w2.shape) != (e, h, w13.shape[1] // 2):
-        raise ValueError(f"moe_fx.masked_experts: w2 must be [{e}, {h}, {w13.shape[1] // 2}], got {list(w2.shape)}")
+    check_activation("masked_experts", activation, gated, gate_up_layout, alpha, limit, up_offset)
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"moe_fx.masked_experts: w13 and w2 must be 3-D, got {list(w13.shape)} and {list(w2.shape)}")
+    inter = w2.shape[2]
+    n1 = 2 * inter if gated else inter
+    if tuple(w13.shape) != (e, n1, h) or tuple(w2.shape) != (e, h, inter):
+        raise ValueError(
+            f"moe_fx.masked_experts: want w13 [E={e}, N1, H={h}] (N1 = {'2I' if gated else 'I'}) and w2 [E, H, I], "
+            f"got {list(w13.shape)} and {list(w2.shape)}"
+        )
     if x.dtype == _FP8:
-        want = (e, x.shape[1], -(-h // FP8_BLOCK))
+        want = (e, x.shape[1], cdiv(h, FP8_BLOCK))
         if x_scale is None or tuple(x_scale.shape) != want or x_scale.dtype != torch.float32:
             got = None if x_scale is None else f"{x_scale.dtype} {list(x_scale.shape)}"
             raise ValueError(f"moe_fx.masked_experts: fp8 x needs float32 x_scale {list(want)}, got {got}")
     elif x_scale is not None:
         raise ValueError(f"moe_fx.masked_experts: x_scale given but x is {x.dtype}, not fp8")
     for name, w, s in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
-        if w.dtype == _FP8:
-            n, k = w.shape[1], w.shape[2]
-            want = (e, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
-            if s is None or tuple(s.shape) != want or s.dtype != torch.float32:
-                raise ValueError(f"moe_fx.masked_experts: fp8 {name} needs float32 {name}_scale {list(want)}")
-        elif s is not None:
-            raise ValueError(f"moe_fx.masked_experts: {name}_scale given but {name} is {w.dtype}, not fp8")
-        elif x.dtype != _FP8 and w.dtype != x.dtype:
+        check_weight_scale("masked_experts", name, w, s)
+        if w.dtype != _FP8 and x.dtype != _FP8 and w.dtype != x.dtype:
             raise TypeError(f"moe_fx.masked_experts: {name} is {w.dtype} but x is {x.dtype}; they must match")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"moe_fx.masked_experts: unknown activation {activation!r}; known: {sorted(ACTIVATIONS)}")
+    for name, b, want in (("w13_bias", w13_bias, (e, n1)), ("w2_bias", w2_bias, (e, h))):
+        if b is not None and (tuple(b.shape) != want or not b.dtype.is_floating_point or b.dtype == _FP8):
+            raise ValueError(f"moe_fx.masked_experts: {name} must be a float {list(want)} tensor, got {b.dtype} "
+                             f"{list(b.shape)}")
 
 
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
+def masked_output_dtype(x: torch.Tensor) -> torch.dtype:
+    """``masked_experts`` returns bf16 for fp8 tokens, else the tokens' dtype."""
     return torch.bfloat16 if x.dtype == _FP8 else x.dtype
 
 
-def _lowering():
-    # The communication ops are implemented on the kernel side; imported at call time so that
-    # moe_fx.ops stays importable (and the fake implementations usable) without it.
-    return importlib.import_module("moe_fx.lowering.dispatch")
-
-
 # --------------------------------------------------------------------------------------------------
-# ep_dispatch
+# The three ops are defined with torch.library.Library rather than custom_op: their kernels are
+# reached straight from the C++ dispatcher, without custom_op's Python autograd and dynamo-disable
+# wrappers (~100 µs per dispatch+combine pair in eager mode, measured with a stubbed DeepEP). They have
+# no autograd (inference only), like the other moe_fx ops. Implementations: moe_fx.lowering.
 # --------------------------------------------------------------------------------------------------
+
+_LIB = torch.library.Library("moe_fx", "FRAGMENT")
 
 _DISPATCH_SCHEMA = (
     "(Tensor hidden, Tensor topk_ids, int num_experts, int max_tokens_per_rank, str group_name, "
     "bool use_fp8=False, str backend='auto') -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
-
-
-# The two communication ops are defined with torch.library.Library rather than custom_op: their
-# kernels are reached straight from the C++ dispatcher, without custom_op's Python autograd and
-# dynamo-disable wrappers, which cost ~100 µs per dispatch+combine pair in eager mode (measured with
-# a stubbed DeepEP) next to DeepEP's own ~90 µs. They have no autograd (inference only), like the
-# other moe_fx ops.
-_LIB = torch.library.Library("moe_fx", "FRAGMENT")
 _LIB.define("ep_dispatch" + _DISPATCH_SCHEMA)
 
-
-def ep_dispatch(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    num_experts: int,
-    max_tokens_per_rank: int,
-    group_name: str,
-    use_fp8: bool = False,
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Send tokens to the ranks of their experts; returns ``(recv_x, recv_scale, masked_m, src_info, layout_range)``.
-
-    See the module docstring for shapes. Collective: every rank of the group must call it.
-    """
-    return _lowering().ep_dispatch_impl(
-        hidden, topk_ids, num_experts, max_tokens_per_rank, group_name, use_fp8, backend
-    )
-
-
-_LIB.impl("ep_dispatch", ep_dispatch, "CompositeExplicitAutograd")
+#: ``ep_dispatch(hidden, topk_ids, num_experts, max_tokens_per_rank, group_name, use_fp8, backend)``:
+#: send tokens to the ranks of their experts; returns ``(recv_x, recv_scale, masked_m, src_info,
+#: layout_range)`` (see the module docstring). Collective: every rank of the group must call it.
+ep_dispatch = torch.ops.moe_fx.ep_dispatch
 
 
 @torch.library.register_fake("moe_fx::ep_dispatch")
@@ -314,13 +300,13 @@ def _ep_dispatch_fake(
     world, _ = _world(group_name)
     e_local, m = check_dispatch_inputs(hidden, topk_ids, num_experts, max_tokens_per_rank, world, use_fp8, backend)
     h = hidden.shape[1]
-    return _dispatch_outputs(hidden, e_local, m, h, world, use_fp8)
+    return dispatch_outputs(hidden, e_local, m, h, world, use_fp8)
 
 
-def _dispatch_outputs(
+def dispatch_outputs(
     hidden: torch.Tensor, e_local: int, m: int, h: int, world: int, use_fp8: bool, *, zero: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Allocate the five dispatch outputs with the contract's shapes, dtypes and strides."""
+    """Allocate the five ``ep_dispatch`` outputs with the contract's shapes, dtypes and strides."""
     new = hidden.new_zeros if zero else hidden.new_empty
     recv_x = new((e_local, m, h), dtype=_FP8 if use_fp8 else hidden.dtype)
     if use_fp8:
@@ -340,11 +326,14 @@ def _dispatch_outputs(
 
 _MASKED_SCHEMA = (
     "(Tensor x, Tensor masked_m, Tensor w13, Tensor w2, str activation='silu', Tensor? x_scale=None, "
-    "Tensor? w13_scale=None, Tensor? w2_scale=None, int expected_m=0, str impl='auto') -> Tensor"
+    "Tensor? w13_scale=None, Tensor? w2_scale=None, SymInt expected_m=0, str impl='auto', *, "
+    "Tensor? w13_bias=None, Tensor? w2_bias=None, bool gated=True, str gate_up_layout='halves', "
+    "float alpha=1.0, float? limit=None, float up_offset=0.0) -> Tensor"
 )
+_LIB.define("masked_experts" + _MASKED_SCHEMA)
 
 
-def _dequantize_activations(x: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+def dequantize_activations(x: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
     """fp8 ``[..., H]`` with fp32 1x128 scales ``[..., ceil(H/128)]`` -> fp32 ``[..., H]``."""
     h = x.shape[-1]
     return x.float() * x_scale.float().repeat_interleave(FP8_BLOCK, dim=-1)[..., :h]
@@ -359,15 +348,22 @@ def masked_experts_reference(
     x_scale: torch.Tensor | None = None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    gated: bool = True,
+    gate_up_layout: str = "halves",
+    alpha: float = 1.0,
+    limit: float | None = None,
+    up_offset: float = 0.0,
 ) -> torch.Tensor:
     """fp32 computation of ``masked_experts`` (the oracle): expert ``e`` on the first ``masked_m[e]`` rows of ``x[e]``.
 
     Returns ``[E, M, H]`` in ``x.dtype`` (bf16 for fp8 ``x``); rows past ``masked_m[e]`` are zero.
     """
+    spec = ExpertActivation(activation, gated, gate_up_layout, alpha, limit, up_offset)
     e_local, m, h = x.shape
-    out = torch.zeros(e_local, m, h, dtype=_out_dtype(x), device=x.device)
-    act = ACTIVATIONS[activation]
-    inter = w2.shape[-1]
+    out = torch.zeros(e_local, m, h, dtype=masked_output_dtype(x), device=x.device)
     counts = masked_m.tolist()
     for e, n in enumerate(counts):
         if n < 0 or n > m:
@@ -375,16 +371,20 @@ def masked_experts_reference(
         if n == 0:
             continue
         xe = x[e, :n]
-        xe = _dequantize_activations(xe, x_scale[e, :n]) if x.dtype == _FP8 else xe.float()
+        xe = dequantize_activations(xe, x_scale[e, :n]) if x.dtype == _FP8 else xe.float()
         w13_e = w13[e].float() if w13_scale is None else dequantize_blockwise(w13[e], w13_scale[e])
         w2_e = w2[e].float() if w2_scale is None else dequantize_blockwise(w2[e], w2_scale[e])
-        gate_up = xe @ w13_e.t()
-        out[e, :n] = ((act(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2_e.t()).to(out.dtype)
+        h1 = xe @ w13_e.t()
+        if w13_bias is not None:
+            h1 = h1 + w13_bias[e].float()
+        y = spec.apply(h1) @ w2_e.t()
+        if w2_bias is not None:
+            y = y + w2_bias[e].float()
+        out[e, :n] = y.to(out.dtype)
     return out
 
 
-@torch.library.custom_op("moe_fx::masked_experts", mutates_args=(), schema=_MASKED_SCHEMA)
-def masked_experts(
+def _masked_experts_cpu(
     x: torch.Tensor,
     masked_m: torch.Tensor,
     w13: torch.Tensor,
@@ -395,19 +395,23 @@ def masked_experts(
     w2_scale: torch.Tensor | None = None,
     expected_m: int = 0,
     impl: str = "auto",
+    **spec: object,
 ) -> torch.Tensor:
-    """Expert MLPs on the masked layout: ``x [E, M, H]`` (first ``masked_m[e]`` rows valid) -> ``[E, M, H]``.
-
-    ``expected_m`` is a load hint for DeepGEMM's heuristics (0: unknown); ``impl`` a kernel request
-    for the lowering (``"auto"``, ``"reference"``, ...; as in ``moe_fx::experts``, not named ``kernel``:
-    Inductor's ``FallbackKernel.create(kernel, *args, **kwargs)`` breaks on an op argument of that name).
-    The default (CPU and any device without a registered kernel) is :func:`masked_experts_reference`.
-    """
-    check_masked_experts_inputs(x, masked_m, w13, w2, activation, x_scale, w13_scale, w2_scale)
-    return masked_experts_reference(x, masked_m, w13, w2, activation, x_scale, w13_scale, w2_scale)
+    """CPU implementation of ``masked_experts``: the reference after the input checks."""
+    check_masked_experts_inputs(x, masked_m, w13, w2, activation, x_scale, w13_scale, w2_scale, **spec)
+    return masked_experts_reference(x, masked_m, w13, w2, activation, x_scale, w13_scale, w2_scale, **spec)
 
 
-@masked_experts.register_fake
+_LIB.impl("masked_experts", _masked_experts_cpu, "CPU")
+
+#: ``masked_experts(x [E, M, H], masked_m [E], w13, w2, activation, x_scale, w13_scale, w2_scale,
+#: expected_m, impl, *, biases and activation parameters as in moe_fx::experts)``: expert MLPs on the
+#: masked layout (first ``masked_m[e]`` rows of ``x[e]`` valid) -> ``[E, M, H]``. ``expected_m`` is a
+#: load hint for DeepGEMM's heuristics (0: unknown); ``impl`` a kernel request for the lowering.
+masked_experts = torch.ops.moe_fx.masked_experts
+
+
+@torch.library.register_fake("moe_fx::masked_experts")
 def _masked_experts_fake(
     x: torch.Tensor,
     masked_m: torch.Tensor,
@@ -419,9 +423,10 @@ def _masked_experts_fake(
     w2_scale: torch.Tensor | None = None,
     expected_m: int = 0,
     impl: str = "auto",
+    **spec: object,
 ) -> torch.Tensor:
-    check_masked_experts_inputs(x, masked_m, w13, w2, activation, x_scale, w13_scale, w2_scale)
-    return x.new_empty(x.shape, dtype=_out_dtype(x))
+    check_masked_experts_inputs(x, masked_m, w13, w2, activation, x_scale, w13_scale, w2_scale, **spec)
+    return x.new_empty(x.shape, dtype=masked_output_dtype(x))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -432,42 +437,12 @@ _COMBINE_SCHEMA = (
     "(Tensor expert_out, Tensor topk_ids, Tensor topk_weights, Tensor src_info, Tensor layout_range, "
     "int num_experts, int max_tokens_per_rank, str group_name, bool use_fp8=False, str backend='auto') -> Tensor"
 )
-
-
 _LIB.define("ep_combine" + _COMBINE_SCHEMA)
 
-
-def ep_combine(
-    expert_out: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    src_info: torch.Tensor,
-    layout_range: torch.Tensor,
-    num_experts: int,
-    max_tokens_per_rank: int,
-    group_name: str,
-    use_fp8: bool = False,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """Return processed rows to their tokens and sum them weighted: ``[T, H]`` in ``expert_out.dtype``.
-
-    Collective: every rank of the group must call it, after the matching ``ep_dispatch``.
-    """
-    return _lowering().ep_combine_impl(
-        expert_out,
-        topk_ids,
-        topk_weights,
-        src_info,
-        layout_range,
-        num_experts,
-        max_tokens_per_rank,
-        group_name,
-        use_fp8,
-        backend,
-    )
-
-
-_LIB.impl("ep_combine", ep_combine, "CompositeExplicitAutograd")
+#: ``ep_combine(expert_out, topk_ids, topk_weights, src_info, layout_range, num_experts,
+#: max_tokens_per_rank, group_name, use_fp8, backend)``: return processed rows to their tokens and sum
+#: them weighted, ``[T, H]`` in ``expert_out.dtype``. Collective, after the matching ``ep_dispatch``.
+ep_combine = torch.ops.moe_fx.ep_combine
 
 
 @torch.library.register_fake("moe_fx::ep_combine")

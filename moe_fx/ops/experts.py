@@ -1,22 +1,37 @@
 """The ``moe_fx::experts`` op: the expert part of an MoE block, from routed tokens to combined output.
 
-Contract (shapes use T tokens, K top-k, E experts, H hidden, I intermediate):
+Contract (shapes use T tokens, K top-k, E experts, H hidden, I intermediate; ``N1 = 2I`` for gated
+experts, ``I`` for non-gated ones):
 
 * ``hidden``        ``[T, H]`` float32 / bfloat16 / float16.
-* ``topk_ids``      ``[T, K]`` int32 or int64; ``-1`` means "no expert" (that slot contributes nothing).
+* ``topk_ids``      ``[T, K]`` int32 or int64. ``-1`` means "no expert" (that slot contributes
+                    nothing); ``0 <= id < E`` an expert; ``E <= id < E + identity_experts`` an identity
+                    (zero-computation) expert whose output is its input. Any other id is an error: a
+                    ``ValueError`` from the reference; the GPU kernels skip such slots like ``-1``
+                    (documented rule, tested). A token may name an expert more than once (each slot
+                    counts); K may exceed E.
 * ``topk_weights``  ``[T, K]`` floating point (any float dtype; fp32 routing weights are common).
-* ``w13``           ``[E, 2I, H]``: gate rows first, then up rows. Same dtype as ``hidden``, or
-                    ``float8_e4m3fn`` with ``w13_scale``.
+* ``w13``           ``[E, N1, H]``: the first GEMM. Gated: gate and up rows, either as two halves
+                    (``gate_up_layout="halves"``: gate rows ``[0, I)``, up rows ``[I, 2I)``) or interleaved
+                    (``"interleaved"``: gate at even rows, up at odd rows, GPT-OSS). Any strides (a
+                    transposed view of a model's ``[E, H, N1]`` weight is taken as is, never copied).
+                    Same dtype as ``hidden``, or ``float8_e4m3fn`` with ``w13_scale``.
 * ``w2``            ``[E, H, I]``. Same dtype rules as ``w13``.
-* ``activation``    name of the gated activation, a key of :data:`ACTIVATIONS` (``"silu"`` = SwiGLU).
+* ``activation``    a key of :data:`ACTIVATIONS`. Gated: ``act(gate) * (up + up_offset)``; non-gated
+                    (``gated=False``): ``act(h)``. ``alpha`` scales the sigmoid argument of ``"silu"``
+                    (``g * sigmoid(alpha * g)``; GPT-OSS uses 1.702) and must be 1 for the others.
+                    ``limit`` clamps before the activation: ``gate <= limit``, ``-limit <= up <= limit``
+                    (non-gated: ``-limit <= h <= limit``).
 * ``weights_on_input``  ``False``: ``out = sum_k w_k * expert_k(x)`` (usual).
                     ``True``: ``out = sum_k expert_k(w_k * x)`` (Llama 4 style).
 * ``w13_scale``, ``w2_scale``  fp32 block scales ``[E, ceil(N/128), ceil(K/128)]`` for fp8 weights
                     (128x128 blocks, DeepSeek/transformers fine-grained FP8 recipe); ``None`` otherwise.
+* ``w13_bias``      ``[E, N1]`` (rows in ``w13``'s order) added to the first GEMM's output;
+  ``w2_bias``       ``[E, H]`` added to the expert's output (before its routing weight). Float, or None.
 * ``impl``          kernel request passed to the lowering (``"auto"``, ``"reference"``, ``"triton"``,
                     ``"deepgemm"``); the reference implementation ignores it.
 
-Returns ``[T, H]`` in ``hidden.dtype``.
+Returns ``[T, H]`` in ``hidden.dtype``. ``T = 0`` is allowed.
 
 This module holds the schema, the fake (meta) implementation and the reference implementation only;
 kernels are registered by :mod:`moe_fx.lowering`.
@@ -24,24 +39,119 @@ kernels are registered by :mod:`moe_fx.lowering`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from moe_fx.ops.checks import check_experts_inputs
+from moe_fx.ops.recipe import FP8_BLOCK
 
-__all__ = ["ACTIVATIONS", "FP8_BLOCK", "experts", "experts_reference", "dequantize_blockwise"]
+__all__ = [
+    "ACTIVATIONS",
+    "GATE_UP_LAYOUTS",
+    "ExpertActivation",
+    "dequantize_blockwise",
+    "experts",
+    "experts_reference",
+]
 
-#: Gated activations the op understands: ``act(gate) * up``.
+#: Activation functions the op understands, by name (applied to the gate, or to ``h`` when non-gated).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),
 }
+#: How gate and up rows are laid out in a gated ``w13``.
+GATE_UP_LAYOUTS = ("halves", "interleaved")
 
-#: Block edge of the fp8 weight-scale recipe (128x128 weight blocks, 1x128 activation groups).
-FP8_BLOCK = 128
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """What happens between an expert's two GEMMs (the op's activation arguments as one value).
+
+    Attributes:
+        name: a key of :data:`ACTIVATIONS`.
+        gated: ``act(gate) * (up + up_offset)`` on ``N1 = 2I`` columns, or ``act(h)`` on ``I``.
+        gate_up_layout: ``"halves"`` or ``"interleaved"`` (gated only).
+        alpha: ``silu(g) = g * sigmoid(alpha * g)``; 1 for every other activation.
+        limit: clamp bound before the activation, or None.
+        up_offset: added to ``up`` (GPT-OSS: 1).
+    """
+
+    name: str = "silu"
+    gated: bool = True
+    gate_up_layout: str = "halves"
+    alpha: float = 1.0
+    limit: float | None = None
+    up_offset: float = 0.0
+
+    def problems(self) -> list[str]:
+        """Everything wrong with this spec (empty when valid)."""
+        bad = []
+        if self.name not in ACTIVATIONS:
+            bad.append(f"unknown activation {self.name!r}; known: {sorted(ACTIVATIONS)}")
+        if self.gate_up_layout not in GATE_UP_LAYOUTS:
+            bad.append(f"unknown gate_up_layout {self.gate_up_layout!r}; known: {GATE_UP_LAYOUTS}")
+        if self.alpha != 1.0 and self.name != "silu":
+            bad.append(f"alpha={self.alpha} applies to 'silu' only, not {self.name!r}")
+        if not math.isfinite(self.alpha):
+            bad.append(f"alpha must be finite, got {self.alpha}")
+        if self.limit is not None and not (self.limit > 0 and math.isfinite(self.limit)):
+            bad.append(f"limit must be a positive finite number or None, got {self.limit}")
+        if not self.gated and (self.up_offset != 0.0 or self.gate_up_layout != "halves"):
+            bad.append("up_offset and gate_up_layout apply to gated experts only")
+        return bad
+
+    @property
+    def is_plain(self) -> bool:
+        """True for the classic gated forms (SwiGLU/GeGLU halves, no clamp, no offset, alpha 1)."""
+        return self.gated and self.gate_up_layout == "halves" and self.alpha == 1.0 and self.limit is None \
+            and self.up_offset == 0.0
+
+    def columns(self, inter: int) -> int:
+        """``N1``, the first GEMM's output width for intermediate size ``inter``."""
+        return 2 * inter if self.gated else inter
+
+    def act(self, g: torch.Tensor) -> torch.Tensor:
+        """The activation alone, on fp32 ``g``."""
+        if self.name == "silu":
+            return g * torch.sigmoid(self.alpha * g)
+        return ACTIVATIONS[self.name](g)
+
+    def apply(self, h: torch.Tensor) -> torch.Tensor:
+        """``[..., N1]`` first-GEMM output (fp32, biases added) -> ``[..., I]`` second-GEMM input."""
+        if not self.gated:
+            if self.limit is not None:
+                h = h.clamp(-self.limit, self.limit)
+            return self.act(h)
+        if self.gate_up_layout == "interleaved":
+            gate, up = h[..., 0::2], h[..., 1::2]
+        else:
+            gate, up = h.chunk(2, dim=-1)
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return self.act(gate) * (up + self.up_offset)
+
+    def describe(self) -> str:
+        """Short text for reports: ``silu``, ``swiglu(alpha=1.702, limit=7, up+1, interleaved)``, ``relu2``."""
+        if self.is_plain:
+            return self.name
+        extras = []
+        if self.alpha != 1.0:
+            extras.append(f"alpha={self.alpha:g}")
+        if self.limit is not None:
+            extras.append(f"limit={self.limit:g}")
+        if self.up_offset:
+            extras.append(f"up+{self.up_offset:g}")
+        if self.gated and self.gate_up_layout != "halves":
+            extras.append(self.gate_up_layout)
+        head = f"gated {self.name}" if self.gated else f"{self.name} (not gated)"
+        return head + (f"({', '.join(extras)})" if extras else "")
 
 
 def dequantize_blockwise(w: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
@@ -56,6 +166,20 @@ def _expert_weights_fp32(w: torch.Tensor, scale: torch.Tensor | None) -> torch.T
     return w.float() if scale is None else dequantize_blockwise(w, scale)
 
 
+def check_ids_in_range(topk_ids: torch.Tensor, num_experts: int, identity_experts: int = 0) -> None:
+    """Raise ``ValueError`` if an id is neither ``-1`` nor in ``[0, E + identity_experts)`` (reads the ids)."""
+    if topk_ids.numel() == 0:
+        return
+    hi = num_experts + identity_experts
+    bad = (topk_ids < -1) | (topk_ids >= hi)
+    if bool(bad.any()):
+        first = topk_ids[bad][0].item()
+        raise ValueError(
+            f"moe_fx.experts: topk_ids holds {first}, outside the valid ids -1 and [0, {hi}) "
+            f"(E={num_experts}, identity_experts={identity_experts})"
+        )
+
+
 def experts_reference(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -66,50 +190,74 @@ def experts_reference(
     weights_on_input: bool = False,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    gated: bool = True,
+    gate_up_layout: str = "halves",
+    alpha: float = 1.0,
+    limit: float | None = None,
+    up_offset: float = 0.0,
+    identity_experts: int = 0,
 ) -> torch.Tensor:
     """Straightforward fp32 computation of the experts op; the oracle every kernel is tested against.
 
-    Loops over experts with tokens; correct on any device, for T = 0, ``-1`` ids and empty experts.
+    Loops over experts with tokens; correct on any device, for T = 0, ``-1`` ids, duplicate ids and
+    empty experts. Raises ``ValueError`` for ids outside the contract (see the module docstring).
     """
+    spec = ExpertActivation(activation, gated, gate_up_layout, alpha, limit, up_offset)
     t, h = hidden.shape
+    num_experts = w13.shape[0]
     out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
     if t == 0:
         return out.to(hidden.dtype)
-    act = ACTIVATIONS[activation]
-    num_experts = w13.shape[0]
-    inter = w2.shape[-1]
+    check_ids_in_range(topk_ids, num_experts, identity_experts)
     x32 = hidden.float()
     ids = topk_ids.long()
     rw = topk_weights.float()
-    for e in range(num_experts):
+    for e in range(num_experts + identity_experts):
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        w13_e = _expert_weights_fp32(w13[e], None if w13_scale is None else w13_scale[e])
-        w2_e = _expert_weights_fp32(w2[e], None if w2_scale is None else w2_scale[e])
         x = x32[tok]
         r = rw[tok, slot].unsqueeze(-1)
         if weights_on_input:
             x = x * r
-        gate_up = x @ w13_e.t()
-        y = (act(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2_e.t()
+        if e >= num_experts:
+            y = x  # identity (zero-computation) expert
+        else:
+            w13_e = _expert_weights_fp32(w13[e], None if w13_scale is None else w13_scale[e])
+            w2_e = _expert_weights_fp32(w2[e], None if w2_scale is None else w2_scale[e])
+            h1 = x @ w13_e.t()
+            if w13_bias is not None:
+                h1 = h1 + w13_bias[e].float()
+            y = spec.apply(h1) @ w2_e.t()
+            if w2_bias is not None:
+                y = y + w2_bias[e].float()
         if not weights_on_input:
             y = y * r
         out.index_add_(0, tok, y)
     return out.to(hidden.dtype)
 
 
-# The schema keeps room for later recipes (fp8 scales) and kernel requests without changing its
-# positional prefix; expert parallelism adds separate dispatch / combine ops instead of arguments.
+# The positional prefix is the one of earlier releases; arguments added since are keyword-only.
+# Expert parallelism adds separate dispatch / combine ops instead of arguments.
 _SCHEMA = (
     "(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, "
     "str activation='silu', bool weights_on_input=False, Tensor? w13_scale=None, "
-    "Tensor? w2_scale=None, str impl='auto') -> Tensor"
+    "Tensor? w2_scale=None, str impl='auto', *, Tensor? w13_bias=None, Tensor? w2_bias=None, "
+    "bool gated=True, str gate_up_layout='halves', float alpha=1.0, float? limit=None, "
+    "float up_offset=0.0, int identity_experts=0) -> Tensor"
 )
 
+# Defined with torch.library.Library, not custom_op: an eager call reaches the kernel straight from
+# the C++ dispatcher, without custom_op's Python wrapper (measured at ~half of a decode-sized call's
+# host time). No autograd: moe_fx rewrites inference graphs only.
+_LIB = torch.library.Library("moe_fx", "FRAGMENT")
+_LIB.define("experts" + _SCHEMA)
 
-@torch.library.custom_op("moe_fx::experts", mutates_args=(), schema=_SCHEMA)
-def experts(
+
+def _experts_cpu(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -120,19 +268,37 @@ def experts(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     impl: str = "auto",
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    gated: bool = True,
+    gate_up_layout: str = "halves",
+    alpha: float = 1.0,
+    limit: float | None = None,
+    up_offset: float = 0.0,
+    identity_experts: int = 0,
 ) -> torch.Tensor:
-    """Run the experts of one MoE block: ``[T, H]`` tokens routed by ``topk_ids`` / ``topk_weights``.
-
-    See the module docstring for the full contract. The default (CPU and any device without a
-    registered kernel) implementation is :func:`experts_reference`.
-    """
-    check_experts_inputs(hidden, topk_ids, topk_weights, w13, w2, activation, w13_scale, w2_scale, impl)
+    """CPU implementation of ``moe_fx::experts``: :func:`experts_reference` after the input checks."""
+    check_experts_inputs(
+        hidden, topk_ids, topk_weights, w13, w2, activation, w13_scale, w2_scale, impl,
+        w13_bias=w13_bias, w2_bias=w2_bias, gated=gated, gate_up_layout=gate_up_layout, alpha=alpha,
+        limit=limit, up_offset=up_offset, identity_experts=identity_experts,
+    )  # fmt: skip
     return experts_reference(
-        hidden, topk_ids, topk_weights, w13, w2, activation, weights_on_input, w13_scale, w2_scale
-    )
+        hidden, topk_ids, topk_weights, w13, w2, activation, weights_on_input, w13_scale, w2_scale,
+        w13_bias=w13_bias, w2_bias=w2_bias, gated=gated, gate_up_layout=gate_up_layout, alpha=alpha,
+        limit=limit, up_offset=up_offset, identity_experts=identity_experts,
+    )  # fmt: skip
 
 
-@experts.register_fake
+_LIB.impl("experts", _experts_cpu, "CPU")
+
+#: The op itself: ``moe_fx.ops.experts(hidden, topk_ids, topk_weights, w13, w2, ...)`` runs on any
+#: device (CPU: the reference; CUDA: the kernels :mod:`moe_fx.lowering` registers).
+experts = torch.ops.moe_fx.experts
+
+
+@torch.library.register_fake("moe_fx::experts")
 def _experts_fake(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -144,6 +310,19 @@ def _experts_fake(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     impl: str = "auto",
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    gated: bool = True,
+    gate_up_layout: str = "halves",
+    alpha: float = 1.0,
+    limit: float | None = None,
+    up_offset: float = 0.0,
+    identity_experts: int = 0,
 ) -> torch.Tensor:
-    check_experts_inputs(hidden, topk_ids, topk_weights, w13, w2, activation, w13_scale, w2_scale, impl)
+    check_experts_inputs(
+        hidden, topk_ids, topk_weights, w13, w2, activation, w13_scale, w2_scale, impl,
+        w13_bias=w13_bias, w2_bias=w2_bias, gated=gated, gate_up_layout=gate_up_layout, alpha=alpha,
+        limit=limit, up_offset=up_offset, identity_experts=identity_experts,
+    )  # fmt: skip
     return hidden.new_empty(hidden.shape)

@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_fx.ops.ep import _dispatch_outputs
-from moe_fx.ops.experts import FP8_BLOCK
+from moe_fx.ops.ep import dispatch_outputs
+from moe_fx.ops.recipe import FP8_BLOCK
 
 __all__ = ["combine", "dispatch", "quantize_rows_fp8", "receive_slots"]
 
@@ -149,7 +149,7 @@ def dispatch(
         payloads = [rows]
     received = [_all_to_all(p, recv_splits, send_splits, group) for p in payloads]
 
-    recv_x, recv_scale, masked_m, src_info, layout_range = _dispatch_outputs(hidden, e_local, m, h, world, use_fp8)
+    recv_x, recv_scale, masked_m, src_info, layout_range = dispatch_outputs(hidden, e_local, m, h, world, use_fp8)
     e_idx, j_idx = receive_slots(recv_counts, dev)
     if use_fp8:
         recv_x.view(torch.uint8)[e_idx, j_idx] = received[0]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from moe_fx.ops.ep import check_masked_experts_inputs, masked_experts_reference
-from moe_fx.ops.experts import FP8_BLOCK
+from moe_fx.ops.recipe import FP8_BLOCK
 
 __all__ = ["masked_experts_cuda"]
 
@@ -79,9 +79,9 @@ def masked_experts_cuda(
     if kernel == "reference" or e == 0 or m == 0:
         return masked_experts_reference(x, masked_m, w13, w2, activation, x_scale, w13_scale, w2_scale)
     if x.dtype == _FP8 and not fp8_w:
-        from moe_fx.ops.ep import _dequantize_activations
+        from moe_fx.ops.ep import dequantize_activations
 
-        x, x_scale = _dequantize_activations(x, x_scale).to(w13.dtype), None
+        x, x_scale = dequantize_activations(x, x_scale).to(w13.dtype), None
     elif fp8_w and x.dtype != _FP8:
         x, x_scale = _quantize_tokens(x)
     exp_m = max(1, min(expected_m or m, m))
