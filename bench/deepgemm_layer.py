@@ -1,8 +1,8 @@
 """Time the DeepGEMM experts path against its raw GEMMs and the Triton path (one MoE layer, one GPU).
 
-For each shape: the whole ``deepgemm_experts`` layer (dispatch, GEMM1, activation+quant, GEMM2,
+For each shape: the whole layer on DeepGEMM (``moe_fx::experts`` with ``impl="deepgemm"``, compiled: permute, GEMM1, activation+quant, GEMM2,
 combine), the raw DeepGEMM masked GEMMs alone on the same masked layout and loads, and the whole
-``triton_experts`` layer. Routing is uniform random top-k. Also measures the dense fp8 matmul rate
+layer with ``impl="triton"``. Routing is uniform random top-k. Also measures the dense fp8 matmul rate
 (``torch._scaled_mm``, 8192^3) the DeepGEMM rate is compared with.
 
     python bench/deepgemm_layer.py [--shapes dsv3,qwen3,mixtral] [--tokens 4096] [--out FILE]
@@ -41,11 +41,11 @@ def fp8_matmul_rate() -> float:
 def run_shape(name: str, t: int, fp8: bool) -> dict:
     import deep_gemm
 
-    from moe_fx.lowering.experts.deepgemm_experts import deepgemm_experts
-    from moe_fx.lowering.experts.triton_experts import triton_experts
-    from moe_fx.lowering.layouts import empty_mn_major_scales, expected_m, masked_rows, to_mn_major_tma_aligned
+    from moe_fx.lowering.layouts import empty_mn_major_scales, to_mn_major_tma_aligned
+    from moe_fx.lowering.masked_experts.deepgemm import GEMMS, deepgemm_expected_m
+    from moe_fx.lowering.problem import rows_per_expert
     from moe_fx.lowering.quant import quantize_fp8_blockwise
-    from moe_fx.lowering.triton.dispatch import dispatch_rows
+    from moe_fx.lowering.triton.permute import permute_to_masked
 
     e, k, h, i = SHAPES[name]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -58,14 +58,19 @@ def run_shape(name: str, t: int, fp8: bool) -> dict:
     s13 = s2 = None
     if fp8:
         (w13, s13), (w2, s2) = quantize_fp8_blockwise(w13), quantize_fp8_blockwise(w2)
-    args = (hidden, ids, w, w13, w2, "silu", False, s13, s2)
-    layer = _bench(lambda: deepgemm_experts(*args))
-    tri = _bench(lambda: triton_experts(*args))
+    def layer_fn(impl):
+        # the layer as a compiled model runs it: Inductor's generated code launches the kernels
+        return torch.compile(lambda: torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, w13_scale=s13, w2_scale=s2,
+                                                              impl=impl))
+
+    layer = _bench(layer_fn("deepgemm"))
+    tri = _bench(layer_fn("triton"))
 
     # Raw GEMMs on the same masked layout and loads.
-    max_m = masked_rows(t)
-    exp_m = expected_m(t, k, e, max_m)
-    x, xs, masked_m, _, _ = dispatch_rows(hidden, ids, e, max_m, quant_fp8=fp8)
+    max_m = GEMMS.rows(t)
+    exp_m = deepgemm_expected_m(rows_per_expert(t, k, e), max_m)
+    batch = permute_to_masked(hidden, ids, e, max_m, quant_fp8=fp8)
+    x, xs, masked_m = batch.x, batch.x_scale, batch.masked_m
     d1 = torch.empty(e, max_m, 2 * i, device="cuda", dtype=torch.bfloat16)
     d2 = torch.empty(e, max_m, h, device="cuda", dtype=torch.bfloat16)
     if fp8:

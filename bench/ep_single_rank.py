@@ -10,7 +10,7 @@ checks it against
 
 Then times dispatch + combine at T = 128, H = 7168, K = 8 (E = 32, as one rank of a DeepSeek-V3 EP-8
 shard) for DeepEP bf16 / fp8 dispatch, the torch_dist backend, and the local no-EP path (moe_fx's Triton
-``dispatch_rows`` + ``local_combine``, what ``moe_fx::experts`` does on one GPU), plus the whole layer
+``permute_to_masked`` + ``unpermute_from_masked``, what ``moe_fx::experts`` does on one GPU), plus the whole layer
 with Triton masked GEMMs as experts where available.
 
 Usage (GPU machine, DeepEP built with .ext/build_deepep.sh)::
@@ -80,12 +80,12 @@ def main() -> None:
         "nccl", init_method=f"file://{store}", rank=0, world_size=1, device_id=torch.device("cuda", 0)
     )
     import moe_fx  # noqa: F401
-    from moe_fx.lowering.dispatch.select import probe_deep_ep
+    from moe_fx.lowering.problem import probe_capabilities
     from moe_fx.ops import experts_reference
     from moe_fx.ops.ep import ep_group_name, masked_experts_reference
 
     g = ep_group_name("default")
-    deep_ep_error = probe_deep_ep()
+    deep_ep_error = probe_capabilities("cuda").deep_ep_error
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
@@ -185,7 +185,7 @@ def main() -> None:
             rows.append({"path": f"{backend} dispatch+combine{' (fp8 dispatch)' if fp8 else ''}", "us": us})
             print(rows[-1], flush=True)
     if not deep_ep_error:
-        from moe_fx.lowering.dispatch.deepep import get_buffer
+        from moe_fx.lowering.prepare_finalize.deepep_ll import get_buffer
 
         buf = get_buffer(dist.group.WORLD, max_tokens_per_rank=mt, hidden=h, num_experts=e)
         ids64 = ids.long()
@@ -208,7 +208,7 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12), flush=True)
     local = _local_dispatch_combine(x, ids, weights, e, y_bf16)
     if local is not None:
-        rows.append({"path": "local (no EP): Triton dispatch_rows + local_combine", "us": _time_us(local)})
+        rows.append({"path": "local (no EP): Triton permute + unpermute", "us": _time_us(local)})
         print(rows[-1], flush=True)
     for fp8 in (False, True):
         wts = (q13, q2, s13, s2) if fp8 else (w13, w2, None, None)
@@ -264,7 +264,7 @@ def _commit() -> str:
 
 def _local_dispatch_combine(x, ids, weights, e, y_bf16):
     try:
-        from moe_fx.lowering.triton.dispatch import dispatch_rows, local_combine
+        from moe_fx.lowering.triton.permute import permute_to_masked, unpermute_from_masked
     except ImportError:
         return None
     t = x.shape[0]
@@ -272,8 +272,8 @@ def _local_dispatch_combine(x, ids, weights, e, y_bf16):
     y_local = torch.randn(e, t, x.shape[1], device=x.device).bfloat16()  # the local layout has max_m = T
 
     def run():
-        _xd, _, masked_m, slot_index, slot_pos = dispatch_rows(x, ids, e, t, weights)
-        return local_combine(y_local, slot_index, masked_m, weights, t, slot_pos=slot_pos)
+        batch = permute_to_masked(x, ids, e, t)
+        return unpermute_from_masked(y_local, batch.slot_pos, weights)
 
     return run
 

@@ -1,9 +1,10 @@
 """Host-side cost of one moe_fx experts call at decode size (what CUDA graphs remove).
 
 Times, at T=1 for each shape, the wall time per call of back-to-back calls (the GPU work is tiny,
-so the host is the bottleneck) for: the Triton pipeline called directly, the registered op
-``torch.ops.moe_fx.experts`` (dispatcher, input checks, kernel choice), an empty Triton kernel
-launch, and a small torch op; then prints a cProfile of the op's calls (top functions by own time).
+so the host is the bottleneck) for: the op under ``torch.compile`` (what a rewritten model runs:
+Inductor's generated code launches the kernels), the op called eagerly (dispatcher, input checks,
+kernel choice, launches), an empty Triton kernel launch, and a small torch op; then prints a
+cProfile of the eager op's calls (top functions by own time).
 
     python bench/launch_overhead.py [--shapes qwen3,mixtral] [--calls 300] [--out FILE]
 """
@@ -97,8 +98,7 @@ def main() -> None:
     args = ap.parse_args()
     import triton
 
-    import moe_fx.lowering  # noqa: F401  (registers the CUDA kernel of the op)
-    from moe_fx.lowering.experts.triton_experts import triton_experts
+    import moe_fx  # noqa: F401  (registers the op and its kernels)
     from moe_fx.lowering.quant import quantize_fp8_blockwise
 
     _empty = _empty_kernel()
@@ -120,15 +120,18 @@ def main() -> None:
         impls = ["triton"] + (["deepgemm"] if _has_deep_gemm() else [])
         for name, ws in (("bf16", (w13, w2, None, None)), ("fp8", (q13, q2, s13, s2))):
 
-            def direct(ws=ws, hidden=hidden, ids=ids, w=w):
-                return triton_experts(hidden, ids, w, ws[0], ws[1], w13_scale=ws[2], w2_scale=ws[3])
-
-            # the Triton pipeline without the op's dispatch: once per dtype, it does not depend on impl
-            lines.append(
-                f"{shape} T=1 {name}: triton_experts called directly {per_call_us(direct, args.calls):.1f} us/call"
-            )
-            print(lines[-1], flush=True)
             for impl in impls:
+
+                def layer(hidden, ids, w, ws=ws, impl=impl):
+                    return torch.ops.moe_fx.experts(hidden, ids, w, ws[0], ws[1], w13_scale=ws[2], w2_scale=ws[3],
+                                                    impl=impl)
+
+                compiled = torch.compile(layer, fullgraph=True)
+                lines.append(
+                    f"{shape} T=1 {name} impl={impl}: compiled (Inductor launches) "
+                    f"{per_call_us(lambda c=compiled: c(hidden, ids, w), args.calls):.1f} us/call"
+                )
+                print(lines[-1], flush=True)
                 lines += _op_costs(shape, name, impl, ws, hidden, ids, w, args.calls)
     text = "\n".join(lines)
     print(text)

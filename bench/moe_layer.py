@@ -5,9 +5,10 @@ For each shape (Mixtral-8x7B, Qwen3-30B-A3B, a DeepSeek-V3 EP-8 shard) and token
 * ``hf_eager``, ``hf_grouped_mm``, ``hf_batched_mm``: transformers' experts module of that model
   (``config._experts_implementation`` set), random bf16 weights at real size, under plain
   ``torch.compile`` (``--no-compile-hf`` times them uncompiled);
-* ``moe_fx_bf16``, ``moe_fx_fp8``: :func:`moe_fx.lowering.experts.triton_experts.triton_experts` with
-  the bf16 weights, and with the same weights quantised once to fp8 128x128 blocks;
-* with ``--deepgemm`` and ``deep_gemm`` importable: ``torch.ops.moe_fx.experts(impl="deepgemm")``.
+* ``moe_fx_bf16``, ``moe_fx_fp8``: ``torch.ops.moe_fx.experts(impl="triton")`` under ``torch.compile``
+  (as in a rewritten model: Inductor's generated code launches the kernels) with the bf16 weights,
+  and with the same weights quantised once to fp8 128x128 blocks;
+* with ``--deepgemm`` and ``deep_gemm`` importable: the same with ``impl="deepgemm"``.
 
 Decode rows (T <= 256) are timed as plain calls and as CUDA-graph replays (``*_graph`` columns;
 an implementation that cannot be captured, e.g. one that synchronises with the host, gets none).
@@ -244,7 +245,7 @@ def main() -> None:
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
-    from moe_fx.lowering.experts.triton_experts import expected_rows, triton_experts
+    from moe_fx.lowering.problem import rows_per_expert
     from moe_fx.lowering.quant import quantize_fp8_blockwise
 
     global CELL_ERRORS
@@ -298,7 +299,7 @@ def main() -> None:
             from moe_fx.lowering.triton.grouped_gemm import tune_masked_gemm
 
             for t in map(int, args.tokens.split(",")):
-                em = expected_rows(t, k, e)
+                em = rows_per_expert(t, k, e)
                 for kind in ("bf16", "fp8"):
                     for n_, k_ in ((2 * i, h), (h, i)):
                         t0 = time.time()
@@ -311,11 +312,12 @@ def main() -> None:
                 mods[impl] = hf_experts_module(family, e, k, h, i, impl, (w13, w2))
                 compiled = not args.no_compile_hf and (impl != "eager" or args.compile_eager)
                 fns["hf_" + impl] = torch.compile(mods[impl], dynamic=True) if compiled else mods[impl]
-        fns["moe_fx_bf16"] = experts_fn(triton_experts, w13, w2)
-        fns["moe_fx_fp8"] = experts_fn(triton_experts, q13, q2, s13, s2)
+        op = torch.ops.moe_fx.experts
+        fns["moe_fx_bf16"] = torch.compile(experts_fn(op, w13, w2, impl="triton"))
+        fns["moe_fx_fp8"] = torch.compile(experts_fn(op, q13, q2, s13, s2, impl="triton"))
         if deep_gemm_ok:
-            fns["moe_fx_deepgemm_bf16"] = experts_fn(torch.ops.moe_fx.experts, w13, w2, impl="deepgemm")
-            fns["moe_fx_deepgemm_fp8"] = experts_fn(torch.ops.moe_fx.experts, q13, q2, s13, s2, impl="deepgemm")
+            fns["moe_fx_deepgemm_bf16"] = torch.compile(experts_fn(op, w13, w2, impl="deepgemm"))
+            fns["moe_fx_deepgemm_fp8"] = torch.compile(experts_fn(op, q13, q2, s13, s2, impl="deepgemm"))
         meta.setdefault("check_rel_err_vs_fp32_reference", {})[shape] = check_outputs(fns, e, k, h, w13, w2)
         log("check", shape, json.dumps(meta["check_rel_err_vs_fp32_reference"][shape]))
         for t in map(int, args.tokens.split(",")):

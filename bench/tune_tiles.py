@@ -44,7 +44,7 @@ def main() -> None:
         sys.exit("bench/tune_tiles.py needs a CUDA GPU")
     import triton
 
-    from moe_fx.lowering.experts.triton_experts import expected_rows
+    from moe_fx.lowering.problem import rows_per_expert
     from moe_fx.lowering.triton import configs
     from moe_fx.lowering.triton.grouped_gemm import tune_masked_gemm
 
@@ -68,7 +68,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         _, e, k, h, i = SHAPES[shape]
         for t in map(int, args.tokens.split(",")):
-            em = expected_rows(t, k, e)
+            em = rows_per_expert(t, k, e)
             active = min(e, t * k)
             for kind in args.kinds.split(","):
                 for n_, k_ in ((2 * i, h), (h, i)):

@@ -60,7 +60,7 @@ def _run_moe_passes(
 ) -> PassContext:
     import moe_fx.lowering  # noqa: F401  (registers device kernels for the ops)
 
-    from moe_fx.lowering.prepare import pack_experts_weights
+    from moe_fx.lowering.weights import pack_experts_weights
 
     ctx = PassContext(config=config, example_inputs=list(example_inputs), pack_weights=pack_experts_weights)
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs):

@@ -30,7 +30,7 @@ class MoEConfig:
         max_tokens_per_rank: the most tokens one rank may have in one step under expert parallelism; it
             sizes the masked layout (``[E_local, max_tokens_per_rank * world_size, H]``) and DeepEP's
             buffer. More tokens on any rank is a ``ValueError`` on every rank (not chunked; see
-            :mod:`moe_fx.lowering.dispatch`).
+            :mod:`moe_fx.lowering.prepare_finalize.ep`).
         inductor_options: extra options handed to Inductor's ``compile_fx``.
     """
 

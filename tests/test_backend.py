@@ -84,7 +84,7 @@ def test_explain_reports_every_layer_and_reasons():
     r = report.matched[0]
     assert (r.family, r.form, r.num_experts, r.top_k, r.hidden, r.intermediate, r.dtype) == (
         "DeepseekV3", "grouped_mm", 8, 2, 32, 16, "bfloat16")
-    assert r.kernel == "reference" and "needs a CUDA GPU" in r.kernel_reasons["triton"]
+    assert r.kernel == "reference" and "interpreter" in r.kernel_reasons["triton"]
     text = str(report)
     assert "2 of 2 MoE region(s) rewritten in 1 graph(s)" in text
     assert "DeepseekV3/grouped_mm" in text
@@ -194,19 +194,8 @@ def test_reduce_overhead_replays_cuda_graphs_on_gpu(monkeypatch):
     synchronise with the host) and gives what the same compilation without graphs gives."""
     from helpers import rel_err
     from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
 
-    import moe_fx.lowering.experts.deepgemm_experts as dg_mod
-    import moe_fx.lowering.experts.triton_experts as tr_mod
-
-    calls = []
-    for mod, name in ((tr_mod, "triton_experts"), (dg_mod, "deepgemm_experts")):
-        real = getattr(mod, name)
-
-        def counting(*a, _real=real, **kw):
-            calls.append(1)
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(mod, name, counting)
     model = tiny_hf_model("qwen3_moe", num_layers=2, dtype=torch.bfloat16, hidden=128, intermediate=128).cuda()
     ids = torch.randint(0, 128, (2, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     with torch.no_grad():
@@ -216,15 +205,12 @@ def test_reduce_overhead_replays_cuda_graphs_on_gpu(monkeypatch):
         torch._dynamo.reset()
         counters.clear()
         compiled = moe_fx.compile(model, mode="reduce-overhead")
-        outs = []
-        for _ in range(5):
-            before = len(calls)
-            outs.append(compiled(ids, use_cache=False).logits.float().clone())
-            ran_python = len(calls) - before
-    assert calls, "the MoE layers never ran moe_fx's GPU kernels"
+        first, code = run_and_get_code(lambda: compiled(ids, use_cache=False).logits.float().clone())
+        outs = [first] + [compiled(ids, use_cache=False).logits.float().clone() for _ in range(4)]
+    code = "\n".join(code)
+    # the code Inductor generated launches moe_fx's kernels itself; the experts op is not called at run time
+    assert "permute_kernel" in code and "masked_gemm" in code and "moe_fx.experts" not in code
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
-    # warm-up and recording run the Python kernels; later calls replay the graph without them
-    assert ran_python == 0, "the fifth call still launched moe_fx's kernels from Python"
     for out in outs:
         assert torch.isfinite(out).all() and rel_err(out, want) < 1e-2, rel_err(out, want)
 

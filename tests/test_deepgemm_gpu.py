@@ -21,7 +21,7 @@ pytestmark = [
 
 
 def _need_deepgemm():
-    from moe_fx.lowering.select import probe_capabilities
+    from moe_fx.lowering.problem import probe_capabilities
 
     caps = probe_capabilities("cuda")
     if caps.capability < (9, 0):
@@ -51,6 +51,35 @@ def _poison_allocator(numel: int = 1 << 27) -> None:
     torch.cuda.synchronize()
 
 
+class _CountingDeepGemm:
+    """Stands in for the ``deep_gemm`` module: records each masked GEMM's weight, then runs the real one."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def m_grouped_bf16_gemm_nt_masked(self, a, b, *rest, **kw):
+        self.calls.append((b.data_ptr(), b.dtype))
+        return self.real.m_grouped_bf16_gemm_nt_masked(a, b, *rest, **kw)
+
+    def m_grouped_fp8_gemm_nt_masked(self, a, b, *rest, **kw):
+        self.calls.append((b[0].data_ptr(), b[0].dtype))
+        return self.real.m_grouped_fp8_gemm_nt_masked(a, b, *rest, **kw)
+
+
+@pytest.fixture
+def counting_dg(monkeypatch):
+    _need_deepgemm()
+    from moe_fx.lowering.masked_experts import deepgemm as dg_mod
+
+    counting = _CountingDeepGemm(dg_mod.deepgemm_module())
+    monkeypatch.setattr(dg_mod, "deepgemm_module", lambda: counting)
+    return counting
+
+
+def _op(*args, impl, **kw):
+    return torch.ops.moe_fx.experts(*args, impl=impl, **kw)
+
+
 def _weights(e, h, i, fp8, gen):
     from moe_fx.lowering.quant import quantize_fp8_blockwise
 
@@ -73,20 +102,17 @@ CASES = [
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("t, e, k, h, i, weights_on_input", CASES)
-def test_deepgemm_experts_matches_reference_and_triton(t, e, k, h, i, weights_on_input, fp8):
-    _need_deepgemm()
-    from moe_fx.lowering.experts.deepgemm_experts import deepgemm_experts
-    from moe_fx.lowering.experts.triton_experts import triton_experts
-
+def test_deepgemm_experts_matches_reference_and_triton(counting_dg, t, e, k, h, i, weights_on_input, fp8):
     gen = torch.Generator(device="cuda").manual_seed(t * 7 + h + fp8)
     hidden = torch.randn(t, h, generator=gen, device="cuda").bfloat16()
     ids, w = _ragged_routing(t, e, k, gen)
     w13, w2, s13, s2 = _weights(e, h, i, fp8, gen)
     args = (hidden, ids, w, w13, w2, "silu", weights_on_input, s13, s2)
     _poison_allocator()
-    out = deepgemm_experts(*args)
+    out = _op(*args, impl="deepgemm")
     ref = experts_reference(*args)
-    tri = triton_experts(*args)
+    tri = _op(*args, impl="triton")
+    assert len(counting_dg.calls) == 2, "two DeepGEMM GEMMs per call"
     torch.cuda.synchronize()
     assert out.shape == (t, h) and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     # fp8: activations are quantised before both GEMMs (~4% Frobenius); bf16: rounding of two GEMM outputs.
@@ -97,7 +123,6 @@ def test_deepgemm_experts_matches_reference_and_triton(t, e, k, h, i, weights_on
 
 def test_op_auto_selects_deepgemm_and_explicit_requests():
     _need_deepgemm()
-    import moe_fx.lowering  # noqa: F401  (registers the CUDA kernel)
     from moe_fx.lowering.select import explain_kernel
 
     assert explain_kernel("cuda", torch.bfloat16, 8, 256, 128)[0] == "deepgemm"
@@ -117,22 +142,14 @@ def test_op_auto_selects_deepgemm_and_explicit_requests():
 
 
 @pytest.mark.parametrize("quantize", [None, "fp8"])
-def test_compiled_tiny_model_takes_deepgemm_end_to_end(monkeypatch, quantize):
-    _need_deepgemm()
+def test_compiled_tiny_model_takes_deepgemm_end_to_end(counting_dg, quantize):
     pytest.importorskip("transformers")
-    import moe_fx.lowering.experts.deepgemm_experts as dg_mod
+    from torch._inductor.utils import run_and_get_code
+
     from moe_fx.backend import make_backend
     from moe_fx.config import MoEConfig
     from moe_fx.testing import tiny_hf_model
 
-    calls = []
-    real = dg_mod.deepgemm_experts
-
-    def counting(*a, **kw):
-        calls.append(a[3].dtype)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(dg_mod, "deepgemm_experts", counting)
     torch.manual_seed(0)
     model = tiny_hf_model(
         "mixtral", dtype=torch.bfloat16, hidden=256, intermediate=128, num_experts=8, top_k=2
@@ -148,35 +165,32 @@ def test_compiled_tiny_model_takes_deepgemm_end_to_end(monkeypatch, quantize):
         torch._dynamo.reset()
         backend = make_backend(MoEConfig(quantize=quantize), sink=reports)
         compiled = torch.compile(model, backend=backend, fullgraph=False)
-        got = compiled(tokens).logits.float()
-    assert calls, f"the compiled model never ran deepgemm_experts; pass reports: {reports}"
+        out, code = run_and_get_code(compiled, tokens)
+        got = out.logits.float()
+    calls = [d for _, d in counting_dg.calls]
+    assert calls, f"the compiled model never ran DeepGEMM; pass reports: {reports}"
     assert set(calls) == {torch.float8_e4m3fn if quantize else torch.bfloat16}
+    code = "\n".join(code)
+    # Inductor's generated code launches the pipeline itself: the extern GEMMs and moe_fx's Triton kernels,
+    # and never calls the experts op (a Python op per call) at run time.
+    assert "deepgemm_masked_gemm" in code and "permute_kernel" in code and "unpermute_kernel" in code
+    assert "moe_fx.experts" not in code
     assert torch.isfinite(got).all()
     # fp8 weights (128x128 blocks) and activations (1x128) in both layers of a random tiny model:
     # 0.136 measured on the H200 (a wrong scale layout or row mix-up gives ~1).
     assert _rel(got, want) < (0.2 if quantize else 0.02) + 2 * noise, (_rel(got, want), noise)
 
 
-def test_fp8_checkpoint_model_uses_its_fp8_weights_on_deepgemm(monkeypatch):
+def test_fp8_checkpoint_model_uses_its_fp8_weights_on_deepgemm(counting_dg):
     """transformers FP8Experts (fp8 + 128x128 scale_inv) -> capture -> compiled -> DeepGEMM fp8.
 
     Compared with the eager model holding the dequantised weights.
     """
-    _need_deepgemm()
     pytest.importorskip("transformers")
-    import moe_fx.lowering.experts.deepgemm_experts as dg_mod
     from moe_fx.backend import make_backend
     from moe_fx.passes.match_fp8_experts import capture_fp8_experts
     from moe_fx.testing_fp8 import dequantized_copy, tiny_fp8_hf_model
 
-    calls = []
-    real = dg_mod.deepgemm_experts
-
-    def counting(*a, **kw):
-        calls.append((a[3].data_ptr(), a[3].dtype))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(dg_mod, "deepgemm_experts", counting)
     model = tiny_fp8_hf_model("mixtral", hidden=256, intermediate=128, num_experts=8, top_k=2, device="cuda")
     oracle = dequantized_copy(model)
     reports = capture_fp8_experts(model)
@@ -186,6 +200,8 @@ def test_fp8_checkpoint_model_uses_its_fp8_weights_on_deepgemm(monkeypatch):
         want = oracle(tokens).logits.float()
         got = torch.compile(model, backend=make_backend(), fullgraph=True)(tokens).logits.float()
     ptrs = {m.gate_up_proj.data_ptr() for m in model.modules() if hasattr(m, "gate_up_proj_scale_inv")}
+    ptrs |= {m.down_proj.data_ptr() for m in model.modules() if hasattr(m, "down_proj_scale_inv")}
+    calls = counting_dg.calls
     assert calls and {p for p, _ in calls} == ptrs and {d for _, d in calls} == {torch.float8_e4m3fn}
     # The oracle keeps activations in bf16; the fp8 path quantises them (1x128) before both GEMMs of both
     # layers, and this random tiny model's expert outputs dominate its residual stream. Measured on the

@@ -1,4 +1,4 @@
-"""Expert-parallel ops, backend selection and the split_ep graph rewrite, in one process.
+"""Expert-parallel ops and the split_ep graph rewrite, in one process (backend selection: test_select.py).
 
 Numerics use a one-rank gloo group (the torch.distributed code path without collectives); the graph
 rewrite uses torch's fake process group of 2 or 4 ranks (no communication happens, only the pass and
@@ -7,7 +7,6 @@ fake implementations run). Multi-process numerics are in test_ep_gloo.py.
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 
@@ -17,96 +16,11 @@ import torch.distributed as dist
 
 import moe_fx  # noqa: F401
 from moe_fx.config import MoEConfig
-from moe_fx.lowering.dispatch.select import (
-    DEEPEP_LL_HIDDEN,
-    DispatchProblem,
-    choose_dispatch_backend,
-    decide_dispatch_backend,
-    deepep_ll_supports,
-)
-from moe_fx.lowering.dispatch.torch_dist import quantize_rows_fp8, receive_slots
+from moe_fx.lowering.prepare_finalize.torch_dist import receive_slots
 from moe_fx.ops import experts_reference
 from moe_fx.ops.ep import ep_group_name, masked_experts_reference
 
 ops = torch.ops.moe_fx
-
-
-# ------------------------------------------------------------------------------------------------
-# backend selection: capabilities are inputs
-# ------------------------------------------------------------------------------------------------
-
-
-def _problem(**kw) -> DispatchProblem:
-    base = {
-        "world_size": 8,
-        "device_type": "cuda",
-        "dtype": "bfloat16",
-        "hidden": 7168,
-        "top_k": 8,
-        "num_experts": 256,
-        "max_tokens_per_rank": 128,
-        "use_fp8": False,
-    }
-    base.update(kw)
-    return DispatchProblem(**base)
-
-
-def test_deepep_taken_when_everything_fits():
-    choice = decide_dispatch_backend(_problem(), deep_ep_error=None)
-    assert choice.backend == "deepep_ll" and choice.error is None and choice.reasons == {}
-    assert decide_dispatch_backend(_problem(use_fp8=True), deep_ep_error=None).backend == "deepep_ll"
-
-
-@pytest.mark.parametrize(
-    "kw, deep_ep_error, why",
-    [
-        ({}, "deep_ep is not installed", "not installed"),
-        ({"hidden": 3000}, None, "hidden size 3000"),
-        ({"hidden": 1024}, None, "hidden size 1024"),
-        ({"top_k": 10}, None, "top-k 10 above its limit 9"),
-        ({"dtype": "float32"}, None, "bfloat16"),
-        ({"device_type": "cpu"}, None, "CUDA"),
-        ({"max_tokens_per_rank": 3, "world_size": 2, "num_experts": 8}, None, "multiple of 4"),
-        ({"hidden": 2176, "use_fp8": True}, None, "hidden % 512"),
-    ],
-)
-def test_deepep_fallback_reasons(kw, deep_ep_error, why):
-    supported = DEEPEP_LL_HIDDEN + (2176,)  # a (hypothetical) build with a hidden size not a multiple of 512
-    choice = decide_dispatch_backend(_problem(**kw), deep_ep_error=deep_ep_error, supported_hidden=supported)
-    assert choice.backend == "torch_dist"
-    assert why in choice.reasons["deepep_ll"]
-    ok, reason = deepep_ll_supports(_problem(**kw), deep_ep_error=deep_ep_error, supported_hidden=supported)
-    assert not ok and why in reason
-
-
-def test_selection_requests_and_single_rank():
-    assert decide_dispatch_backend(_problem(world_size=1, num_experts=32), deep_ep_error=None).backend == "local"
-    # An explicit DeepEP request runs it even with one rank (the single-GPU check), or says why not.
-    assert (
-        decide_dispatch_backend(_problem(world_size=1, num_experts=32), deep_ep_error=None, request="deepep").backend
-        == "deepep_ll"
-    )
-    bad = decide_dispatch_backend(_problem(hidden=1000), deep_ep_error=None, request="deepep")
-    assert bad.error is not None and "hidden size 1000" in bad.error
-    assert decide_dispatch_backend(_problem(), deep_ep_error=None, request="torch_dist").backend == "torch_dist"
-    with pytest.raises(ValueError, match="unknown EP backend"):
-        decide_dispatch_backend(_problem(), deep_ep_error=None, request="nccl")
-    # Newer DeepEP versions: the supported set is an input too.
-    assert (
-        decide_dispatch_backend(
-            _problem(hidden=3072), deep_ep_error=None, supported_hidden=DEEPEP_LL_HIDDEN + (3072,)
-        ).backend
-        == "deepep_ll"
-    )
-
-
-def test_fallback_logged_once(caplog):
-    problem = _problem(device_type="cpu", hidden=48)
-    with caplog.at_level(logging.INFO, logger="moe_fx.lowering"):
-        for _ in range(3):
-            assert choose_dispatch_backend(problem).backend == "torch_dist"
-    lines = [r for r in caplog.records if "moe_fx EP" in r.getMessage()]
-    assert len(lines) == 1 and "torch_dist" in lines[0].getMessage()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -177,13 +91,6 @@ def test_fp8_dispatch_one_rank(one_rank):
     out = ops.ep_combine(y, ids, weights, src_info, layout_range, e, 12, one_rank, True)
     ref = experts_reference(x, ids, weights, w13, w2).float()
     assert ((out.float() - ref).norm() / ref.norm()) < 0.05
-
-
-def test_quantize_rows_fp8_roundtrip():
-    x = torch.randn(5, 384) * torch.logspace(-2, 2, 5).unsqueeze(1)
-    q, s = quantize_rows_fp8(x)
-    back = q.float() * s.repeat_interleave(128, dim=1)
-    assert s.shape == (5, 3) and ((back - x).norm() / x.norm()) < 0.05
 
 
 def test_receive_slots_layout():

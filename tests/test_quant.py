@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_fx.lowering.quant import FP8_MAX, quantize_fp8_blockwise, quantize_fp8_per_token_group
+from moe_fx.lowering.quant import quantize_fp8_blockwise, quantize_fp8_per_token_group
+from moe_fx.ops.recipe import FP8_E4M3_MAX as FP8_MAX
 from moe_fx.ops import dequantize_blockwise
 
 

@@ -1,7 +1,8 @@
-"""The kernel-selection rule (moe_fx.lowering.select) and the CUDA registration's use of it, on CPU.
+"""Kernel selection (moe_fx.lowering.select): one rule for both families, on CPU.
 
 The rule is tested with the capability inputs given (never by probing the real library), so every
-case here runs on a machine without a GPU, DeepGEMM or a working Triton.
+case here runs on a machine without a GPU, DeepGEMM or DeepEP; the eager registration is exercised
+on CPU tensors (Triton kernels under the interpreter).
 """
 
 from __future__ import annotations
@@ -13,62 +14,71 @@ import types
 import pytest
 import torch
 
-import moe_fx.lowering.register as register
+import moe_fx.lowering.problem as problem_mod
 import moe_fx.lowering.select as select
-from moe_fx.lowering.select import Capabilities, ExpertsProblem, decide_experts_kernel, explain_kernel
+from moe_fx.lowering.prepare_finalize import deepep_ll
+from moe_fx.lowering.problem import (
+    ROW_REGIMES,
+    Capabilities,
+    DispatchProblem,
+    ExpertsProblem,
+    assume_capabilities,
+    row_regime,
+    rows_per_expert,
+)
+from moe_fx.lowering.select import decide, explain_kernel
+from moe_fx.ops import ExpertActivation
 
-H100 = Capabilities("cuda", (9, 0))
-A100 = Capabilities("cuda", (8, 0))
-L40 = Capabilities("cuda", (8, 9))
-NO_DG = Capabilities("cuda", (9, 0), deep_gemm_error="deep_gemm is not installed")
+H100 = Capabilities("cuda", (9, 0), None, None, None, 132, "NVIDIA H100")
+A100 = Capabilities("cuda", (8, 0), None, None, None, 108, "NVIDIA A100")
+L40 = Capabilities("cuda", (8, 9), None, None, None, 142, "NVIDIA L40")
+NO_DG = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, None, 132, "NVIDIA H100")
 NO_DG_NO_TRITON = Capabilities("cuda", (9, 0), "deep_gemm is not installed", "triton is not installed")
-CPU = Capabilities("cpu", None, "needs a CUDA GPU, device is cpu", None)
+CPU = Capabilities("cpu", None, "needs a CUDA GPU, device is cpu", None, "needs a CUDA GPU", 0, "cpu")
+PREFILL = len(ROW_REGIMES)
 
 
-def problem(h: int = 256, i: int = 512, *, dtype: str = "bfloat16", fp8: bool = False, device: str = "cuda", **kw):
-    return ExpertsProblem(device, dtype, 8, h, i, (128, 128) if fp8 else None, **kw)
+def problem(h=256, i=512, *, dtype="bfloat16", fp8=False, device="cuda", regime=PREFILL, **kw) -> ExpertsProblem:
+    return ExpertsProblem(device, dtype, 8, h, i, fp8_block=(128, 128) if fp8 else None, regime=regime, **kw)
+
+
+def experts(p, caps, request="auto"):
+    return decide("experts", p, caps, request)
 
 
 @pytest.fixture(autouse=True)
 def _fresh_state(monkeypatch):
-    # Runtime demotions and the once-per-shape log set are process state: isolate each test.
-    monkeypatch.setattr(select, "_runtime_unusable", {})
+    # Runtime demotions and the once-per-problem log set are process state: isolate each test.
+    monkeypatch.setattr(problem_mod, "_runtime_unusable", {})
     monkeypatch.setattr(select, "_logged", set())
-    select.probe_capabilities.cache_clear()
+    problem_mod.probe_capabilities.cache_clear()
     yield
-    select.probe_capabilities.cache_clear()
+    problem_mod.probe_capabilities.cache_clear()
+
+
+def test_rows_per_expert_and_regimes():
+    assert rows_per_expert(1, 8, 128) == 1 and rows_per_expert(4096, 8, 32) == 1024 and rows_per_expert(0, 2, 8) == 1
+    assert [row_regime(r) for r in (1, 4, 5, 32, 33, 4096)] == [0, 0, 1, 1, 2, 2]
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_aligned_hopper_takes_deepgemm(fp8):
-    c = decide_experts_kernel(problem(7168, 2048, fp8=fp8), H100)
-    assert c.kernel == "deepgemm" and c.error is None
+    c = experts(problem(7168, 2048, fp8=fp8), H100)
+    assert (c.name, c.error) == ("deepgemm", None)
     assert c.reasons == {"triton": "deepgemm preferred", "reference": "deepgemm preferred"}
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_decode_sized_batches_take_triton_under_auto_only(fp8):
-    """<= DEEPGEMM_MIN_ROWS rows per expert: "auto" prefers Triton (a preference, not a capability)."""
-    from moe_fx.lowering.select import DEEPGEMM_MIN_ROWS, ExpertsProblem, decode_rows
-
-    assert decode_rows(1, 8, 128) == 1 and decode_rows(8, 2, 8) == 2 and decode_rows(64, 8, 128) == 4
-    assert decode_rows(65, 8, 128) is None and decode_rows(4096, 8, 32) is None
-    p = problem(7168, 2048, fp8=fp8)
-    small = ExpertsProblem(**{**p.__dict__, "decode_rows": DEEPGEMM_MIN_ROWS})
-    c = decide_experts_kernel(small, H100)
-    assert c.kernel == "triton" and "decode-size batch (4 rows per expert" in c.reasons["deepgemm"]
-    assert decide_experts_kernel(small, H100, "deepgemm").kernel == "deepgemm"  # explicit: honoured
-    assert decide_experts_kernel(small, H100, "deepgemm").error is None
-    assert decide_experts_kernel(p, H100).kernel == "deepgemm"
-    # without usable Triton, DeepGEMM stays (it is still the best that runs)... but DeepGEMM needs Triton
-    # for its dispatch and combine, so nothing GPU-side runs: the reference does
+def test_decode_regime_takes_triton_under_auto_only(fp8):
+    """<= 4 rows per expert: "auto" prefers Triton (a preference, not a capability)."""
+    small = problem(7168, 2048, fp8=fp8, regime=0)
+    c = experts(small, H100)
+    assert c.name == "triton" and "decode-size batch (<= 4 rows per expert)" in c.reasons["deepgemm"]
+    assert experts(small, H100, "deepgemm").name == "deepgemm" and experts(small, H100, "deepgemm").error is None
+    assert experts(problem(7168, 2048, fp8=fp8, regime=1), H100).name == "deepgemm"
+    # DeepGEMM's path needs Triton for its permute and activation: without it the reference runs
     no_triton = Capabilities("cuda", (9, 0), None, "triton is not installed")
-    assert decide_experts_kernel(small, no_triton).kernel == "reference"
-
-
-def test_explain_names_the_decode_rule():
-    kernel, reasons = explain_kernel("cuda", torch.bfloat16, 8, 4096, 1024, caps=H100)
-    assert kernel == "deepgemm" and "triton runs batches of <= 4 rows per expert" in reasons["triton"]
+    assert experts(small, no_triton).name == "reference"
 
 
 @pytest.mark.parametrize(
@@ -81,95 +91,163 @@ def test_explain_names_the_decode_rule():
     ],
 )
 def test_unaligned_shapes_take_triton_and_say_which_dim(h, i, bad):
-    c = decide_experts_kernel(problem(h, i), H100)
-    assert c.kernel == "triton"
+    c = experts(problem(h, i), H100)
+    assert c.name == "triton"
     assert bad in c.reasons["deepgemm"] and "multiples of 128" in c.reasons["deepgemm"]
     assert c.reasons["reference"] == "triton preferred"
 
 
+def test_layout_and_bias_rules():
+    c = experts(problem(k_major=False), H100)
+    assert c.name == "triton" and "K-major" in c.reasons["deepgemm"]
+    c = experts(problem(w2_bias=True), H100)
+    assert c.name == "triton" and "bias" in c.reasons["deepgemm"]
+    assert experts(problem(w13_bias=True), H100).name == "deepgemm"  # the activation kernel adds it
+    # non-gated experts: GEMM1's N is I
+    c = experts(problem(256, 192, activation=ExpertActivation("relu2", gated=False)), H100)
+    assert c.name == "triton" and "gemm1 N=192" in c.reasons["deepgemm"]
+
+
 def test_missing_library_takes_triton_with_the_library_reason():
-    c = decide_experts_kernel(problem(), NO_DG)
-    assert (c.kernel, c.reasons["deepgemm"]) == ("triton", "deep_gemm is not installed")
-    c = decide_experts_kernel(problem(), Capabilities("cuda", (9, 0), None, "triton is not installed"))
-    assert c.kernel == "reference" and "need Triton: triton is not installed" in c.reasons["deepgemm"]
-    c = decide_experts_kernel(problem(), NO_DG_NO_TRITON)
-    assert c.kernel == "reference" and c.reasons["triton"] == "triton is not installed"
+    c = experts(problem(), NO_DG)
+    assert (c.name, c.reasons["deepgemm"]) == ("triton", "deep_gemm is not installed")
+    c = experts(problem(), Capabilities("cuda", (9, 0), None, "triton is not installed"))
+    assert c.name == "reference" and "need Triton: triton is not installed" in c.reasons["deepgemm"]
+    c = experts(problem(), NO_DG_NO_TRITON)
+    assert c.name == "reference" and c.reasons["triton"] == "triton is not installed"
 
 
 def test_old_gpu():
-    c = decide_experts_kernel(problem(), A100)
-    assert c.kernel == "triton" and "SM90" in c.reasons["deepgemm"] and "SM80" in c.reasons["deepgemm"]
+    c = experts(problem(), A100)
+    assert c.name == "triton" and "SM90" in c.reasons["deepgemm"] and "SM80" in c.reasons["deepgemm"]
     # fp8 tensor cores: Triton needs SM89+, so fp8 weights on an A100 fall back to the reference.
-    c = decide_experts_kernel(problem(fp8=True), A100)
-    assert c.kernel == "reference" and "SM89" in c.reasons["triton"]
-    assert decide_experts_kernel(problem(fp8=True), L40).kernel == "triton"
+    c = experts(problem(fp8=True), A100)
+    assert c.name == "reference" and "SM89" in c.reasons["triton"]
+    assert experts(problem(fp8=True), L40).name == "triton"
 
 
-def test_cpu_takes_reference():
-    c = decide_experts_kernel(problem(device="cpu"), CPU)
-    assert c.kernel == "reference"
-    assert "CUDA" in c.reasons["deepgemm"] and "CUDA" in c.reasons["triton"]
+def test_cpu_takes_reference_and_honours_a_triton_request():
+    c = experts(problem(device="cpu"), CPU)
+    assert c.name == "reference"
+    assert "CUDA" in c.reasons["deepgemm"] and "interpreter" in c.reasons["triton"]
+    assert experts(problem(device="cpu"), CPU, "triton").error is None
 
 
 def test_dtype_block_and_activation_rules():
-    c = decide_experts_kernel(problem(dtype="float16"), H100)
-    assert c.kernel == "triton" and "bfloat16" in c.reasons["deepgemm"]
-    bad_block = ExpertsProblem("cuda", "bfloat16", 8, 256, 512, (64, 64))
-    c = decide_experts_kernel(bad_block, H100)
-    assert c.kernel == "reference" and "128x128" in c.reasons["deepgemm"] and "128x128" in c.reasons["triton"]
-    assert decide_experts_kernel(problem(activation="gelu"), H100).kernel == "deepgemm"
-    c = decide_experts_kernel(problem(activation="relu2"), H100)
-    assert c.kernel == "reference" and "relu2" in c.reasons["triton"] and "relu2" in c.reasons["deepgemm"]
+    c = experts(problem(dtype="float16"), H100)
+    assert c.name == "triton" and "bfloat16" in c.reasons["deepgemm"]
+    bad_block = ExpertsProblem("cuda", "bfloat16", 8, 256, 512, fp8_block=(64, 64))
+    c = experts(bad_block, H100)
+    assert c.name == "reference" and "128x128" in c.reasons["deepgemm"] and "128x128" in c.reasons["triton"]
+    for act in ("gelu", "relu2"):
+        assert experts(problem(activation=ExpertActivation(act)), H100).name == "deepgemm"
+    c = experts(problem(activation=ExpertActivation("swish")), H100)
+    assert c.name == "reference" and "swish" in c.reasons["triton"] and "swish" in c.reasons["deepgemm"]
 
 
 def test_explicit_requests():
-    ok = decide_experts_kernel(problem(), H100, "triton")
-    assert (ok.kernel, ok.error, ok.request) == ("triton", None, "triton")
-    bad = decide_experts_kernel(problem(4000, 512), H100, "deepgemm")
-    assert bad.kernel == "deepgemm" and "gemm1 K=4000" in bad.error
-    assert decide_experts_kernel(problem(device="cpu"), CPU, "triton").error is not None
-    ref = decide_experts_kernel(problem(), H100, "reference")
-    assert ref.kernel == "reference" and ref.error is None
-    with pytest.raises(ValueError, match="unknown kernel request 'cutlass'"):
-        decide_experts_kernel(problem(), H100, "cutlass")
+    ok = experts(problem(), H100, "triton")
+    assert (ok.name, ok.error, ok.request) == ("triton", None, "triton")
+    bad = experts(problem(4000, 512), H100, "deepgemm")
+    assert bad.name == "deepgemm" and "gemm1 K=4000" in bad.error
+    ref = experts(problem(), H100, "reference")
+    assert ref.name == "reference" and ref.error is None
+    with pytest.raises(ValueError, match="unknown experts request 'cutlass'"):
+        experts(problem(), H100, "cutlass")
 
 
 def test_explain_kernel_plain_values():
-    assert explain_kernel("cuda", torch.bfloat16, 8, 4096, 1024, caps=H100)[0] == "deepgemm"
+    kernel, reasons = explain_kernel("cuda", torch.bfloat16, 8, 4096, 1024, caps=H100)
+    assert kernel == "deepgemm" and "triton runs batches of <= 4 rows per expert" in reasons["triton"]
     kernel, reasons = explain_kernel("cuda", "torch.bfloat16", 8, 4096, 1000, fp8=True, caps=H100)
     assert kernel == "triton" and "gemm2 K=1000" in reasons["deepgemm"]
     kernel, reasons = explain_kernel("cuda", "bfloat16", 8, 4000, 1024, request="deepgemm", caps=H100)
     assert kernel == "deepgemm (cannot run)" and "gemm1 K=4000" in reasons["deepgemm"]
+    assert explain_kernel("cpu", "float32", 8, 32, 16, request="triton", caps=CPU)[0] == "triton (interpreted on CPU)"
 
 
-def test_choice_is_logged_once_per_shape(caplog):
+def test_choice_is_logged_once_per_problem(caplog):
     caplog.set_level(logging.INFO, logger="moe_fx.lowering")
     for _ in range(3):
-        select.choose_experts_kernel(
-            device_type="cuda", dtype="bfloat16", hidden=256, intermediate=512, num_experts=8, caps=H100
-        )
-    select.choose_experts_kernel(
-        device_type="cuda", dtype="bfloat16", hidden=256, intermediate=384, num_experts=8, caps=H100
-    )
+        select.choose("experts", problem(256, 512), caps=H100)
+    select.choose("experts", problem(256, 384), caps=H100)
     msgs = [r.getMessage() for r in caplog.records if r.name == "moe_fx.lowering"]
     assert len(msgs) == 2, msgs
-    assert "H=256 I=512" in msgs[0] and msgs[0].endswith("deepgemm [not taken: triton: deepgemm preferred; "
-                                                          "reference: deepgemm preferred]")
+    assert "H=256 I=512" in msgs[0] and msgs[0].endswith(
+        "deepgemm [not taken: triton: deepgemm preferred; reference: deepgemm preferred]"
+    )
 
 
 def test_probe_reports_library_state(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_gemm", None)  # import raises ModuleNotFoundError
-    assert "not installed" in select._deep_gemm_error()
+    monkeypatch.setattr(problem_mod.importlib.util, "find_spec", lambda name: object())
+    assert "failed to import" in problem_mod._deep_gemm_error()
     monkeypatch.setitem(sys.modules, "deep_gemm", types.ModuleType("deep_gemm"))
-    assert "lacks m_grouped_bf16_gemm_nt_masked" in select._deep_gemm_error()
-    monkeypatch.setenv(select.DISABLE_DEEPGEMM_ENV, "1")
-    assert "disabled by MOE_FX_DISABLE_DEEPGEMM" in select._deep_gemm_error()
-    caps = select.probe_capabilities("cpu")
+    assert "lacks m_grouped_bf16_gemm_nt_masked" in problem_mod._deep_gemm_error()
+    monkeypatch.setenv(problem_mod.DISABLE_DEEPGEMM_ENV, "1")
+    assert "disabled by MOE_FX_DISABLE_DEEPGEMM" in problem_mod._deep_gemm_error()
+    caps = problem_mod.probe_capabilities("cpu")
     assert caps.device_type == "cpu" and caps.deep_gemm_error is not None
-    assert select.probe_capabilities("cpu") is caps  # cached
+    assert problem_mod.probe_capabilities("cpu") is caps  # cached
+    with assume_capabilities(H100):
+        assert problem_mod.probe_capabilities("cuda") is H100
 
 
-# --- the CUDA registration, exercised on CPU tensors with the capability probe replaced ------------
+# --- the prepare/finalize family ------------------------------------------------------------------
+
+
+def ep(**kw) -> DispatchProblem:
+    base = dict(world_size=8, device_type="cuda", dtype="bfloat16", hidden=7168, top_k=8, num_experts=256,
+                max_tokens_per_rank=128)
+    return DispatchProblem(**{**base, **kw})
+
+
+def test_deepep_taken_when_everything_fits():
+    c = decide("prepare_finalize", ep(), H100)
+    assert c.name == "deepep_ll" and c.error is None
+    assert decide("prepare_finalize", ep(use_fp8=True), H100).name == "deepep_ll"
+    assert c.reasons["local_permute"] == "expert parallelism needs a communication backend"
+
+
+@pytest.mark.parametrize(
+    "kw, deep_ep_error, why",
+    [
+        ({}, "deep_ep is not installed", "not installed"),
+        ({"hidden": 3000}, None, "hidden size 3000"),
+        ({"top_k": 10}, None, "top-k 10 above its limit 9"),
+        ({"dtype": "float32"}, None, "bfloat16"),
+        ({"device_type": "cpu"}, None, "CUDA"),
+        ({"max_tokens_per_rank": 3, "world_size": 2, "num_experts": 8}, None, "multiple of 4"),
+    ],
+)
+def test_deepep_fallback_reasons(kw, deep_ep_error, why):
+    caps = Capabilities("cuda", (9, 0), None, None, deep_ep_error)
+    c = decide("prepare_finalize", ep(**kw), caps)
+    assert c.name == "torch_dist" and why in c.reasons["deepep_ll"]
+    ok, reason = deepep_ll.supports(ep(**kw), caps)
+    assert not ok and why in reason
+    # a (hypothetical) DeepEP build with a hidden size that is not a multiple of 512: fp8 dispatch refused
+    ok, reason = deepep_ll.supports(ep(hidden=2176, use_fp8=True), H100, supported_hidden=(2176,))
+    assert not ok and "hidden % 512" in reason
+
+
+def test_prepare_requests_single_rank_and_local():
+    one = ep(world_size=1, num_experts=32)
+    c = decide("prepare_finalize", one, H100)
+    assert c.name == "torch_dist" and "one rank" in c.reasons["deepep_ll"]
+    # An explicit DeepEP request runs it even with one rank (the single-GPU check), or says why not.
+    assert decide("prepare_finalize", one, H100, "deepep").name == "deepep_ll"
+    bad = decide("prepare_finalize", ep(hidden=1000), H100, "deepep")
+    assert bad.error is not None and "hidden size 1000" in bad.error
+    assert decide("prepare_finalize", ep(), H100, "torch_dist").name == "torch_dist"
+    with pytest.raises(ValueError, match="unknown prepare_finalize request 'nccl'"):
+        decide("prepare_finalize", ep(), H100, "nccl")
+    local = ep(world_size=1, expert_parallel=False)
+    c = decide("prepare_finalize", local, H100)
+    assert c.name == "local_permute" and "not expert-parallel" in c.reasons["torch_dist"]
+
+
+# --- the eager registration, on CPU tensors -------------------------------------------------------
 
 
 def _inputs(t=5, h=32, i=16, e=4, k=2):
@@ -183,51 +261,41 @@ def _inputs(t=5, h=32, i=16, e=4, k=2):
 
 
 def test_registration_honours_requests_on_cpu_tensors():
+    from moe_fx.ops import experts_reference
+
     args = _inputs()
-    want = register.experts_reference(*args)
-    torch.testing.assert_close(register.experts_cuda(*args), want)  # cpu -> reference
-    torch.testing.assert_close(register.experts_cuda(*args, impl="reference"), want)
+    want = experts_reference(*args)
+    op = torch.ops.moe_fx.experts
+    torch.testing.assert_close(op(*args), want)  # cpu, auto -> reference
+    torch.testing.assert_close(op(*args, impl="reference"), want)
+    torch.testing.assert_close(op(*args, impl="triton"), want, rtol=1e-4, atol=1e-5)  # the interpreter
     with pytest.raises(RuntimeError, match="impl='deepgemm' was requested but cannot run: needs a CUDA GPU"):
-        register.experts_cuda(*args, impl="deepgemm")
-    empty = register.experts_cuda(args[0][:0], args[1][:0], args[2][:0], *args[3:])
-    assert empty.shape == (0, 32)
+        op(*args, impl="deepgemm")
+    assert op(args[0][:0], args[1][:0], args[2][:0], *args[3:], impl="triton").shape == (0, 32)
 
 
-def test_runtime_fallback_logs_once_and_demotes(monkeypatch, caplog):
-    calls = {"deepgemm": 0, "triton": 0}
+def test_deepgemm_runtime_failure_warns_once_demotes_and_computes_with_triton(monkeypatch, caplog):
+    """A DeepGEMM that fails when called (its JIT compiler missing, say): the GEMM still gets computed
+    (Triton on the same operands), one warning, and later choices skip DeepGEMM."""
+    from moe_fx.lowering.masked_experts import deepgemm
 
-    def broken_deepgemm(*a):
-        calls["deepgemm"] += 1
+    broken = types.ModuleType("deep_gemm")
+
+    def fail(*a, **kw):
         raise RuntimeError("NVCC compilation failed\nlong compiler log")
 
-    def fake_triton(*a):
-        calls["triton"] += 1
-        return register.experts_reference(*a)
-
-    fake = types.ModuleType("moe_fx_test_fake_kernels")
-    fake.broken_deepgemm, fake.fake_triton = broken_deepgemm, fake_triton
-    monkeypatch.setitem(sys.modules, fake.__name__, fake)
-    monkeypatch.setitem(register._IMPLS, "deepgemm", (fake.__name__, "broken_deepgemm"))
-    monkeypatch.setitem(register._IMPLS, "triton", (fake.__name__, "fake_triton"))
-    real_choose = select.choose_experts_kernel
-
-    def on_fake_hopper(**kw):
-        # Pretend the CPU tensors live on an H100 whose DeepGEMM state is the real process state.
-        dg = select._runtime_unusable.get("deepgemm")
-        kw.update(device_type="cuda", caps=Capabilities("cuda", (9, 0), dg, None))
-        return real_choose(**kw)
-
-    monkeypatch.setattr(register, "choose_experts_kernel", on_fake_hopper)
+    broken.m_grouped_bf16_gemm_nt_masked = broken.m_grouped_fp8_gemm_nt_masked = fail
+    monkeypatch.setitem(sys.modules, "deep_gemm", broken)
+    monkeypatch.setattr(deepgemm, "_warned", False)
     caplog.set_level(logging.WARNING, logger="moe_fx.lowering")
-    hidden, ids, w, w13, w2 = _inputs(t=12, h=128, i=128)  # 6 rows per expert: not decode-sized
-    args = (hidden.bfloat16(), ids, w, w13.bfloat16(), w2.bfloat16())
-    want = register.experts_reference(*args)
-    for _ in range(3):
-        torch.testing.assert_close(register.experts_cuda(*args), want)
-    assert calls == {"deepgemm": 1, "triton": 3}
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(2, 8, 32, generator=g).bfloat16()
+    b = torch.randn(2, 16, 32, generator=g).bfloat16()
+    mm = torch.tensor([3, 8], dtype=torch.int32)
+    for _ in range(2):
+        out = torch.ops.moe_fx_kernels.deepgemm_masked_gemm(a, None, b, None, mm, 16)
+        for e, r in enumerate(mm.tolist()):
+            torch.testing.assert_close(out[e, :r].float(), a[e, :r].float() @ b[e].float().t(), rtol=2e-2, atol=2e-2)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "NVCC compilation failed" in warnings[0] and "long compiler log" not in warnings[0]
-    assert "failed at run time" in select._runtime_unusable["deepgemm"]
-    # An explicit request is never silently replaced.
-    with pytest.raises(RuntimeError, match="failed at run time"):
-        register.experts_cuda(*args, impl="deepgemm")
+    assert "failed at run time" in problem_mod._runtime_unusable["deepgemm"]

@@ -45,7 +45,8 @@ def _kernels():
     return k
 
 
-GEMM = {"GROUP_M": 8, "E_POW2": 128, "EVEN_K": True, "UPCAST": False, "s_ak": 1, "s_bk": 1, "s_cn": 1}
+GEMM = {"GROUP_M": 8, "E_POW2": 128, "EVEN_K": True, "UPCAST": False, "s_ak": 1, "s_bk": 1, "s_cn": 1,
+        "bias_ptr": None, "HAS_BIAS": False}
 
 
 @pytest.mark.parametrize(
@@ -95,29 +96,46 @@ def test_gemm_compiles_pipelined(fp8, bm, bn, bk, warps, stages, tma):
         assert mul <= (per_thread if bn > 128 else 8), (mul, per_thread)
 
 
+def test_gemm_bias_epilogue_compiles_pipelined():
+    k = _kernels()
+    consts = dict(GEMM, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, TMA=False, IEEE=False, HAS_BIAS=True)
+    del consts["bias_ptr"]
+    types = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "masked_m_ptr": "*i32", "bias_ptr": "*bf16"}
+    ptx = _compile(k.masked_gemm_kernel, types, consts, 8, 3).asm["ptx"]
+    assert "cp.async" in ptx and "wgmma.mma_async" in ptx and "ld.local" not in ptx
+
+
 @pytest.mark.parametrize("quant", [False, True])
-def test_elementwise_kernels_compile(quant):
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_elementwise_kernels_compile(quant, gpt_oss):
     k = _kernels()
     out_t = "*fp8e4nv" if quant else "*bf16"
-    _compile(
-        k.act_mul_kernel,
-        {"x_ptr": "*bf16", "y_ptr": out_t, "ys_ptr": "*fp32", "masked_m_ptr": "*i32"},
-        {"ACT": 0, "QUANT": quant, "INTERP": False, "BLOCK_M": 16, "BLOCK_N": 128, "E_POW2": 128},
-    )
-    _compile(
-        k.dispatch_kernel,
-        {
-            "h_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp32", "counts_ptr": "*i32", "x_ptr": out_t,
-            "xs_ptr": "*fp32", "slot_ptr": "*i32", "pos_ptr": "*i64",
-        },
-        {
-            "K_POW2": 8, "BLOCK_H": 128 if quant else 1024, "WEIGHTS_ON_INPUT": quant, "QUANT": quant,
-            "STORE_SLOT": True, "INTERP": False,
-        },
-    )  # fmt: skip
-    _compile(
-        k.combine_kernel,
-        {"y_ptr": "*bf16", "pos_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16"},
-        {"K_POW2": 8, "BLOCK_H": 1024, "HAS_W": quant},
-    )
-    _compile(k.invert_slots_kernel, {"slot_ptr": "*i32", "masked_m_ptr": "*i32", "pos_ptr": "*i64"}, {"BLOCK": 128})
+    act = {"ACT": 0, "GATED": True, "INTERLEAVED": gpt_oss, "HAS_LIMIT": gpt_oss, "HAS_BIAS": gpt_oss}
+    types = {"x_ptr": "*bf16", "y_ptr": out_t, "masked_m_ptr": "*i32", "alpha": "fp32", "limit": "fp32",
+             "up_offset": "fp32"}
+    consts = {**act, "QUANT": quant, "INTERP": False, "BLOCK_M": 16, "BLOCK_N": 128, "E_POW2": 128}
+    if quant:
+        types["ys_ptr"] = "*fp32"
+    else:
+        consts["ys_ptr"] = None
+    if gpt_oss:
+        types["bias_ptr"] = "*bf16"
+    else:
+        consts["bias_ptr"] = None
+    _compile(k.activation_kernel, types, consts)
+    types = {"h_ptr": "*bf16", "ids_ptr": "*i64", "counts_ptr": "*i32", "x_ptr": out_t, "pos_ptr": "*i64"}
+    consts = {"K_POW2": 8, "BLOCK_H": 128 if quant else 1024, "WEIGHTS_ON_INPUT": quant, "DEDUPE": not quant,
+              "QUANT": quant, "INTERP": False}
+    for name, present, t in (("w_ptr", quant, "*fp32"), ("xs_ptr", quant, "*fp32")):
+        if present:
+            types[name] = t
+        else:
+            consts[name] = None
+    _compile(k.permute_kernel, types, consts)
+    types = {"y_ptr": "*bf16", "pos_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16"}
+    consts = {"K_POW2": 8, "BLOCK_H": 1024, "HAS_W": not quant, "IDENTITY": gpt_oss}
+    if gpt_oss:
+        types.update({"ids_ptr": "*i64", "h_ptr": "*bf16"})
+    else:
+        consts.update({"ids_ptr": None, "h_ptr": None})
+    _compile(k.unpermute_kernel, types, consts)

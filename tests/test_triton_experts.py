@@ -1,4 +1,5 @@
-"""triton_experts (dispatch -> GEMM1 -> act -> GEMM2 -> combine) against moe_fx.ops.experts_reference."""
+"""The Triton pipeline of moe_fx::experts (permute -> GEMM1 -> activation -> GEMM2 -> unpermute), run
+eagerly through the op with ``impl="triton"`` (CPU: Triton's interpreter), against moe_fx.ops.experts_reference."""
 
 from __future__ import annotations
 
@@ -6,9 +7,13 @@ import pytest
 import torch
 from _triton_util import devices, gpu, ragged_ids, rel_err
 
-from moe_fx.lowering.experts.triton_experts import triton_experts
 from moe_fx.lowering.quant import quantize_fp8_blockwise, quantize_fp8_per_token_group
 from moe_fx.ops import experts_reference
+
+def triton_experts(*args, **kwargs):
+    """The op with the Triton kernels requested (what the lowering runs eagerly and compiles into graphs)."""
+    return torch.ops.moe_fx.experts(*args, impl="triton", **kwargs)
+
 
 # (T, H, I, E, K). CPU: tiny, with tails (H, I not multiples of 128). CUDA: the issue's odd shape,
 # a Qwen3-like and a Mixtral-like decode shape.

@@ -8,7 +8,7 @@ from _triton_util import devices, gpu, rel_err
 
 from moe_fx.lowering.quant import quantize_fp8_blockwise, quantize_fp8_per_token_group
 from moe_fx.lowering.triton.configs import TileConfig, candidates
-from moe_fx.lowering.triton.grouped_gemm import masked_gemm_bf16, masked_gemm_fp8
+from moe_fx.lowering.triton.grouped_gemm import masked_gemm, masked_gemm_fp8
 from moe_fx.ops import dequantize_blockwise
 
 # (G, M, N, K) per device. CPU: tails in every dim; CUDA: the odd MoE shapes and a DeepSeek shard.
@@ -36,32 +36,32 @@ def _check_rows(out, ref, masked_m, tol):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_masked_gemm_bf16(device, dtype):
+def test_masked_gemm(device, dtype):
     gen = torch.Generator().manual_seed(1)
     for g, m, n, k in SHAPES[device]:
         a = torch.randn(g, m, k, generator=gen).to(dtype).to(device)
         b = (torch.randn(g, n, k, generator=gen) / k**0.5).to(dtype).to(device)
         mm = _masked(g, m, device, gen)
         out = torch.full((g, m, n), float("nan"), dtype=dtype, device=device)
-        masked_gemm_bf16(a, b, mm, out=out)
+        masked_gemm(a, b, mm, out=out)
         ref = torch.bmm(a.float(), b.float().transpose(1, 2))
         _check_rows(out, ref, mm.cpu(), 1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 @pytest.mark.parametrize("device", devices())
-def test_masked_gemm_bf16_strided_and_errors(device):
+def test_masked_gemm_strided_and_errors(device):
     g, m, n, k = 2, 16, 40, 48
     a = torch.randn(g, k, m, device=device).transpose(1, 2)  # M-major A
     b = torch.randn(g, k, n, device=device).transpose(1, 2)
     mm = torch.tensor([5, 16], dtype=torch.int32, device=device)
-    out = masked_gemm_bf16(a, b, mm)
+    out = masked_gemm(a, b, mm)
     ref = torch.bmm(a, b.transpose(1, 2))
     for i, r in enumerate(mm.tolist()):
         torch.testing.assert_close(out[i, :r], ref[i, :r], rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError):
-        masked_gemm_bf16(a, b, mm.long())
+        masked_gemm(a, b, mm.long())
     with pytest.raises(TypeError):
-        masked_gemm_bf16(a, b.double(), mm)
+        masked_gemm(a, b.double(), mm)
 
 
 def _fp8_inputs(g, m, n, k, device, gen, mn_major_scale: bool):
@@ -114,7 +114,7 @@ def test_tma_and_scale_variants_on_cpu(kind, block_n):
         if kind == "fp8":
             masked_gemm_fp8(a, a_s, b, b_s, mm, out=out, config=cfg)
         else:
-            masked_gemm_bf16(a, b, mm, out=out, config=cfg)
+            masked_gemm(a, b, mm, out=out, config=cfg)
         _check_rows(out, ref, mm, 1e-2)
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1], equal_nan=True, rtol=0, atol=0)
@@ -160,7 +160,7 @@ def test_every_tile_candidate_is_correct(device, kind):
         if kind == "fp8":
             masked_gemm_fp8(a, a_s, b, b_s, mm, out=out, config=cfg)
         else:
-            masked_gemm_bf16(a, b, mm, out=out, config=cfg)
+            masked_gemm(a, b, mm, out=out, config=cfg)
         _check_rows(out, ref, mm.cpu(), 1e-2)
 
 
@@ -177,4 +177,30 @@ def test_offsets_beyond_int32_are_refused():
     b = torch.empty(1, 64, 2**15 + 8, dtype=torch.bfloat16, device="meta")
     mm = torch.ones(1, dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match="int32"):
-        masked_gemm_bf16(a, b, mm)
+        masked_gemm(a, b, mm)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("fp8", [False, True])
+def test_bias_epilogue(device, fp8):
+    """bias [G, N] joins every valid row (the second expert GEMM of GPT-OSS-style experts); rows past masked_m stay unwritten."""
+    gen = torch.Generator().manual_seed(5)
+    g, m, n, k = SHAPES[device][0]
+    a = torch.randn(g, m, k, generator=gen).to(device)
+    b = (torch.randn(g, n, k, generator=gen) / k**0.5).to(device)
+    bias = torch.randn(g, n, generator=gen).to(device)
+    mm = _masked(g, m, device, gen)
+    if fp8:
+        qa, sa = quantize_fp8_per_token_group(a)
+        qb, sb = quantize_fp8_blockwise(b)
+        out = torch.full((g, m, n), float("nan"), dtype=torch.bfloat16, device=device)
+        masked_gemm_fp8(qa, sa, qb, sb, mm, out=out, bias=bias)
+        deq_a = qa.float() * sa.repeat_interleave(128, -1)[..., :k]
+        ref = torch.bmm(deq_a, dequantize_blockwise(qb, sb).transpose(1, 2)) + bias[:, None, :]
+        _check_rows(out, ref, mm.cpu(), 2e-2)
+    else:
+        out = torch.full((g, m, n), float("nan"), device=device)
+        masked_gemm(a, b, mm, out=out, bias=bias)
+        _check_rows(out, torch.bmm(a, b.transpose(1, 2)) + bias[:, None, :], mm.cpu(), 1e-5)
+    with pytest.raises(ValueError, match="bias"):
+        masked_gemm(a, b, mm, bias=bias[:, :-1])

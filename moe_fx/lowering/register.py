@@ -1,53 +1,41 @@
-"""Registers the CUDA kernel of ``moe_fx::experts``; the CPU (and any unregistered device) runs the reference.
+"""Registers every device implementation of the moe_fx ops (``ops/`` defines them and knows nothing of this).
 
-At each call the CUDA implementation asks :mod:`moe_fx.lowering.select` which kernel to run (the
-choice is cached per shape there and logged once) and runs it:
+For ``moe_fx::experts`` and ``moe_fx::masked_experts``, two things each:
 
-* ``"deepgemm"``  -> :func:`moe_fx.lowering.experts.deepgemm_experts.deepgemm_experts`
-* ``"triton"``    -> :func:`moe_fx.lowering.experts.triton_experts.triton_experts`
-* ``"reference"`` -> :func:`moe_fx.ops.experts_reference`
+* **eager kernels** (CPU and CUDA dispatch keys): validate, plan (:mod:`moe_fx.lowering.experts`), and
+  run the plan's kernels at once, or the op's torch reference when the plan says so. ``impl="triton"``
+  on CPU runs the Triton kernels under Triton's interpreter (slow; for tests);
+* **a decomposition for compiled graphs**: a ``torch_dispatch`` rule for ``FunctionalTensorMode``, the
+  mode AOTAutograd traces graphs under (the mechanism of ``torch.library.triton_op``). When Inductor
+  compiles a graph holding the op on a CUDA device, the rule runs the same plan on the traced
+  tensors: each Triton launch becomes a ``triton_kernel_wrapper`` node and each DeepGEMM GEMM an
+  extern call, so the code Inductor generates launches the kernels itself, with the tiles, grids
+  and buffers decided once at compile time, and no Python of moe_fx runs per call. When the plan is
+  the reference (CPU, or no kernel can run) the op stays one opaque call.
 
-The op's ``impl`` argument is honoured: ``"auto"`` follows the rule; an explicit request that cannot
-run raises a ``RuntimeError`` that says why. Under ``"auto"``, a DeepGEMM failure at run time (its JIT
-compiler missing, for instance) demotes DeepGEMM for the rest of the process, logs the reason once
-and runs Triton instead.
+The communication ops ``moe_fx::ep_dispatch`` / ``ep_combine`` get their kernels from
+:mod:`moe_fx.lowering.prepare_finalize.ep`.
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
-from collections.abc import Callable
-
 import torch
+from torch._library.triton import set_wrap_triton_enabled
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from moe_fx.lowering.select import choose_experts_kernel, decode_rows, mark_kernel_unusable
+from moe_fx.lowering.experts import plan_experts, plan_masked_experts, run_experts, run_masked_experts_op
+from moe_fx.lowering.prepare_finalize.ep import ep_combine_impl, ep_dispatch_impl
+from moe_fx.ops import ExpertActivation, experts_reference
 from moe_fx.ops.checks import check_experts_inputs
-from moe_fx.ops.experts import experts_reference
+from moe_fx.ops.ep import check_masked_experts_inputs, masked_experts_reference
 
-__all__ = ["experts_cuda", "kernel_impl"]
+__all__ = ["experts_eager", "masked_experts_eager"]
 
-log = logging.getLogger("moe_fx.lowering")
-
-# Kernel modules are imported on first use: importing moe_fx on a machine without Triton or
-# DeepGEMM must not fail, and the reference needs neither.
-_IMPLS = {
-    "deepgemm": ("moe_fx.lowering.experts.deepgemm_experts", "deepgemm_experts"),
-    "triton": ("moe_fx.lowering.experts.triton_experts", "triton_experts"),
-}
+_LIB = torch.library.Library("moe_fx", "IMPL")
 
 
-def kernel_impl(kernel: str) -> Callable[..., torch.Tensor]:
-    """The Python function that runs ``kernel`` (same signature as :func:`moe_fx.ops.experts_reference`)."""
-    if kernel == "reference":
-        return experts_reference
-    if kernel not in _IMPLS:
-        raise ValueError(f"moe_fx: unknown experts kernel {kernel!r}; known: reference, {', '.join(_IMPLS)}")
-    module, name = _IMPLS[kernel]
-    return getattr(importlib.import_module(module), name)
-
-
-def experts_cuda(
+def _experts_args(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -58,54 +46,140 @@ def experts_cuda(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     impl: str = "auto",
-) -> torch.Tensor:
-    """CUDA implementation of ``moe_fx::experts``: select a kernel (see module docstring) and run it.
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    gated: bool = True,
+    gate_up_layout: str = "halves",
+    alpha: float = 1.0,
+    limit: float | None = None,
+    up_offset: float = 0.0,
+    identity_experts: int = 0,
+) -> dict:
+    """The op's arguments by name (its schema, positional or keyword)."""
+    return dict(locals())
 
-    Shapes and dtypes as in :mod:`moe_fx.ops.experts`: hidden ``[T, H]``, topk ``[T, K]``,
-    w13 ``[E, 2I, H]``, w2 ``[E, H, I]`` (bf16/fp16/fp32, or fp8 e4m3 with fp32 128x128 block scales).
-    Returns ``[T, H]`` in ``hidden.dtype``.
-    """
-    check_experts_inputs(hidden, topk_ids, topk_weights, w13, w2, activation, w13_scale, w2_scale, impl)
-    if hidden.shape[0] == 0:
-        return hidden.new_zeros(hidden.shape)
-    fp8 = w13.dtype == torch.float8_e4m3fn
-    choice = choose_experts_kernel(
-        device_type=hidden.device.type,
-        dtype=hidden.dtype,
-        hidden=hidden.shape[1],
-        intermediate=w2.shape[2],
-        num_experts=w13.shape[0],
-        request=impl,
-        fp8=fp8,
-        activation=activation,
-        device=hidden.device,
-        rows_per_expert=decode_rows(hidden.shape[0], topk_ids.shape[1], w13.shape[0]),
+
+def _spec(a: dict) -> ExpertActivation:
+    return ExpertActivation(a["activation"], a["gated"], a["gate_up_layout"], a["alpha"], a["limit"], a["up_offset"])
+
+
+def _plan(a: dict):
+    return plan_experts(a["hidden"], a["topk_ids"], a["w13"], a["w2"], _spec(a), a["impl"],
+                        w13_bias=a["w13_bias"], w2_bias=a["w2_bias"])
+
+
+def _run(a: dict, plan) -> torch.Tensor:
+    return run_experts(
+        a["hidden"], a["topk_ids"], a["topk_weights"], a["w13"], a["w2"], _spec(a), plan,
+        weights_on_input=a["weights_on_input"], w13_scale=a["w13_scale"], w2_scale=a["w2_scale"],
+        w13_bias=a["w13_bias"], w2_bias=a["w2_bias"], identity_experts=a["identity_experts"],
+    )  # fmt: skip
+
+
+def experts_eager(*args: object, **kwargs: object) -> torch.Tensor:
+    """Eager kernel of ``moe_fx::experts`` (CPU and CUDA): validate, plan, run (see the module docstring)."""
+    a = _experts_args(*args, **kwargs)
+    check_experts_inputs(
+        a["hidden"], a["topk_ids"], a["topk_weights"], a["w13"], a["w2"], a["activation"], a["w13_scale"],
+        a["w2_scale"], a["impl"], w13_bias=a["w13_bias"], w2_bias=a["w2_bias"], gated=a["gated"],
+        gate_up_layout=a["gate_up_layout"], alpha=a["alpha"], limit=a["limit"], up_offset=a["up_offset"],
+        identity_experts=a["identity_experts"],
+    )  # fmt: skip
+    plan = _plan(a)
+    if plan.reference:
+        ref = {n: a[n] for n in ("w13_bias", "w2_bias", "gated", "gate_up_layout", "alpha", "limit", "up_offset",
+                                 "identity_experts")}
+        return experts_reference(a["hidden"], a["topk_ids"], a["topk_weights"], a["w13"], a["w2"], a["activation"],
+                                 a["weights_on_input"], a["w13_scale"], a["w2_scale"], **ref)
+    with set_wrap_triton_enabled(False):
+        return _run(a, plan)
+
+
+def _masked_args(
+    x: torch.Tensor,
+    masked_m: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str = "silu",
+    x_scale: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    expected_m: int = 0,
+    impl: str = "auto",
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    gated: bool = True,
+    gate_up_layout: str = "halves",
+    alpha: float = 1.0,
+    limit: float | None = None,
+    up_offset: float = 0.0,
+) -> dict:
+    """The masked op's arguments by name."""
+    return dict(locals())
+
+
+def _masked_plan(a: dict):
+    return plan_masked_experts(a["x"], a["w13"], a["w2"], _spec(a), a["expected_m"], a["impl"],
+                               w13_bias=a["w13_bias"], w2_bias=a["w2_bias"])
+
+
+def _masked_run(a: dict, plan) -> torch.Tensor:
+    return run_masked_experts_op(
+        a["x"], a["masked_m"], a["w13"], a["w2"], _spec(a), plan, x_scale=a["x_scale"], w13_scale=a["w13_scale"],
+        w2_scale=a["w2_scale"], w13_bias=a["w13_bias"], w2_bias=a["w2_bias"], expected_m=a["expected_m"],
     )
-    if choice.error is not None:
-        raise RuntimeError(
-            f"moe_fx.experts: impl={impl!r} was requested but cannot run: {choice.error} "
-            f"(hidden {hidden.dtype} {list(hidden.shape)}, w13 {w13.dtype} {list(w13.shape)}, "
-            f"w2 {w2.dtype} {list(w2.shape)}); use impl='auto' to let moe_fx pick one that can"
-        )
-    args = (hidden, topk_ids, topk_weights, w13, w2, activation, weights_on_input, w13_scale, w2_scale)
-    if choice.kernel == "deepgemm" and impl == "auto":
-        try:
-            return kernel_impl("deepgemm")(*args)
-        except (RuntimeError, ImportError) as e:
-            # DeepGEMM JIT-compiles at first use; a broken toolchain shows up here, once. Demote it for
-            # the process so later calls (and explain) take the next kernel without retrying.
-            reason = f"failed at run time ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-            log.warning("moe_fx.experts: DeepGEMM %s; falling back to the next kernel for this process", reason)
-            mark_kernel_unusable("deepgemm", f"deep_gemm {reason}")
-            return experts_cuda(*args, impl="auto")
-    return kernel_impl(choice.kernel)(*args)
 
 
-torch.library.register_kernel("moe_fx::experts", "cuda", experts_cuda)
+_SPEC_NAMES = ("w13_bias", "w2_bias", "gated", "gate_up_layout", "alpha", "limit", "up_offset")
 
-# The CUDA kernel of moe_fx::masked_experts (expert parallelism) registers itself on import.
-from moe_fx.lowering.experts import masked as _masked  # noqa: E402,F401
-from moe_fx.lowering.dispatch import ep_combine_impl, ep_dispatch_impl  # noqa: E402
 
-torch.library.register_kernel("moe_fx::ep_dispatch", ("cpu", "cuda"), ep_dispatch_impl)
-torch.library.register_kernel("moe_fx::ep_combine", ("cpu", "cuda"), ep_combine_impl)
+def masked_experts_eager(*args: object, **kwargs: object) -> torch.Tensor:
+    """Eager kernel of ``moe_fx::masked_experts`` (CPU and CUDA)."""
+    a = _masked_args(*args, **kwargs)
+    spec_kw = {n: a[n] for n in _SPEC_NAMES}
+    check_masked_experts_inputs(a["x"], a["masked_m"], a["w13"], a["w2"], a["activation"], a["x_scale"],
+                                a["w13_scale"], a["w2_scale"], **spec_kw)
+    plan = _masked_plan(a)
+    if plan.reference:
+        return masked_experts_reference(a["x"], a["masked_m"], a["w13"], a["w2"], a["activation"], a["x_scale"],
+                                        a["w13_scale"], a["w2_scale"], **spec_kw)
+    with set_wrap_triton_enabled(False):
+        return _masked_run(a, plan)
+
+
+def _plain_tensors(types: tuple) -> bool:
+    """Only tensors the decomposition understands (tensor subclasses keep the op as it is)."""
+    return all(issubclass(t, FakeTensor) or t in (torch.Tensor, FunctionalTensor) for t in types)
+
+
+def _decomposition(bind, plan_of, run):
+    """A FunctionalTensorMode rule: trace the plan's kernels into the graph, or keep the op."""
+
+    def rule(mode, op, types, args, kwargs):
+        a = bind(*args, **kwargs)
+        first = a["hidden"] if "hidden" in a else a["x"]
+        if first.device.type != "cuda" or not _plain_tensors(types):
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        plan = plan_of(a)
+        if plan.reference:
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        with mode:
+            return run(a, plan)
+
+    return rule
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("experts", experts_eager, _key)
+    _LIB.impl("masked_experts", masked_experts_eager, _key)
+    _LIB.impl("ep_dispatch", ep_dispatch_impl, _key)
+    _LIB.impl("ep_combine", ep_combine_impl, _key)
+
+torch.library.register_torch_dispatch(
+    "moe_fx::experts", FunctionalTensorMode, _decomposition(_experts_args, _plan, _run), lib=_LIB
+)
+torch.library.register_torch_dispatch(
+    "moe_fx::masked_experts", FunctionalTensorMode, _decomposition(_masked_args, _masked_plan, _masked_run), lib=_LIB
+)

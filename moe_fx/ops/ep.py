@@ -19,7 +19,7 @@ combine:
     * ``src_info``     int32 ``[E_local, M]`` and ``layout_range`` int64 ``[E_local, world]``: the
       handle ``ep_combine`` needs. Their meaning is private to the backend that produced them (DeepEP:
       source token index and packed ``offset << 32 | count`` per source rank; torch.distributed: see
-      :mod:`moe_fx.lowering.dispatch.torch_dist`); only their shapes and dtypes are contract.
+      :mod:`moe_fx.lowering.prepare_finalize.torch_dist`); only their shapes and dtypes are contract.
 
 ``masked_experts(x [E_local, M, H], masked_m [E_local], w13 [E_local, 2I, H], w2 [E_local, H, I], ...)``
     runs expert ``e``'s gated MLP on the first ``masked_m[e]`` rows of ``x[e]`` (DeepGEMM's masked
@@ -36,7 +36,7 @@ Process groups cannot be op arguments; the ops take the group's c10d name (``gro
 same registry torch's functional collectives use) and resolve it with :func:`resolve_ep_group`.
 
 Limits: a rank with more than ``max_tokens_per_rank`` tokens is an error on every rank (see
-:mod:`moe_fx.lowering.dispatch`, which explains why this is not chunked). ``T = 0`` works.
+:mod:`moe_fx.lowering.prepare_finalize.ep`, which explains why this is not chunked). ``T = 0`` works.
 
 This module holds schemas, fake implementations, the masked-experts reference and input checks, and
 imports nothing from the lowering. The communication ops have no device-free reference: importing
@@ -384,7 +384,7 @@ def masked_experts_reference(
     return out
 
 
-def _masked_experts_cpu(
+def _masked_experts_default(
     x: torch.Tensor,
     masked_m: torch.Tensor,
     w13: torch.Tensor,
@@ -397,12 +397,12 @@ def _masked_experts_cpu(
     impl: str = "auto",
     **spec: object,
 ) -> torch.Tensor:
-    """CPU implementation of ``masked_experts``: the reference after the input checks."""
+    """Default implementation of ``masked_experts`` (any device without a lowering kernel): the reference."""
     check_masked_experts_inputs(x, masked_m, w13, w2, activation, x_scale, w13_scale, w2_scale, **spec)
     return masked_experts_reference(x, masked_m, w13, w2, activation, x_scale, w13_scale, w2_scale, **spec)
 
 
-_LIB.impl("masked_experts", _masked_experts_cpu, "CPU")
+_LIB.impl("masked_experts", _masked_experts_default, "CompositeExplicitAutograd")
 
 #: ``masked_experts(x [E, M, H], masked_m [E], w13, w2, activation, x_scale, w13_scale, w2_scale,
 #: expected_m, impl, *, biases and activation parameters as in moe_fx::experts)``: expert MLPs on the

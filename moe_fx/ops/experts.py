@@ -257,7 +257,7 @@ _LIB = torch.library.Library("moe_fx", "FRAGMENT")
 _LIB.define("experts" + _SCHEMA)
 
 
-def _experts_cpu(
+def _experts_default(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -278,7 +278,7 @@ def _experts_cpu(
     up_offset: float = 0.0,
     identity_experts: int = 0,
 ) -> torch.Tensor:
-    """CPU implementation of ``moe_fx::experts``: :func:`experts_reference` after the input checks."""
+    """Default implementation of ``moe_fx::experts`` (any device without a kernel of the lowering): the reference."""
     check_experts_inputs(
         hidden, topk_ids, topk_weights, w13, w2, activation, w13_scale, w2_scale, impl,
         w13_bias=w13_bias, w2_bias=w2_bias, gated=gated, gate_up_layout=gate_up_layout, alpha=alpha,
@@ -291,7 +291,7 @@ def _experts_cpu(
     )  # fmt: skip
 
 
-_LIB.impl("experts", _experts_cpu, "CPU")
+_LIB.impl("experts", _experts_default, "CompositeExplicitAutograd")
 
 #: The op itself: ``moe_fx.ops.experts(hidden, topk_ids, topk_weights, w13, w2, ...)`` runs on any
 #: device (CPU: the reference; CUDA: the kernels :mod:`moe_fx.lowering` registers).

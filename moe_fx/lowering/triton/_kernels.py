@@ -19,8 +19,12 @@ import triton.language as tl
 # @triton.jit functions, compiled-mode objects that the CPU interpreter copy of this module cannot
 # call); reductions go through tl.reduce / tl.associative_scan with the combine functions below.
 
-FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn (globals used in kernels must be constexpr)
-SCALE_EPS = tl.constexpr(1e-10)  # floor of the fp8 group scale, so an all-zero group gives scale > 0 (no 0/0)
+# The fp8 recipe (moe_fx.ops.recipe; globals used in kernels must be constexpr). This module is also
+# loaded as a file of its own under the interpreter (see _loader), so it keeps its imports minimal.
+from moe_fx.ops.recipe import FP8_E4M3_MAX as _FP8_MAX, FP8_SCALE_FLOOR as _SCALE_FLOOR  # noqa: E402
+
+FP8_MAX = tl.constexpr(_FP8_MAX)
+SCALE_FLOOR = tl.constexpr(_SCALE_FLOOR)
 
 
 @triton.jit
@@ -34,13 +38,21 @@ def _maxf(a, b):
 
 
 @triton.jit
-def _valid_tiles(masked_m_ptr, E, M, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
-    """Rows and row tiles of every expert: (expert offsets, rows, inclusive cumsum of row tiles)."""
-    offs_e = tl.arange(0, E_POW2)
-    rows = tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0)
+def _minf(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _valid_tiles(rows, M, BLOCK_M: tl.constexpr):
+    """Rows and row tiles of every expert from its loaded count: (rows, tiles, inclusive cumsum of tiles).
+
+    The kernels load ``masked_m`` themselves and pass the values: Inductor's mutation analysis of
+    user kernels follows a helper's arguments as if it could write through them, so a pointer handed
+    to a helper would mark ``masked_m`` as written (and make Inductor copy it before every launch).
+    """
     rows = tl.minimum(tl.maximum(rows, 0), M)  # never trust a count beyond the buffer
     tiles = (rows + BLOCK_M - 1) // BLOCK_M
-    return offs_e, rows, tiles, tl.associative_scan(tiles, 0, _add)
+    return rows, tiles, tl.associative_scan(tiles, 0, _add)
 
 
 @triton.jit
@@ -91,8 +103,11 @@ def masked_gemm_kernel(
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     TMA: tl.constexpr = False,
+    bias_ptr=None,
+    s_biasg=0,
+    HAS_BIAS: tl.constexpr = False,
 ):
-    """c[g, :m_g, :] = a[g, :m_g, :] @ b[g]^T, fp32 accumulation, stored in c's dtype.
+    """c[g, :m_g, :] = a[g, :m_g, :] @ b[g]^T (+ bias[g]), fp32 accumulation, stored in c's dtype.
 
     With TMA, ``a_ptr`` / ``b_ptr`` are 3-D tensor descriptors (blocks ``[1, BLOCK_M, BLOCK_K]`` /
     ``[1, BLOCK_N, BLOCK_K]``): the copy engine zero-fills past the tensor's edges, so tails need
@@ -100,7 +115,8 @@ def masked_gemm_kernel(
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs_e, rows, tiles, cum = _valid_tiles(masked_m_ptr, E, M, BLOCK_M, E_POW2)
+    offs_e = tl.arange(0, E_POW2)
+    rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
     for t in range(pid, total, nprog):
@@ -135,6 +151,8 @@ def masked_gemm_kernel(
             if not TMA:
                 a_ptrs += BLOCK_K * s_ak
                 b_ptrs += BLOCK_K * s_bk
+        if HAS_BIAS:  # bias [G, N], contiguous along N
+            acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         c_ptrs = c_ptr + e64 * s_cg + offs_m[:, None] * s_cm + offs_n[None, :] * s_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -175,8 +193,11 @@ def masked_gemm_fp8_kernel(
     UPCAST: tl.constexpr,
     TMA: tl.constexpr = False,
     SCALAR_BS: tl.constexpr = False,
+    bias_ptr=None,
+    s_biasg=0,
+    HAS_BIAS: tl.constexpr = False,
 ):
-    """fp8 x fp8 -> bf16: a with 1x128 per-row group scales, b with 128x128 block scales.
+    """fp8 x fp8 -> bf16 (+ bias[g]): a with 1x128 per-row group scales, b with 128x128 block scales.
 
     BLOCK_K divides 128, so each k step lies in one scale group: the partial product of the step
     is scaled by a_scale[row, k//128] * b_scale[col//128, k//128] before it joins the accumulator.
@@ -187,7 +208,8 @@ def masked_gemm_fp8_kernel(
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs_e, rows, tiles, cum = _valid_tiles(masked_m_ptr, E, M, BLOCK_M, E_POW2)
+    offs_e = tl.arange(0, E_POW2)
+    rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
     for t in range(pid, total, nprog):
@@ -231,6 +253,8 @@ def masked_gemm_fp8_kernel(
             if not TMA:
                 a_ptrs += BLOCK_K * s_ak
                 b_ptrs += BLOCK_K * s_bk
+        if HAS_BIAS:  # bias [G, N], contiguous along N
+            acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         c_ptrs = c_ptr + e64 * s_cg + offs_m[:, None] * s_cm + offs_n[None, :] * s_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -253,25 +277,31 @@ def _e4m3_grid(x):
 
 
 @triton.jit
-def _gated(g, u, ACT: tl.constexpr):
-    """act(g) * u in fp32; ACT: 0 silu, 1 gelu (erf), 2 gelu (tanh)."""
+def _act(g, alpha, ACT: tl.constexpr):
+    """act(g) in fp32. ACT: 0 silu (g * sigmoid(alpha * g)), 1 gelu (erf), 2 gelu (tanh), 3 relu, 4 relu^2."""
     if ACT == 0:
-        y = g / (1.0 + tl.exp(-g))
+        y = g / (1.0 + tl.exp(-alpha * g))
     elif ACT == 1:
         y = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-    else:
+    elif ACT == 2:
         inner = tl.clamp(0.7978845608028654 * (g + 0.044715 * g * g * g), -20.0, 20.0)  # tanh is +-1 there
         # tanh(z) = 2 * sigmoid(2z) - 1, written with exp so the interpreter and every backend agree
         y = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
-    return y * u
+    elif ACT == 3:
+        y = tl.maximum(g, 0.0)
+    else:
+        r = tl.maximum(g, 0.0)
+        y = r * r
+    return y
 
 
 @triton.jit
-def act_mul_kernel(
+def activation_kernel(
     x_ptr,
     y_ptr,
     ys_ptr,
     masked_m_ptr,
+    bias_ptr,
     E,
     M,
     I,
@@ -284,17 +314,33 @@ def act_mul_kernel(
     s_sg,
     s_sm,
     s_sn,
+    s_bg,
+    s_bn,
+    alpha,
+    limit,
+    up_offset,
     ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     QUANT: tl.constexpr,
     INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     E_POW2: tl.constexpr,
 ):
-    """y[g, r, :] = act(x[g, r, :I]) * x[g, r, I:] for valid rows; with QUANT, fp8 + 1xBLOCK_N scales."""
+    """The expert activation between the GEMMs, on valid rows of the masked layout.
+
+    Gated (``x [G, M, 2I]``): ``y = act(gate) * (up + up_offset)`` with gate/up as halves (columns
+    ``j`` and ``I + j``) or interleaved (``2j`` and ``2j + 1``); not gated (``x [G, M, I]``): ``act(h)``.
+    ``bias [G, N1]`` is added to x first; HAS_LIMIT clamps gate <= limit, |up| <= limit (|h| <= limit).
+    With QUANT: fp8 output with one scale per 1xBLOCK_N group (BLOCK_N = 128), written through ys's strides.
+    """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs_e, rows, tiles, cum = _valid_tiles(masked_m_ptr, E, M, BLOCK_M, E_POW2)
+    offs_e = tl.arange(0, E_POW2)
+    rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
     num_n = (I + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
     for t in range(pid, total, nprog):
@@ -302,15 +348,37 @@ def act_mul_kernel(
         e64 = e.to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (offs_m < m_e)[:, None] & (offs_n < I)[None, :]
-        x_ptrs = x_ptr + e64 * s_xg + offs_m[:, None] * s_xm + offs_n[None, :] * s_xn
-        g = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptrs + I * s_xn, mask=mask, other=0.0).to(tl.float32)
-        v = _gated(g, u, ACT)
+        mask_n = offs_n < I
+        mask = (offs_m < m_e)[:, None] & mask_n[None, :]
+        if INTERLEAVED:
+            col_g = 2 * offs_n
+        else:
+            col_g = offs_n
+        row_ptrs = x_ptr + e64 * s_xg + offs_m[:, None] * s_xm
+        g = tl.load(row_ptrs + col_g[None, :] * s_xn, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            g += tl.load(bias_ptr + e64 * s_bg + col_g * s_bn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            if INTERLEAVED:
+                col_u = col_g + 1
+            else:
+                col_u = col_g + I
+            u = tl.load(row_ptrs + col_u[None, :] * s_xn, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                u += tl.load(bias_ptr + e64 * s_bg + col_u * s_bn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if HAS_LIMIT:
+                g = tl.minimum(g, limit)
+                u = tl.clamp(u, -limit, limit)
+            v = _act(g, alpha, ACT) * (u + up_offset)
+        else:
+            if HAS_LIMIT:
+                g = tl.clamp(g, -limit, limit)
+            v = _act(g, alpha, ACT)
+        v = tl.where(mask, v, 0.0)
         y_ptrs = y_ptr + e64 * s_yg + offs_m[:, None] * s_ym + offs_n[None, :] * s_yn
         if QUANT:
             amax = tl.reduce(tl.abs(v), 1, _maxf)
-            scale = tl.maximum(amax, SCALE_EPS) / FP8_MAX
+            scale = tl.maximum(amax, SCALE_FLOOR) / FP8_MAX
             q = tl.clamp(v / scale[:, None], -FP8_MAX, FP8_MAX)
             if INTERP:
                 q = _e4m3_grid(q)
@@ -322,14 +390,13 @@ def act_mul_kernel(
 
 
 @triton.jit
-def dispatch_kernel(
+def permute_kernel(
     h_ptr,
     ids_ptr,
     w_ptr,
     counts_ptr,
     x_ptr,
     xs_ptr,
-    slot_ptr,
     pos_ptr,
     T,
     K,
@@ -351,17 +418,19 @@ def dispatch_kernel(
     K_POW2: tl.constexpr,
     BLOCK_H: tl.constexpr,
     WEIGHTS_ON_INPUT: tl.constexpr,
+    DEDUPE: tl.constexpr,
     QUANT: tl.constexpr,
-    STORE_SLOT: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """One program per token: claim a row in each of its experts, then copy the token into them.
 
     Rows are claimed with an atomic increment of ``counts[e]``, so the order of rows inside an
     expert is not deterministic; results are, because rows are independent in the GEMMs and the
-    combine gathers each token's K rows in k order. ``slot[e, row] = t * K + k`` and
-    ``pos[t * K + k] = e * max_m + row`` (-1 for skipped ids and rows past ``max_m``).
-    With QUANT the token is quantised to fp8 with one scale per BLOCK_H group (BLOCK_H = 128).
+    unpermute gathers each token's K rows in k order. ``pos[t * K + k] = e * max_m + row`` (-1 for
+    ids outside ``[0, E)`` and rows past ``max_m``). DEDUPE (routing weights applied after the
+    expert): a token naming one expert several times sends ONE row, and every such slot points at
+    it, so an expert never gets more than T rows. With QUANT the token is quantised to fp8 with one
+    scale per BLOCK_H group (BLOCK_H = 128).
     """
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
@@ -370,12 +439,24 @@ def dispatch_kernel(
     e = tl.load(ids_ptr + t64 * s_it + offs_k * s_ik, mask=kmask, other=-1).to(tl.int32)
     valid = kmask & (e >= 0) & (e < E)
     e_safe = tl.where(valid, e, 0)
-    row = tl.atomic_add(counts_ptr + e_safe, tl.full((K_POW2,), 1, tl.int32), mask=valid)
-    ok = valid & (row < max_m)
+    if DEDUPE:
+        # first[k] = the smallest k' with the same expert (k itself when none comes earlier)
+        same = (e[:, None] == e[None, :]) & valid[:, None] & valid[None, :]
+        earlier = same & (offs_k[None, :] < offs_k[:, None])
+        dup = tl.reduce(earlier.to(tl.int32), 1, _add) > 0
+        first = tl.reduce(tl.where(same, offs_k[None, :], K_POW2), 1, _minf)
+        claim = valid & (dup == 0)
+    else:
+        claim = valid
+    row = tl.atomic_add(counts_ptr + e_safe, tl.full((K_POW2,), 1, tl.int32), mask=claim)
+    ok = claim & (row < max_m)
     row = tl.where(ok, row, 0)
-    if STORE_SLOT:
-        tl.store(slot_ptr + e_safe.to(tl.int64) * max_m + row, t * K + offs_k, mask=ok)
-    tl.store(pos_ptr + t64 * K + offs_k, tl.where(ok, e_safe.to(tl.int64) * max_m + row, -1), mask=kmask)
+    pos = tl.where(ok, e_safe.to(tl.int64) * max_m + row, -1)
+    if DEDUPE:
+        # a duplicate slot takes the position its first occurrence claimed
+        pos_first = tl.reduce(tl.where(offs_k[None, :] == first[:, None], pos[None, :], 0), 1, _add)
+        pos = tl.where(valid, pos_first, -1)
+    tl.store(pos_ptr + t64 * K + offs_k, pos, mask=kmask)
     if WEIGHTS_ON_INPUT:
         w = tl.load(w_ptr + t64 * s_wt + offs_k * s_wk, mask=kmask, other=0.0).to(tl.float32)
     dst = e_safe.to(tl.int64) * s_xg + row.to(tl.int64) * s_xm
@@ -386,7 +467,7 @@ def dispatch_kernel(
         if QUANT:
             v = v.to(tl.float32)
             amax = tl.reduce(tl.abs(v), 0, _maxf)
-            scale = tl.maximum(amax, SCALE_EPS) / FP8_MAX
+            scale = tl.maximum(amax, SCALE_FLOOR) / FP8_MAX
             q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
             if INTERP:
                 q = _e4m3_grid(q)
@@ -407,45 +488,38 @@ def dispatch_kernel(
 
 
 @triton.jit
-def invert_slots_kernel(
-    slot_ptr,
-    masked_m_ptr,
-    pos_ptr,
-    max_m,
-    num_slots,
-    BLOCK: tl.constexpr,
-):
-    """pos[slot[e, r]] = e * max_m + r for the valid rows r < masked_m[e] (grid: (cdiv(max_m, BLOCK), E))."""
-    e = tl.program_id(1)
-    r0 = tl.program_id(0) * BLOCK
-    m_e = tl.minimum(tl.load(masked_m_ptr + e), max_m)
-    if r0 < m_e:
-        offs = r0 + tl.arange(0, BLOCK)
-        base = e.to(tl.int64) * max_m
-        s = tl.load(slot_ptr + base + offs, mask=offs < m_e, other=-1)
-        ok = (offs < m_e) & (s >= 0) & (s < num_slots)
-        tl.store(pos_ptr + tl.where(ok, s, 0).to(tl.int64), base + offs, mask=ok)
-
-
-@triton.jit
-def combine_kernel(
+def unpermute_kernel(
     y_ptr,
     pos_ptr,
     w_ptr,
     out_ptr,
+    ids_ptr,
+    h_ptr,
     K,
     H,
+    E,
+    E_IDENTITY,
     s_yr,
     s_yh,
     s_wt,
     s_wk,
     s_ot,
     s_oh,
+    s_it,
+    s_ik,
+    s_ht,
+    s_hh,
     K_POW2: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_W: tl.constexpr,
+    IDENTITY: tl.constexpr,
 ):
-    """out[t] = sum_k w[t, k] * y_rows[pos[t, k]] in fp32 (grid: (T, cdiv(H, BLOCK_H))); pos -1 skipped."""
+    """out[t] = sum_k w[t, k] * y_rows[pos[t, k]] in fp32 (grid: (T, cdiv(H, BLOCK_H))); pos -1 skipped.
+
+    IDENTITY: slots whose id lies in ``[E, E + E_IDENTITY)`` are zero-computation experts and add
+    ``w[t, k] * hidden[t]`` (HAS_W false: routing weights were applied to the input, ``hidden[t]``
+    is then scaled here by the weight all the same, as the expert's input would have been).
+    """
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
     offs_k = tl.arange(0, K_POW2)
@@ -459,8 +533,15 @@ def combine_kernel(
         mask=ok[:, None] & hmask[None, :],
         other=0.0,
     ).to(tl.float32)
+    if HAS_W or IDENTITY:
+        w = tl.load(w_ptr + t64 * s_wt + offs_k * s_wk, mask=kmask, other=0.0).to(tl.float32)
     if HAS_W:
-        w = tl.load(w_ptr + t64 * s_wt + offs_k * s_wk, mask=ok, other=0.0).to(tl.float32)
         y = y * w[:, None]
     acc = tl.reduce(y, 0, _add)
+    if IDENTITY:
+        ids = tl.load(ids_ptr + t64 * s_it + offs_k * s_ik, mask=kmask, other=-1)
+        ident = kmask & (ids >= E) & (ids < E + E_IDENTITY)
+        w_id = tl.reduce(tl.where(ident, w, 0.0), 0, _add)
+        x = tl.load(h_ptr + t64 * s_ht + offs_h * s_hh, mask=hmask, other=0.0).to(tl.float32)
+        acc += w_id * x
     tl.store(out_ptr + t64 * s_ot + offs_h * s_oh, acc.to(out_ptr.dtype.element_ty), mask=hmask)

@@ -19,7 +19,7 @@ import types
 
 import torch
 
-__all__ = ["kernels", "triton_available"]
+__all__ = ["is_traced", "kernels", "launch", "triton_available"]
 
 _NAME = "moe_fx.lowering.triton._kernels"
 
@@ -66,3 +66,30 @@ def kernels(device: torch.device) -> types.ModuleType:
 @functools.cache
 def _compiled() -> types.ModuleType:
     return importlib.import_module(_NAME)
+
+
+def is_traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tracing stand-in (fake / functional tensor) rather than real data.
+
+    The Triton wrappers run in two ways: eagerly on real tensors (kernels launch at once), and while
+    Inductor traces ``moe_fx::experts`` into its graph (the launches become graph nodes that
+    Inductor's own generated code runs). A few host-side conveniences exist only in the first.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(t, (FakeTensor, FunctionalTensor))
+
+
+def launch(name: str, device: torch.device, grid: tuple, *args: object, **kwargs: object) -> None:
+    """Launch kernel ``name`` of :mod:`._kernels` on ``grid``, the way the current context wants.
+
+    Through :func:`torch.library.wrap_triton`: while AOTAutograd traces (Inductor compiling a graph
+    that holds a moe_fx op) the launch is recorded as a ``triton_kernel_wrapper`` node, and the code
+    Inductor generates launches the kernel itself; in eager code (``set_wrap_triton_enabled(False)``)
+    and under the CPU interpreter it is a plain launch.
+    """
+    from torch.library import wrap_triton
+
+    kernel = getattr(kernels(device), name)
+    wrap_triton(kernel)[grid](*args, **kwargs)

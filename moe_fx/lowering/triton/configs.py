@@ -158,13 +158,9 @@ def cache_path() -> pathlib.Path:
 def _device_name(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
-    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+    from moe_fx.lowering.problem import probe_capabilities
 
-
-@functools.cache
-def _cuda_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
+    return probe_capabilities(device).device_name
 
 def _key(device_name: str, kind: str, n: int, k: int, bucket: int, active_groups: int | None = None) -> str:
     """Cache key; decode buckets (<= 32 rows) also carry a bucket of the experts hit, which sets their best tile."""

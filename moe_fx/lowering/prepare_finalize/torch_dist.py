@@ -31,27 +31,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moe_fx.lowering.problem import Capabilities, DispatchProblem
+from moe_fx.lowering.quant import quantize_fp8_per_token_group
 from moe_fx.ops.ep import dispatch_outputs
-from moe_fx.ops.recipe import FP8_BLOCK
 
-__all__ = ["combine", "dispatch", "quantize_rows_fp8", "receive_slots"]
+__all__ = ["NAME", "combine", "dispatch", "receive_slots", "supports"]
 
-_FP8_MAX = 448.0
-_FP8_EPS = 1e-4
+NAME = "torch_dist"
 _FLAG_BAD_ID = 1
 _FLAG_DUPLICATE_ID = 2
 
 
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token 1x128 fp8 e4m3 quantisation: ``x [N, H]`` -> ``(q fp8 [N, H], scale fp32 [N, H/128])``.
-
-    ``x ~= q * scale`` group-wise; the same recipe as DeepEP's LL dispatch (amax / 448, floor 1e-4).
-    """
-    n, h = x.shape
-    g = x.float().view(n, h // FP8_BLOCK, FP8_BLOCK)
-    scale = g.abs().amax(dim=-1).clamp(min=_FP8_EPS) / _FP8_MAX
-    q = (g / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(n, h)
-    return q, scale
+def supports(problem: DispatchProblem, caps: Capabilities) -> tuple[bool, str]:
+    """Runs any expert-parallel problem on any torch.distributed backend (gloo on CPU, NCCL on GPU)."""
+    if not problem.expert_parallel:
+        return False, "not expert-parallel (one device: the local permute)"
+    return True, ""
 
 
 def receive_slots(counts: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +138,7 @@ def dispatch(
     sent = sum(send_splits)
     rows = hidden[token[:sent]]
     if use_fp8:
-        q, s = quantize_rows_fp8(rows)
+        q, s = quantize_fp8_per_token_group(rows)
         payloads = [q.view(torch.uint8), s]
     else:
         payloads = [rows]

@@ -1,8 +1,8 @@
 """Expert-parallel dispatch and combine: implementations of ``moe_fx::ep_dispatch`` / ``moe_fx::ep_combine``.
 
-Backends (chosen per call by :func:`moe_fx.lowering.dispatch.select.choose_dispatch_backend`, logged once):
-:mod:`.deepep` (DeepEP low-latency kernels), :mod:`.torch_dist` (``all_to_all_single``, any
-torch.distributed backend), and ``local`` (one rank, the torch_dist code without collectives).
+Backends (family ``"prepare_finalize"`` of :mod:`moe_fx.lowering.select`, chosen once per problem and
+logged once): :mod:`.deepep_ll` (DeepEP low-latency kernels) and :mod:`.torch_dist`
+(``all_to_all_single``, any torch.distributed backend; with one rank it runs no collective).
 
 Limit: more tokens on a rank than ``max_tokens_per_rank`` is an error, not chunked. Why: the masked
 layout ``[E_local, max_tokens_per_rank * world, H]`` is a static shape in the compiled graph and is
@@ -19,17 +19,20 @@ from __future__ import annotations
 
 import torch
 
-from moe_fx.lowering.dispatch.select import DispatchChoice, DispatchProblem, choose_dispatch_backend
-from moe_fx.lowering.experts import masked as _masked  # noqa: F401  (CUDA kernel of moe_fx::masked_experts)
+import logging
+
+from moe_fx.lowering.problem import DispatchProblem, dtype_name
+from moe_fx.lowering.select import Choice, choose
 from moe_fx.ops.ep import check_combine_inputs, check_dispatch_inputs, resolve_ep_group
 
-__all__ = ["DispatchChoice", "DispatchProblem", "choose_dispatch_backend", "ep_combine_impl", "ep_dispatch_impl"]
+__all__ = ["ep_combine_impl", "ep_dispatch_impl"]
 
+log = logging.getLogger("moe_fx.lowering")
 
 # Per-call host work is on the latency path (DeepEP's dispatch + combine take ~90 µs on an H200):
 # groups and choices are looked up once per distinct problem.
 _GROUPS: dict[str, torch.distributed.ProcessGroup] = {}
-_CHOICES: dict[tuple, DispatchChoice] = {}
+_CHOICES: dict[tuple, Choice] = {}
 
 
 def _group(group_name: str) -> torch.distributed.ProcessGroup:
@@ -39,50 +42,23 @@ def _group(group_name: str) -> torch.distributed.ProcessGroup:
     return group
 
 
-def _choose(
-    hidden: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    top_k: int,
-    num_experts: int,
-    max_tokens: int,
-    world: int,
-    use_fp8: bool,
-    backend: str,
-) -> DispatchChoice:
+def _choose(hidden: int, dtype: torch.dtype, device: torch.device, top_k: int, num_experts: int, max_tokens: int,
+            world: int, use_fp8: bool, backend: str) -> Choice:
     key = (hidden, dtype, device.type, top_k, num_experts, max_tokens, world, use_fp8, backend)
     choice = _CHOICES.get(key)
     if choice is None:
-        choice = _CHOICES[key] = _decide(hidden, dtype, device, top_k, num_experts, max_tokens, world, use_fp8, backend)
-    return choice
-
-
-def _decide(
-    hidden: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    top_k: int,
-    num_experts: int,
-    max_tokens: int,
-    world: int,
-    use_fp8: bool,
-    backend: str,
-) -> DispatchChoice:
-    problem = DispatchProblem(
-        world_size=world,
-        device_type=device.type,
-        dtype=str(dtype).removeprefix("torch."),
-        hidden=hidden,
-        top_k=top_k,
-        num_experts=num_experts,
-        max_tokens_per_rank=max_tokens,
-        use_fp8=use_fp8,
-    )
-    choice = choose_dispatch_backend(problem, backend)
-    if choice.error is not None:
-        raise RuntimeError(
-            f"moe_fx EP: backend={backend!r} requested but cannot run: {choice.error} ({problem.describe()})"
-        )
+        problem = DispatchProblem(world, device.type, dtype_name(dtype), hidden, top_k, num_experts, max_tokens,
+                                  use_fp8, expert_parallel=True)
+        choice = choose("prepare_finalize", problem, request=backend, device=device)
+        if choice.error is not None:
+            raise RuntimeError(
+                f"moe_fx EP: backend={backend!r} requested but cannot run: {choice.error} ({problem.describe()})"
+            )
+        if choice.name == "torch_dist" and backend == "auto" and device.type == "cuda" and world > 1:
+            # A GPU fallback away from DeepEP is worth a warning: it is much slower at decode sizes.
+            log.warning("moe_fx EP %s: falling back to torch.distributed: %s", problem.describe(),
+                        choice.reasons.get("deepep_ll", ""))
+        _CHOICES[key] = choice
     return choice
 
 
@@ -111,11 +87,11 @@ def ep_dispatch_impl(
         use_fp8,
         backend,
     )
-    if choice.backend == "deepep_ll":
-        from moe_fx.lowering.dispatch import deepep
+    if choice.name == "deepep_ll":
+        from moe_fx.lowering.prepare_finalize import deepep_ll
 
-        return deepep.dispatch(hidden, topk_ids, num_experts, max_tokens_per_rank, group, use_fp8)
-    from moe_fx.lowering.dispatch import torch_dist
+        return deepep_ll.dispatch(hidden, topk_ids, num_experts, max_tokens_per_rank, group, use_fp8)
+    from moe_fx.lowering.prepare_finalize import torch_dist
 
     return torch_dist.dispatch(hidden, topk_ids, num_experts, max_tokens_per_rank, group, use_fp8)
 
@@ -149,12 +125,12 @@ def ep_combine_impl(
         use_fp8,
         backend,
     )
-    if choice.backend == "deepep_ll":
-        from moe_fx.lowering.dispatch import deepep
+    if choice.name == "deepep_ll":
+        from moe_fx.lowering.prepare_finalize import deepep_ll
 
-        return deepep.combine(
+        return deepep_ll.combine(
             expert_out, topk_ids, topk_weights, src_info, layout_range, num_experts, max_tokens_per_rank, group
         )
-    from moe_fx.lowering.dispatch import torch_dist
+    from moe_fx.lowering.prepare_finalize import torch_dist
 
     return torch_dist.combine(expert_out, topk_ids, topk_weights, layout_range, num_experts, group)

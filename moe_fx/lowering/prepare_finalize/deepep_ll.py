@@ -13,7 +13,7 @@ which is safe because every rank runs the same model and so asks in the same ord
 * combine: ``low_latency_combine(y bf16 [E_local, M, H], topk_idx, topk_weights fp32, handle)``, which
   applies the routing weights and sums over top-k.
 
-Which problems it takes is decided in :mod:`moe_fx.lowering.dispatch.select`. A rank with more than
+Which problems it takes: :func:`supports` (used by :mod:`moe_fx.lowering.select`). A rank with more than
 ``max_tokens_per_rank`` tokens raises here, before the collective; the other ranks then wait in
 DeepEP's kernels until its own timeout (DeepEP has no count exchange to tell them).
 """
@@ -27,7 +27,55 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["combine", "dispatch", "get_buffer"]
+from moe_fx.lowering.problem import Capabilities, DispatchProblem
+
+__all__ = ["DEEPEP_LL_HIDDEN", "DEEPEP_LL_MAX_TOPK", "NAME", "combine", "dispatch", "get_buffer", "supports"]
+
+NAME = "deepep_ll"
+#: Hidden sizes the low-latency kernels of the DeepEP sources we build (V1 API, 2025-08) are compiled
+#: for (their ``SWITCH_HIDDEN``); later versions add 3072.
+DEEPEP_LL_HIDDEN: tuple[int, ...] = (2048, 2560, 4096, 5120, 6144, 7168, 8192)
+#: Largest top-k of those sources' LL dispatch (``kNumMaxTopK = 9``; later versions allow 11).
+DEEPEP_LL_MAX_TOPK = 9
+
+
+def supports(
+    problem: DispatchProblem,
+    caps: Capabilities,
+    *,
+    supported_hidden: tuple[int, ...] = DEEPEP_LL_HIDDEN,
+    max_top_k: int = DEEPEP_LL_MAX_TOPK,
+) -> tuple[bool, str]:
+    """Can DeepEP's low-latency dispatch/combine run ``problem``? ``(True, "")`` or ``(False, reason)``."""
+    if not problem.expert_parallel:
+        return False, "not expert-parallel (one device: the local permute)"
+    if caps.deep_ep_error is not None:
+        return False, caps.deep_ep_error
+    if problem.device_type != "cuda":
+        return False, f"needs CUDA tensors, got {problem.device_type}"
+    if problem.dtype != "bfloat16":
+        return False, f"needs bfloat16 activations, got {problem.dtype}"
+    if problem.hidden not in supported_hidden:
+        return False, f"hidden size {problem.hidden} not compiled into its LL kernels (supported: {supported_hidden})"
+    if problem.top_k > max_top_k:
+        return False, f"top-k {problem.top_k} above its limit {max_top_k}"
+    if problem.num_experts % problem.world_size:
+        return False, f"{problem.num_experts} experts not divisible by {problem.world_size} ranks"
+    if (problem.max_tokens_per_rank * problem.world_size) % 4:
+        return False, (
+            f"max_tokens_per_rank * world = {problem.max_tokens_per_rank * problem.world_size} is not a multiple "
+            "of 4 (its TMA rule)"
+        )
+    if problem.use_fp8 and problem.hidden % 512:
+        return False, f"fp8 dispatch needs hidden % 512 == 0, got {problem.hidden}"
+    return True, ""
+
+
+def prefer(problem: DispatchProblem, caps: Capabilities) -> str | None:
+    """Under ``auto``: with one rank there is nothing to communicate (torch_dist runs no collective)."""
+    if problem.world_size == 1:
+        return "one rank: no communication needed"
+    return None
 
 log = logging.getLogger("moe_fx.lowering")
 

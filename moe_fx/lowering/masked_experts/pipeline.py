@@ -1,0 +1,148 @@
+"""The experts pipeline, written once: GEMM1 -> activation (+ bias, + fp8 quantisation) -> GEMM2.
+
+It runs on the masked layout (``x [E, M, H]``, ``masked_m [E]``) whatever put the tokens there (the
+local permute of ``moe_fx::experts``, or an expert-parallel dispatch) and whichever GEMMs run it
+(:class:`MaskedGemms`: DeepGEMM or Triton). It runs in two ways: eagerly on real tensors, and while
+Inductor traces a moe_fx op into its graph, where every kernel launch becomes a node of the graph
+and Inductor's generated code launches the kernels itself (see :mod:`moe_fx.lowering.register`).
+So everything here that depends on shapes only is decided once, when the graph is compiled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from moe_fx.lowering.quant import quantize_fp8_per_token_group
+from moe_fx.ops import ExpertActivation
+from moe_fx.ops.ep import dequantize_activations
+from moe_fx.ops.recipe import FP8_DTYPE
+
+__all__ = ["ExpertWeights", "GemmHints", "MaskedGemms", "run_masked_experts"]
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One MoE layer's expert weights as the op contract gives them (see ``moe_fx/ops/experts.py``)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.w13.dtype == FP8_DTYPE
+
+
+@dataclass(frozen=True)
+class GemmHints:
+    """Host-side facts for tile choice and grid sizes (never read from ``masked_m``, which stays on device).
+
+    Attributes:
+        expected_m: rows per expert under a uniform load (picks the tile bucket).
+        max_total_m: bound on ``sum(masked_m)`` (sizes persistent grids).
+        active_groups: experts with rows, at most (decode tile choice).
+    All may be SymInts while traced.
+    """
+
+    expected_m: object
+    max_total_m: object
+    active_groups: object
+
+
+class MaskedGemms(Protocol):
+    """A GEMM implementation of the pipeline (:mod:`.triton`, :mod:`.deepgemm`)."""
+
+    name: str
+    #: ``"any"``: fp8 activation scales may have any strides; ``"mn_major"``: DeepGEMM's TMA-aligned layout
+    scale_layout: str
+    #: whether ``gemm`` adds a bias in its epilogue (else the pipeline adds it)
+    bias_epilogue: bool
+
+    def rows(self, needed: object) -> object:
+        """``max_m`` for ``needed`` rows per expert (an implementation may round up)."""
+
+    def gemm(
+        self,
+        a: torch.Tensor,
+        a_scale: torch.Tensor | None,
+        w: torch.Tensor,
+        w_scale: torch.Tensor | None,
+        masked_m: torch.Tensor,
+        *,
+        bias: torch.Tensor | None,
+        hints: GemmHints,
+    ) -> torch.Tensor:
+        """``[G, M, K] x [G, N, K]^T -> [G, M, N]`` on the valid rows."""
+
+
+def empty_scales(groups: int, rows: object, cols: int, layout: str, device: torch.device) -> torch.Tensor | None:
+    """fp32 1x128 scale buffer for ``[groups, rows, cols]`` activations in ``layout`` (None: let the producer allocate)."""
+    if layout != "mn_major":
+        return None
+    from moe_fx.lowering.layouts import empty_mn_major_scales
+
+    return empty_mn_major_scales(groups, rows, cols, device=device)
+
+
+def _tokens_for(
+    x: torch.Tensor, x_scale: torch.Tensor | None, weights: ExpertWeights, gemms: MaskedGemms
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Bring the tokens to the weights' recipe: fp8 tokens for fp8 weights (scales in the GEMM's layout),
+    tokens of the weights' dtype otherwise. A no-op on the local path, whose permute already did it."""
+    if weights.fp8:
+        if x.dtype != FP8_DTYPE:
+            x, x_scale = quantize_fp8_per_token_group(x)
+        if gemms.scale_layout == "mn_major":
+            from moe_fx.lowering.layouts import to_mn_major_tma_aligned
+
+            x_scale = to_mn_major_tma_aligned(x_scale)
+        return x, x_scale
+    if x.dtype == FP8_DTYPE:
+        return dequantize_activations(x, x_scale).to(weights.w13.dtype), None
+    return x, None
+
+
+def run_masked_experts(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    masked_m: torch.Tensor,
+    weights: ExpertWeights,
+    spec: ExpertActivation,
+    gemms: MaskedGemms,
+    hints: GemmHints,
+) -> torch.Tensor:
+    """Expert ``e``'s MLP on the first ``masked_m[e]`` rows of ``x[e]``.
+
+    Args:
+        x: ``[E, M, H]`` tokens (float, or float8_e4m3fn with ``x_scale`` fp32 ``[E, M, ceil(H/128)]``).
+        masked_m: ``[E]`` int32.
+        weights: the layer's expert weights (fp8 weights: activations are quantised 1x128 before each GEMM).
+        spec: the activation between the GEMMs.
+        gemms: the GEMM implementation.
+        hints: tile and grid hints.
+
+    Returns:
+        ``[E, M, H]``: bf16 with fp8 weights, else the weights' dtype; rows past ``masked_m`` unspecified.
+    """
+    from moe_fx.lowering.triton.activation import expert_activation
+
+    x, x_scale = _tokens_for(x, x_scale, weights, gemms)
+    e, m, _ = x.shape
+    gate_up = gemms.gemm(x, x_scale, weights.w13, weights.w13_scale, masked_m, bias=None, hints=hints)
+    inter = weights.w2.shape[2]
+    a2_scale = empty_scales(e, m, inter, gemms.scale_layout, x.device) if weights.fp8 else None
+    a2, a2_scale = expert_activation(
+        gate_up, masked_m, spec, bias=weights.w13_bias, quant_fp8=weights.fp8, out_scale=a2_scale,
+        max_total_m=hints.max_total_m,
+    )
+    bias2 = weights.w2_bias if gemms.bias_epilogue else None
+    y = gemms.gemm(a2, a2_scale, weights.w2, weights.w2_scale, masked_m, bias=bias2, hints=hints)
+    if weights.w2_bias is not None and not gemms.bias_epilogue:
+        y = y + weights.w2_bias.unsqueeze(1).to(y.dtype)
+    return y

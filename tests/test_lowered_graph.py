@@ -1,0 +1,177 @@
+"""What Inductor receives for a moe_fx op on an H200, checked on a CPU machine.
+
+AOTAutograd traces a graph holding ``moe_fx::experts`` (or ``masked_experts``) with fake CUDA tensors
+and an assumed H200 (``assume_capabilities``); Triton's driver is pointed at an sm_90 target so that
+Inductor's analysis of the user kernels (which buffers each kernel writes) runs as on the GPU. The
+graph Inductor would compile must hold the kernel launches themselves, each writing only its own
+outputs (no defensive copies), decided with static grids, and no call of the experts op.
+The GPU tests (test_compiled_gpu.py) check the code Inductor generates from it and run it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+from functorch.compile import make_boxed_func
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+import moe_fx  # noqa: F401
+from moe_fx.lowering.problem import Capabilities, assume_capabilities
+
+triton = pytest.importorskip("triton")
+
+H200 = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "deep_ep is not installed", 132, "NVIDIA H200")
+H200_DG = Capabilities("cuda", (9, 0), None, None, "deep_ep is not installed", 132, "NVIDIA H200")
+KERNELS = ("permute_kernel", "masked_gemm_kernel", "activation_kernel", "masked_gemm_kernel", "unpermute_kernel")
+
+
+class _Sm90Driver:
+    """Triton's driver as an H200 would show it, for the compile-side analysis only (nothing launches)."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cuda", 0)
+
+    def get_current_device(self):
+        return 0
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    from triton.runtime import driver
+
+    monkeypatch.setattr(driver, "_active", _Sm90Driver())
+
+
+def _trace(fn, inputs, caps=H200) -> fx.GraphModule:
+    graphs = []
+
+    def fw(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    with torch.no_grad(), assume_capabilities(caps):
+        aot_module_simplified(fx.symbolic_trace(fn), inputs, fw_compiler=fw)
+    return graphs[0]
+
+
+def _inputs(mode, t=16, h=256, i=256, e=8, k=2, dtype=torch.bfloat16, fp8=False):
+    with mode:
+        hidden = torch.empty(t, h, device="cuda", dtype=dtype)
+        ids = torch.empty(t, k, device="cuda", dtype=torch.int64)
+        w = torch.empty(t, k, device="cuda", dtype=torch.float32)
+        wd = torch.float8_e4m3fn if fp8 else dtype
+        w13 = torch.empty(e, 2 * i, h, device="cuda", dtype=wd)
+        w2 = torch.empty(e, h, i, device="cuda", dtype=wd)
+        scales = [torch.empty(e, 2 * i // 128, h // 128, device="cuda"), torch.empty(e, h // 128, i // 128, device="cuda")]
+    return [hidden, ids, w, w13, w2] + (scales if fp8 else [])
+
+
+def _launches(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
+
+
+def _kernel_name(node: fx.Node) -> str:
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    k = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+    return getattr(k, "__name__", None) or k.fn.__name__
+
+
+def _experts(h, ids, w, w13, w2):
+    return (torch.ops.moe_fx.experts(h, ids, w, w13, w2),)
+
+
+def _experts_fp8(h, ids, w, w13, w2, s13, s2):
+    return (torch.ops.moe_fx.experts(h, ids, w, w13, w2, w13_scale=s13, w2_scale=s2),)
+
+
+def test_experts_op_becomes_kernel_launches(sm90):
+    gm = _trace(_experts, _inputs(FakeTensorMode()))
+    code = gm.code
+    assert "moe_fx.experts" not in code
+    launches = _launches(gm)
+    assert [_kernel_name(n) for n in launches] == list(KERNELS)
+    outputs = {"permute_kernel": {"counts_ptr", "x_ptr", "pos_ptr"}, "masked_gemm_kernel": {"c_ptr"},
+               "activation_kernel": {"y_ptr"}, "unpermute_kernel": {"out_ptr"}}
+    for node in launches:
+        # each kernel writes only its outputs: Inductor inserts no copy of an input (masked_m, the weights)
+        assert set(node.kwargs["tensors_to_clone"]) == outputs[_kernel_name(node)], node.kwargs["tensors_to_clone"]
+        assert all(isinstance(g, int) for grid in node.kwargs["grid"] for g in grid)
+
+
+def test_fp8_weights_trace_to_fp8_kernels(sm90):
+    gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), fp8=True))
+    names = [_kernel_name(n) for n in _launches(gm)]
+    assert names == ["permute_kernel", "masked_gemm_fp8_kernel", "activation_kernel", "masked_gemm_fp8_kernel",
+                     "unpermute_kernel"]
+    assert "moe_fx.experts" not in gm.code
+
+
+def test_deepgemm_gemms_are_extern_calls_between_triton_launches(sm90):
+    gm = _trace(_experts, _inputs(FakeTensorMode(), t=64), caps=H200_DG)
+    code = gm.code
+    assert code.count("moe_fx_kernels.deepgemm_masked_gemm") == 2 and "moe_fx.experts" not in code
+    assert [_kernel_name(n) for n in _launches(gm)] == ["permute_kernel", "activation_kernel", "unpermute_kernel"]
+    # decode-sized (<= 4 rows per expert): Triton's GEMMs instead, under auto
+    gm = _trace(_experts, _inputs(FakeTensorMode(), t=2), caps=H200_DG)
+    assert "deepgemm_masked_gemm" not in gm.code and len(_launches(gm)) == 5
+
+
+def test_dynamic_token_count_specialises_on_the_row_regime_only(sm90):
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    inputs = _inputs(mode, t=64)
+    sym = shape_env.create_symbol(64, ConstantSource("T"), dynamic_dim=DimDynamic.DYNAMIC)
+    t = shape_env.create_symintnode(sym, hint=64)
+    with mode:
+        hidden = torch.empty(t, 256, dtype=torch.bfloat16, device="cuda")
+        ids = torch.empty(t, 2, dtype=torch.int64, device="cuda")
+        w = torch.empty(t, 2, device="cuda")
+    gm = _trace(_experts, [hidden, ids, w, *inputs[3:]])
+    assert [_kernel_name(n) for n in _launches(gm)] == list(KERNELS)
+    guards = [str(g.expr) for g in shape_env.guards]
+    # T stays symbolic: the rows-per-expert regime (ceil(64*2/8) = 16: 4 < rows <= 32) and the kernels'
+    # int32 offset bounds are the only guards, none an equality
+    assert not any("Eq(" in g or "==" in g for g in guards), guards
+    assert any(g.endswith("> 4") for g in guards) and any(g.endswith("<= 32") for g in guards), guards
+
+
+def test_reference_plans_keep_the_op(sm90):
+    def ref(h, ids, w, w13, w2):
+        return (torch.ops.moe_fx.experts(h, ids, w, w13, w2, impl="reference"),)
+
+    gm = _trace(ref, _inputs(FakeTensorMode()))
+    assert "moe_fx.experts" in gm.code and not _launches(gm)
+    # activations no kernel has are left to the reference too
+    def odd(h, ids, w, w13, w2):
+        return (torch.ops.moe_fx.experts(h, ids, w, w13, w2, activation="relu2", alpha=1.0),)
+
+    gm = _trace(odd, _inputs(FakeTensorMode()))
+    assert len(_launches(gm)) == 5  # relu2 has a kernel
+
+
+def test_masked_experts_op_becomes_the_same_pipeline(sm90):
+    mode = FakeTensorMode()
+    with mode:
+        x = torch.empty(8, 64, 256, device="cuda", dtype=torch.bfloat16)
+        mm = torch.empty(8, device="cuda", dtype=torch.int32)
+        w13 = torch.empty(8, 512, 256, device="cuda", dtype=torch.bfloat16)
+        w2 = torch.empty(8, 256, 256, device="cuda", dtype=torch.bfloat16)
+
+    def f(x, mm, w13, w2):
+        return (torch.ops.moe_fx.masked_experts(x, mm, w13, w2),)
+
+    gm = _trace(f, [x, mm, w13, w2])
+    assert [_kernel_name(n) for n in _launches(gm)] == ["masked_gemm_kernel", "activation_kernel", "masked_gemm_kernel"]
+    assert "moe_fx.masked_experts" not in gm.code

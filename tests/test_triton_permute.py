@@ -1,0 +1,162 @@
+"""permute_to_masked / unpermute_from_masked (Triton) against torch: ragged loads, -1 and repeated ids,
+weights on the input, fp8 rows and scales in a given layout, identity experts, edge cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _triton_util import devices, ragged_ids
+
+from moe_fx.lowering.quant import quantize_fp8_per_token_group
+from moe_fx.lowering.triton.permute import masked_rows_needed, permute_to_masked, unpermute_from_masked
+
+# (T, H, E, K) per device: tiny under the CPU interpreter, real sizes on the GPU.
+SHAPES = {"cpu": [(7, 200, 6, 3)], "cuda": [(300, 2880, 60, 6), (4096, 7168, 32, 8), (1, 4096, 8, 2)]}
+KINDS = ["random", "skewed", "hot", "holes"]
+
+
+def _rows_of(batch, max_m):
+    """(expert, row) of every slot from slot_pos; -1 where the slot sent no row."""
+    pos = batch.slot_pos.long().cpu()
+    return torch.where(pos >= 0, pos // max_m, -1), torch.where(pos >= 0, pos % max_m, -1)
+
+
+def _check_layout(hidden, ids, batch, e, max_m, scale=None, dedupe=True):
+    t, k = ids.shape
+    flat = ids.reshape(-1).long().cpu()
+    expert, row = _rows_of(batch, max_m)
+    valid = (flat >= 0) & (flat < e)
+    assert torch.equal(expert[valid], flat[valid]) and (expert[~valid] == -1).all()
+    mm = batch.masked_m.cpu()
+    x = batch.x.cpu()
+    for i in range(e):
+        slots = torch.nonzero(flat == i).flatten()
+        distinct = {(int(s) // k) if dedupe else int(s) for s in slots}
+        assert int(mm[i]) == len(distinct), (i, int(mm[i]), len(distinct))
+        used = {int(row[s]) for s in slots}
+        assert used == set(range(int(mm[i]))), "rows 0..masked_m-1, each used"
+        for s in slots.tolist():
+            want = hidden[s // k].float().cpu()
+            if scale is not None:
+                want = want * scale[s].cpu()
+            got = x[i, row[s]].float()
+            if scale is None:
+                assert torch.equal(got, want.to(x.dtype).float())
+            else:
+                torch.testing.assert_close(got, want.to(x.dtype).float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("kind", KINDS)
+def test_permute_unpermute_roundtrip(device, kind):
+    gen = torch.Generator().manual_seed(hash(kind) % 1000)
+    for t, h, e, k in SHAPES[device]:
+        hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(device)
+        ids = ragged_ids(t, k, e, kind, gen).to(device)
+        w = torch.rand(t, k, generator=gen).to(device)
+        batch = permute_to_masked(hidden, ids, e, t)
+        assert batch.x.shape == (e, t, h) and batch.masked_m.dtype == torch.int32
+        _check_layout(hidden, ids, batch, e, t)
+        # unpermute against a dense torch sum over the rows each slot points at
+        y = torch.randn(e, t, h, generator=gen).to(torch.bfloat16).to(device)
+        pos = batch.slot_pos.view(t, k)
+        gathered = y.reshape(e * t, h)[pos.clamp(min=0)].float() * (pos >= 0).unsqueeze(-1)
+        ref = (gathered * w.unsqueeze(-1)).sum(1)
+        out = unpermute_from_masked(y, batch.slot_pos, w)
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_repeated_ids_share_one_row(device):
+    """A token naming one expert twice sends one row (weights after the expert) and both slots point at it;
+    with weights on the input every slot gets its own row, in a layout of T * K rows."""
+    gen = torch.Generator().manual_seed(4)
+    t, h, e, k = 5, 64, 2, 4  # K > E: every token repeats experts
+    hidden = torch.randn(t, h, generator=gen).to(device)
+    ids = torch.randint(0, e, (t, k), generator=gen).to(device)
+    ids[0] = torch.tensor([1, 1, 1, 1])
+    w = torch.rand(t, k, generator=gen).to(device)
+    batch = permute_to_masked(hidden, ids, e, masked_rows_needed(t, k, False))
+    _check_layout(hidden, ids, batch, e, t)
+    assert int(batch.masked_m.sum()) <= t * e
+    rows = masked_rows_needed(t, k, True)
+    assert rows == t * k
+    batch = permute_to_masked(hidden, ids, e, rows, w, weights_on_input=True)
+    _check_layout(hidden, ids, batch, e, rows, scale=w.reshape(-1), dedupe=False)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_weights_on_input_and_fp8(device):
+    gen = torch.Generator().manual_seed(3)
+    t, h, e, k = SHAPES[device][0]
+    hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(device)
+    ids = ragged_ids(t, k, e, "holes", gen).to(device)
+    w = torch.rand(t, k, generator=gen).to(device)
+    batch = permute_to_masked(hidden, ids, e, t, w, weights_on_input=True)
+    _check_layout(hidden, ids, batch, e, t, scale=w.reshape(-1), dedupe=False)
+    # unweighted unpermute sums the rows
+    y = torch.randn(e, t, h, generator=gen).to(torch.bfloat16).to(device)
+    unweighted = unpermute_from_masked(y, batch.slot_pos, w, weights_on_output=False)
+    weighted1 = unpermute_from_masked(y, batch.slot_pos, torch.ones_like(w))
+    torch.testing.assert_close(unweighted, weighted1, rtol=0, atol=0)
+    # fp8: codes and 1x128 scales of the token (times the weight on input)
+    q_ref, s_ref = quantize_fp8_per_token_group(hidden.float())
+    for woi in (False, True):
+        b = permute_to_masked(hidden, ids, e, t, w, weights_on_input=woi, quant_fp8=True)
+        expert, row = _rows_of(b, t)
+        for s in torch.nonzero(expert >= 0).flatten().tolist():
+            tok, i, r = s // k, int(expert[s]), int(row[s])
+            scale = s_ref[tok] * (w.reshape(-1)[s] if woi else 1)
+            torch.testing.assert_close(b.x_scale[i, r], scale, rtol=1e-6, atol=0)
+            back = b.x[i, r].float() * b.x_scale[i, r].repeat_interleave(128, -1)[:h]
+            want = q_ref[tok].float() * scale.repeat_interleave(128, -1)[:h]
+            torch.testing.assert_close(back, want, rtol=2**-3, atol=float(scale.max()) * 2**-9)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_fp8_permute_writes_scales_in_a_given_layout(device):
+    """The scales land, unchanged, in a caller's MN-major TMA-aligned tensor (DeepGEMM's), with no copy."""
+    from moe_fx.lowering.layouts import empty_mn_major_scales, is_mn_major_tma_aligned
+
+    gen = torch.Generator().manual_seed(6)
+    t, h, e, k = SHAPES[device][0]
+    hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(device)
+    ids = ragged_ids(t, k, e, "random", gen).to(device)
+    given = empty_mn_major_scales(e, t, h, device=device).fill_(float("nan"))
+    assert is_mn_major_tma_aligned(given)
+    b = permute_to_masked(hidden, ids, e, t, quant_fp8=True, x_scale=given)
+    assert b.x_scale is given
+    b2 = permute_to_masked(hidden, ids, e, t, quant_fp8=True)
+    expert, row = _rows_of(b, t)
+    expert2, row2 = _rows_of(b2, t)
+    assert torch.equal(expert, expert2)
+    for s in torch.nonzero(expert >= 0).flatten().tolist():
+        i = int(expert[s])
+        torch.testing.assert_close(b.x_scale[i, row[s]], b2.x_scale[i, row2[s]], rtol=0, atol=0)
+        assert torch.equal(b.x[i, row[s]].view(torch.uint8), b2.x[i, row2[s]].view(torch.uint8))
+    for i in range(e):
+        assert torch.isnan(b.x_scale[i, int(b.masked_m[i]):]).all(), "rows past masked_m stay unwritten"
+    with pytest.raises(ValueError, match="x_scale"):
+        permute_to_masked(hidden, ids, e, t, quant_fp8=True, x_scale=given[:, :-1])
+
+
+@pytest.mark.parametrize("device", devices())
+def test_identity_experts_and_edge_cases(device):
+    h = 64
+    hidden = torch.randn(3, h).to(device)
+    # 5 is an identity expert (E=3, 3 identity experts); 7 is out of range: the GPU rule skips it
+    ids = torch.tensor([[-1, -1], [1, 7], [1, 5]], dtype=torch.int64, device=device)
+    w = torch.tensor([[1.0, 1.0], [0.5, 2.0], [0.25, 3.0]], device=device)
+    b = permute_to_masked(hidden, ids, 3, 3)
+    assert b.masked_m.tolist() == [0, 2, 0]
+    y = b.x.clone()
+    out = unpermute_from_masked(y, b.slot_pos, w, topk_ids=ids, hidden=hidden, num_experts=3, identity_experts=3)
+    assert (out[0] == 0).all()
+    torch.testing.assert_close(out[1], 0.5 * hidden[1])
+    torch.testing.assert_close(out[2], 0.25 * hidden[2] + 3.0 * hidden[2])
+    # T = 0
+    b = permute_to_masked(hidden[:0], ids[:0], 3, 0)
+    assert b.x.shape == (3, 0, h) and b.masked_m.tolist() == [0, 0, 0]
+    assert unpermute_from_masked(b.x, b.slot_pos, w[:0]).shape == (0, h)
+    with pytest.raises(ValueError):
+        permute_to_masked(hidden, ids[:2], 3, 3)
