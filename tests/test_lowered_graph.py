@@ -175,3 +175,28 @@ def test_masked_experts_op_becomes_the_same_pipeline(sm90):
     gm = _trace(f, [x, mm, w13, w2])
     assert [_kernel_name(n) for n in _launches(gm)] == ["masked_gemm_kernel", "activation_kernel", "masked_gemm_kernel"]
     assert "moe_fx.masked_experts" not in gm.code
+
+
+def test_weights_with_dynamic_dims_specialise_them(sm90):
+    """torch.compile(dynamic=True) of a function whose weights are inputs makes E, H, I symbolic too:
+    the lowering pins them (kernel constants) and keeps T symbolic."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+
+    def sym(n, name):
+        return shape_env.create_symintnode(
+            shape_env.create_symbol(n, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC), hint=n)
+
+    t, e, h, i, k = sym(64, "T"), sym(8, "E"), sym(256, "H"), sym(256, "I"), sym(2, "K")
+    with mode:
+        inputs = [torch.empty(t, h, dtype=torch.bfloat16, device="cuda"),
+                  torch.empty(t, k, dtype=torch.int64, device="cuda"), torch.empty(t, k, device="cuda"),
+                  torch.empty(e, 2 * i, h, dtype=torch.bfloat16, device="cuda"),
+                  torch.empty(e, h, i, dtype=torch.bfloat16, device="cuda")]
+    gm = _trace(_experts, inputs)
+    assert [_kernel_name(n) for n in _launches(gm)] == list(KERNELS)
+    pinned = {str(g.expr) for g in shape_env.guards if "Eq(" in str(g.expr) or "==" in str(g.expr)}
+    assert not any("T" in g for g in pinned), pinned

@@ -88,3 +88,21 @@ def test_bad_inputs():
         expert_activation(torch.zeros(2, 3, 4), torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="bias"):
         expert_activation(torch.zeros(2, 3, 4), mm, bias=torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("spec", SPECS[len(ACTIVATIONS):], ids=lambda s: s.describe().replace(" ", "_"))
+def test_activation_variants_quant_fp8(device, spec):
+    """The variants (GPT-OSS's, clamped, non-gated) with a bias, fused with the fp8 quantisation."""
+    gen = torch.Generator().manual_seed(8)
+    for g, m, i in SHAPES[device]:
+        n1 = spec.columns(i)
+        x = (torch.randn(g, m, n1, generator=gen) * 3).to(torch.bfloat16).to(device)
+        bias = torch.randn(g, n1, generator=gen).to(device)
+        mm = _rows(g, m, device)
+        q, s = expert_activation(x, mm, spec, bias=bias, quant_fp8=True)
+        v = spec.apply(x.float() + bias[:, None, :])
+        for e, r in enumerate(mm.tolist()):
+            if r:
+                back = q[e, :r].float() * s[e, :r].repeat_interleave(128, -1)[:, :i]
+                torch.testing.assert_close(back, v[e, :r], rtol=2**-3, atol=float(s[e, :r].max()) * 2**-8)

@@ -111,8 +111,9 @@ def test_elementwise_kernels_compile(quant, gpt_oss):
     k = _kernels()
     out_t = "*fp8e4nv" if quant else "*bf16"
     act = {"ACT": 0, "GATED": True, "INTERLEAVED": gpt_oss, "HAS_LIMIT": gpt_oss, "HAS_BIAS": gpt_oss}
-    types = {"x_ptr": "*bf16", "y_ptr": out_t, "masked_m_ptr": "*i32", "alpha": "fp32", "limit": "fp32",
-             "up_offset": "fp32"}
+    # Inductor types Python float arguments as fp64 (seen on torch 2.11): the kernel must compile with those
+    types = {"x_ptr": "*bf16", "y_ptr": out_t, "masked_m_ptr": "*i32", "alpha": "fp64", "limit": "fp64",
+             "up_offset": "fp64"}
     consts = {**act, "QUANT": quant, "INTERP": False, "BLOCK_M": 16, "BLOCK_N": 128, "E_POW2": 128}
     if quant:
         types["ys_ptr"] = "*fp32"

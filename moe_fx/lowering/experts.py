@@ -49,8 +49,10 @@ def _problem(
     w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None, regime: int | None,
 ) -> ExpertsProblem:
     fp8 = w13.dtype == FP8_DTYPE
+    # E, H, I are compile-time constants of the kernels: a graph traced with them dynamic (weights as
+    # inputs under dynamic=True) specialises on them here (model parameters have static shapes anyway)
     return ExpertsProblem(
-        device.type, dtype_name(dtype), w13.shape[0], w2.shape[1], w2.shape[2], spec,
+        device.type, dtype_name(dtype), int(w13.shape[0]), int(w2.shape[1]), int(w2.shape[2]), spec,
         (FP8_BLOCK, FP8_BLOCK) if fp8 else None, w13_bias is not None, w2_bias is not None,
         _k_major(w13) and _k_major(w2), regime,
     )  # fmt: skip
@@ -86,7 +88,7 @@ def plan_experts(
     experts = _checked(choose("experts", problem, request=impl, device=hidden.device), "experts", problem)
     if experts.name == "reference":
         return ExpertsPlan(experts, None, problem)
-    local = DispatchProblem(1, hidden.device.type, problem.dtype, problem.hidden, k, problem.num_experts,
+    local = DispatchProblem(1, hidden.device.type, problem.dtype, problem.hidden, int(k), problem.num_experts,
                             use_fp8=problem.fp8, expert_parallel=False)
     prepare = choose("prepare_finalize", local, device=hidden.device)
     return ExpertsPlan(experts, prepare, problem)

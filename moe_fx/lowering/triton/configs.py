@@ -162,12 +162,15 @@ def _device_name(device: torch.device) -> str:
 
     return probe_capabilities(device).device_name
 
-def _key(device_name: str, kind: str, n: int, k: int, bucket: int, active_groups: int | None = None) -> str:
-    """Cache key; decode buckets (<= 32 rows) also carry a bucket of the experts hit, which sets their best tile."""
+def _key(
+    device_name: str, kind: str, n: int, k: int, bucket: int, active_groups: int | None = None, *, ptr: bool = False
+) -> str:
+    """Cache key; decode buckets (<= 32 rows) also carry a bucket of the experts hit, which sets their best tile;
+    ``ptr`` keys hold the best tile among those that load through pointers (no TMA descriptors)."""
     key = f"{device_name}|{kind}|N{n}|K{k}|m{bucket}"
     if active_groups is not None and bucket <= 32:
         key += f"|g{m_bucket(active_groups)}"
-    return key
+    return key + ("|ptr" if ptr else "")
 
 
 def _read(path: pathlib.Path) -> dict[str, dict]:
@@ -206,23 +209,31 @@ def get_config(
     device: torch.device,
     active_groups: int | None = None,
     num_sms: int = 132,
+    *,
+    allow_tma: bool = True,
 ) -> TileConfig:
     """The tile configuration for a masked GEMM of ``kind`` ("bf16" / "fp8") on ``device``.
 
     ``active_groups`` (host-side estimate of the groups with rows, ``min(E, T * K)`` for MoE) lets
     the decode heuristic size tiles to the work; a tuned entry for the bucket takes precedence.
+    ``allow_tma=False`` (compiled graphs, see ``grouped_gemm._operands``) prefers the best tuned tile
+    that loads through pointers, and never returns a TMA tile.
     """
     if device.type == "cpu":
         # Interpreter: few, small programs keep the emulation quick; speed is not measured there.
         return TileConfig(16, 64, 64, 1, 4, 1, 1)
     bucket = m_bucket(expected_m)
     name = _device_name(device)
-    mkey = _key(name, kind, n, k, bucket, active_groups)
+    mkey = _key(name, kind, n, k, bucket, active_groups, ptr=not allow_tma)
     cfg = _memory.get(mkey)
     if cfg is None:
-        keys = (mkey, _key(name, kind, n, k, bucket))
+        keys = (mkey, _key(name, kind, n, k, bucket, ptr=not allow_tma))
+        if not allow_tma:
+            keys += (_key(name, kind, n, k, bucket, active_groups), _key(name, kind, n, k, bucket))
         raw = next((table[key] for table in (_disk(), _shipped()) for key in keys if key in table), None)
         cfg = _from_dict(raw) if raw else _heuristic(kind, n, k, bucket, active_groups, num_sms)
+        if not allow_tma:
+            cfg = replace(cfg, tma=False)
         _memory[mkey] = cfg
     return cfg
 

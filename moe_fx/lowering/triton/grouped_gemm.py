@@ -210,7 +210,7 @@ def masked_gemm(
         return out
     cfg = config or configs.fit_smem(
         configs.get_config("bf16", n, k, _hint(expected_m if expected_m is not None else m), a.device,
-                           _hint(active_groups), _sms(a.device)),
+                           _hint(active_groups), _sms(a.device), allow_tma=not is_traced(a)),
         a.element_size(),
     )
     nprog = num_programs(a.device, cfg, _tile_bound(g, m, n, cfg, max_total_m))
@@ -283,7 +283,7 @@ def masked_gemm_fp8(
         return out
     cfg = config or configs.get_config(
         "fp8", n, k, _hint(expected_m if expected_m is not None else m), a.device, _hint(active_groups),
-        _sms(a.device),
+        _sms(a.device), allow_tma=not is_traced(a),
     )
     if FP8_BLOCK % cfg.block_k:
         raise ValueError(f"masked_gemm_fp8: block_k must divide {FP8_BLOCK} (one scale group per k step), got {cfg.block_k}")
