@@ -49,7 +49,7 @@ plain.
     python bench/e2e_model.py [--models qwen3,olmoe,mixtral] [--tokens 1,16,256,1024,4096]
         [--modes default,reduce-overhead] [--no-deepgemm] [--budget-s 420] [--tag TAG]
     python bench/e2e_model.py --merge A.json B.json [--tag TAG]
-    python bench/e2e_model.py --smoke        # CPU, tiny models, a minute: checks the script end to end
+    python bench/e2e_model.py --smoke        # CPU, tiny model, ~2-3 min on 2 cores: checks the script end to end
 
 Writes ``e2e_model_<date>[_tag].{md,json,png}`` to ``--out`` (default bench/results), after every cell.
 """
@@ -65,6 +65,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -314,6 +315,50 @@ def measure_forward(calls: dict[str, Callable], s: Settings) -> dict:
     return timed
 
 
+def run_cell(row: dict, measure: Callable[[], dict], budget: Budget, errors: tuple, skip: str | None = None) -> dict:
+    """``row`` filled with ``measure()``'s numbers, or with the reason it has none.
+
+    ``skip`` (or a spent budget) records the row unmeasured; an error in ``errors`` is recorded in the
+    row and the run carries on. ``cell_s`` is the cell's wall time, compiles included.
+    """
+    if skip or budget.exceeded():
+        row["error"] = skip or "skipped: time budget"
+        return row
+    t0 = time.time()
+    try:
+        row.update(measure())
+    except errors as err:
+        row["error"] = error_text(err)
+    row["cell_s"] = round(time.time() - t0, 1)
+    return row
+
+
+def forward_row(calls: dict[str, Callable], mode: str, t: int, s: Settings) -> dict:
+    """The numbers of one forward row: per-backend times, speed-up and the issue's target for it."""
+    row: dict[str, Any] = measure_forward(calls, s)
+    row["speedup"] = row["plain"]["wall_us"] / row["moe_fx"]["wall_us"]
+    row["target"] = forward_target(mode, t)
+    row["ok"] = None if row["target"] is None else row["speedup"] >= row["target"]
+    return row
+
+
+def layer_host_cell(model_name: str, spec: ModelSpec, base_model, compiled: dict, t: int, s: Settings) -> dict:
+    """The one-layer host-time row: a model with twice the layers is built and compiled next to ``base_model``'s
+    default-mode compilations (``compiled[(backend, "default")]``, compiled here if that mode was not run)."""
+    import torch
+
+    bigger = build_model(spec, 2 * s.layers, s.vocab, s.device, s.dtype)
+    x = torch.randint(3, s.vocab, (1, t), device=s.device)
+    calls = {}
+    for b in BACKENDS:
+        small = compiled.get((b, "default"))
+        if small is None:
+            small = compile_forward(copy.deepcopy(base_model), b, "default", s.dynamic)
+        calls[b] = forward_call(small, x, "default")
+        calls[b + "_x2"] = forward_call(compile_forward(copy.deepcopy(bigger), b, "default", s.dynamic), x, "default")
+    return layer_host_row(model_name, calls, s.layers, t, s)
+
+
 def layer_host_row(model_name: str, calls: dict[str, Callable], layers: int, t: int, s: Settings) -> dict:
     """Host and wall time of one decoder layer per backend, from models of ``layers`` and ``2 * layers``.
 
@@ -548,7 +593,10 @@ def run_benchmark(args: argparse.Namespace) -> None:
     base = os.path.join(args.out, f"e2e_model_{stamp}{'_' + args.tag if args.tag else ''}")
     errors = cell_errors()
 
-    def save() -> None:
+    def finish(row: dict) -> None:
+        rows.append(row)
+        log(summary_line(row))
+        bar.update()
         write_results(base, meta, rows, plot_it=False)
 
     cells = len(models) * (len(modes) * len(tokens) + (0 if args.no_layer_host else 1) + (0 if args.no_generate else 1))
@@ -569,73 +617,27 @@ def run_benchmark(args: argparse.Namespace) -> None:
             for b in BACKENDS:
                 compiled[(b, mode)] = compile_forward(copy.deepcopy(base_model), b, mode, settings.dynamic)
             for t in tokens:
-                row: dict[str, Any] = {"kind": "forward", **tag, "mode": mode, "T": t, "layers": settings.layers}
                 bar.set_postfix_str(f"{model_name} {mode} T={t} ({budget.elapsed():.0f}s)")
-                if mode == "reduce-overhead" and settings.device != "cuda":
-                    row["error"] = "needs CUDA"
-                elif budget.exceeded():
-                    row["error"] = "skipped: time budget"
-                else:
-                    t0 = time.time()
-                    try:
-                        calls = {b: forward_call(compiled[(b, mode)], ids[t], mode) for b in BACKENDS}
-                        row.update(measure_forward(calls, settings))
-                        row["speedup"] = row["plain"]["wall_us"] / row["moe_fx"]["wall_us"]
-                        row["target"] = forward_target(mode, t)
-                        row["ok"] = None if row["target"] is None else row["speedup"] >= row["target"]
-                    except errors as err:
-                        row["error"] = error_text(err)
-                    row["cell_s"] = round(time.time() - t0, 1)
-                rows.append(row)
-                log(summary_line(row))
-                bar.update()
-                save()
+                calls = {b: forward_call(compiled[(b, mode)], ids[t], mode) for b in BACKENDS}
+                finish(run_cell(
+                    {"kind": "forward", **tag, "mode": mode, "T": t, "layers": settings.layers},
+                    lambda: forward_row(calls, mode, t, settings), budget, errors,
+                    skip="needs CUDA" if mode == "reduce-overhead" and settings.device != "cuda" else None,
+                ))
         if not args.no_layer_host:
             t = args.layer_host_tokens
-            row = {"kind": "layer_host", **tag, "T": t, "mode": "default", "layers": settings.layers}
-            if budget.exceeded():
-                row["error"] = "skipped: time budget"
-            else:
-                t0 = time.time()
-                try:
-                    bigger = build_model(spec, 2 * settings.layers, settings.vocab, settings.device, settings.dtype)
-                    x = torch.randint(3, settings.vocab, (1, t), device=settings.device)
-                    calls = {}
-                    for b in BACKENDS:
-                        small = compiled.get((b, "default"))
-                        if small is None:
-                            small = compile_forward(copy.deepcopy(base_model), b, "default", settings.dynamic)
-                        calls[b] = forward_call(small, x, "default")
-                        calls[b + "_x2"] = forward_call(
-                            compile_forward(copy.deepcopy(bigger), b, "default", settings.dynamic), x, "default")
-                    row = {**layer_host_row(model_name, calls, settings.layers, t, settings), **tag}
-                    del bigger, calls
-                except errors as err:
-                    row["error"] = error_text(err)
-                row["cell_s"] = round(time.time() - t0, 1)
-            rows.append(row)
-            log(summary_line(row))
-            bar.update()
-            save()
+            finish(run_cell(
+                {"kind": "layer_host", **tag, "T": t, "mode": "default", "layers": settings.layers},
+                lambda: layer_host_cell(model_name, spec, base_model, compiled, t, settings), budget, errors,
+            ))
         if not args.no_generate:
-            row = {"kind": "generate", **tag, "mode": "default"}
-            if budget.exceeded():
-                row["error"] = "skipped: time budget"
-            else:
-                t0 = time.time()
-                try:
-                    gen_models = {"eager": base_model, "plain": copy.deepcopy(base_model),
-                                  "moe_fx": copy.deepcopy(base_model)}
-                    row = {**generate_row(model_name, gen_models, settings), **tag}
-                    del gen_models
-                except errors as err:
-                    row["error"] = error_text(err)
-                row["cell_s"] = round(time.time() - t0, 1)
-            rows.append(row)
-            log(summary_line(row))
-            bar.update()
-            save()
-        del base_model, compiled
+            finish(run_cell(
+                {"kind": "generate", **tag, "mode": "default"},
+                lambda: generate_row(model_name, {"eager": base_model, "plain": copy.deepcopy(base_model),
+                                                  "moe_fx": copy.deepcopy(base_model)}, settings),
+                budget, errors,
+            ))
+        base_model = compiled = None  # free this model's copies before the next one
         torch._dynamo.reset()
         gc.collect()
         if torch.cuda.is_available():
@@ -741,69 +743,78 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "reduce-overhead >= 1.5x at T >= 1024.",
         "",
     ]
+    lines.append("Targets met: " + target_summary(rows) + ".")
+    lines.append("")
     for name, text in meta.get("explain", {}).items():
         lines.append(f"- moe_fx.explain, {name}: {text}")
-    lines += [
-        "",
-        "## Forward",
-        "",
-        "| model | mode | DeepGEMM | T | plain wall µs | moe_fx wall µs | speed-up | target | | plain GPU µs | moe_fx GPU µs | plain host µs | moe_fx host µs | kernels plain / moe_fx |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in sorted(fw, key=lambda r: (r["model"], r["mode"], r["deepgemm"], r["T"])):
-        head = f"| {r['model']} | {r['mode']} | {r['deepgemm']} | {r['T']} |"
-        if "error" in r:
-            lines.append(f"{head} {r['error']} | | | | | | | | | |")
-            continue
-        p, m = r["plain"], r["moe_fx"]
-        lines.append(
-            f"{head} {p['wall_us']:.0f} ± {p['wall_spread_us']:.0f} | {m['wall_us']:.0f} ± {m['wall_spread_us']:.0f} | "
-            f"{r['speedup']:.2f}x | {fmt(r['target'], 1)} | {verdict(r)} | {fmt(p['gpu_us'], 0)} | {fmt(m['gpu_us'], 0)} | "
-            f"{p['host_us']:.0f} | {m['host_us']:.0f} | {fmt(p['kernels'], 0)} / {fmt(m['kernels'], 0)} |"
-        )
-    lines += [
-        "",
-        "## Host time of one MoE decoder layer (default mode)",
-        "",
-        "Per layer = (time of a model with 2L layers - time with L layers) / L, timed alternately; delta = moe_fx - plain "
-        "(attention is Inductor's in both). Target: delta <= 40 µs.",
-        "",
-        "| model | DeepGEMM | T | plain host/layer µs | moe_fx host/layer µs | delta µs | target | | plain wall/layer µs | moe_fx wall/layer µs |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in sorted(lh, key=lambda r: (r["model"], r["deepgemm"], r["T"])):
-        head = f"| {r['model']} | {r['deepgemm']} | {r['T']} |"
-        if "error" in r:
-            lines.append(f"{head} {r['error']} | | | | | | |")
-            continue
-        p, m = r["plain"], r["moe_fx"]
-        lines.append(
-            f"{head} {p['host_per_layer_us']:.1f} | {m['host_per_layer_us']:.1f} | {r['delta_host_us']:+.1f} | <= 40 | "
-            f"{verdict(r)} | {p['wall_per_layer_us']:.1f} | {m['wall_per_layer_us']:.1f} |"
-        )
-    lines += [
-        "",
-        "## generate() decode (greedy, static cache, compiled forward, default mode)",
-        "",
+    lines += md_table(
+        "Forward", "",
+        ["model", "mode", "DeepGEMM", "T", "plain wall µs", "moe_fx wall µs", "speed-up", "target", "",
+         "plain GPU µs", "moe_fx GPU µs", "plain host µs", "moe_fx host µs", "kernels plain / moe_fx"],
+        fw, lambda r: [r["model"], r["mode"], r["deepgemm"], str(r["T"])],
+        lambda r: [
+            f"{r['plain']['wall_us']:.0f} ± {r['plain']['wall_spread_us']:.0f}",
+            f"{r['moe_fx']['wall_us']:.0f} ± {r['moe_fx']['wall_spread_us']:.0f}",
+            f"{r['speedup']:.2f}x", fmt(r["target"], 1), verdict(r),
+            fmt(r["plain"]["gpu_us"], 0), fmt(r["moe_fx"]["gpu_us"], 0),
+            f"{r['plain']['host_us']:.0f}", f"{r['moe_fx']['host_us']:.0f}",
+            f"{fmt(r['plain']['kernels'], 0)} / {fmt(r['moe_fx']['kernels'], 0)}",
+        ],
+        sort_key=lambda r: (r["model"], r["mode"], r["deepgemm"], r["T"]),
+    )
+    lines += md_table(
+        "Host time of one MoE decoder layer (default mode)",
+        "Per layer = (time of a model with 2L layers - time with L layers) / L, timed alternately; delta = moe_fx - "
+        "plain (attention is Inductor's in both). Target: delta <= 40 µs.",
+        ["model", "DeepGEMM", "T", "plain host/layer µs", "moe_fx host/layer µs", "delta µs", "target", "",
+         "plain wall/layer µs", "moe_fx wall/layer µs"],
+        lh, lambda r: [r["model"], r["deepgemm"], str(r["T"])],
+        lambda r: [
+            f"{r['plain']['host_per_layer_us']:.1f}", f"{r['moe_fx']['host_per_layer_us']:.1f}",
+            f"{r['delta_host_us']:+.1f}", "<= 40", verdict(r),
+            f"{r['plain']['wall_per_layer_us']:.1f}", f"{r['moe_fx']['wall_per_layer_us']:.1f}",
+        ],
+        sort_key=lambda r: (r["model"], r["deepgemm"], r["T"]),
+    )
+    lines += md_table(
+        "generate() decode (greedy, static cache, compiled forward, default mode)",
         "decode tok/s = batch * (N - 1) / (t(N new tokens) - t(1 new token)); new tok/s = batch * N / t(N). "
         "Speed-up = moe_fx decode / plain decode; target >= 1.2x. same = fraction of greedy tokens equal to eager's.",
-        "",
-        "| model | DeepGEMM | batch x prompt + new | eager decode tok/s | plain decode tok/s | moe_fx decode tok/s | speed-up | target | | new tok/s eager / plain / moe_fx | same plain / moe_fx |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in sorted(gen, key=lambda r: (r["model"], r["deepgemm"])):
-        head = f"| {r['model']} | {r['deepgemm']} |"
-        if "error" in r:
-            lines.append(f"{head} {r['error']} | | | | | | | | |")
-            continue
-        e, p, m = r["eager"], r["plain"], r["moe_fx"]
-        lines.append(
-            f"{head} {r['batch']} x {r['prompt']} + {r['new']} | {fmt(e['decode_tok_s'], 0)} | {fmt(p['decode_tok_s'], 0)} | "
-            f"{fmt(m['decode_tok_s'], 0)} | {fmt(r['speedup'], 2)}x | 1.2 | {verdict(r)} | "
-            f"{e['new_tok_s']:.0f} / {p['new_tok_s']:.0f} / {m['new_tok_s']:.0f} | "
-            f"{p['same_tokens_as_eager']:.2f} / {m['same_tokens_as_eager']:.2f} |"
-        )
+        ["model", "DeepGEMM", "batch x prompt + new", "eager decode tok/s", "plain decode tok/s",
+         "moe_fx decode tok/s", "speed-up", "target", "", "new tok/s eager / plain / moe_fx", "same plain / moe_fx"],
+        gen, lambda r: [r["model"], r["deepgemm"]],
+        lambda r: [
+            f"{r['batch']} x {r['prompt']} + {r['new']}",
+            *(fmt(r[n]["decode_tok_s"], 0) for n in ("eager", "plain", "moe_fx")),
+            f"{fmt(r['speedup'], 2)}x", "1.2", verdict(r),
+            " / ".join(f"{r[n]['new_tok_s']:.0f}" for n in ("eager", "plain", "moe_fx")),
+            f"{r['plain']['same_tokens_as_eager']:.2f} / {r['moe_fx']['same_tokens_as_eager']:.2f}",
+        ],
+        sort_key=lambda r: (r["model"], r["deepgemm"]),
+    )
     return "\n".join(lines) + "\n"
+
+
+def target_summary(rows: list[dict]) -> str:
+    """How many measured rows with a target meet it, per kind of row (and mode for forwards)."""
+    groups: dict[str, list[bool]] = {}
+    for r in rows:
+        if r.get("ok") is not None:
+            groups.setdefault(f"{r['kind']} {r['mode']}" if r["kind"] == "forward" else r["kind"], []).append(r["ok"])
+    return "; ".join(f"{name} {sum(oks)}/{len(oks)}" for name, oks in groups.items()) or "no measured row has a target"
+
+
+def md_table(title: str, note: str, header: list[str], rows: list[dict], head: Callable[[dict], list[str]],
+             body: Callable[[dict], list[str]], sort_key: Callable[[dict], Any]) -> list[str]:
+    """A markdown section: ``## title``, ``note``, then one table line per row (``head(row) + body(row)``,
+    or ``head(row)`` and the row's error where it has no numbers)."""
+    lines = ["", f"## {title}", ""] + ([note, ""] if note else [])
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in sorted(rows, key=sort_key):
+        cells = head(r)
+        cells += [r["error"]] + [""] * (len(header) - len(cells) - 1) if "error" in r else body(r)
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(path: str, meta: dict, rows: list[dict]) -> None:
@@ -818,7 +829,7 @@ def plot(path: str, meta: dict, rows: list[dict]) -> None:
     models = list(dict.fromkeys(r["model"] for r in fw))
     if not models:
         return
-    fig, axes = plt.subplots(2, len(models), figsize=(5.5 * len(models), 8), squeeze=False)
+    fig, axes = plt.subplots(2, len(models), figsize=(max(8.0, 5.5 * len(models)), 8), squeeze=False)
     for col, model in enumerate(models):
         ax = axes[0][col]
         for (mode, dg) in dict.fromkeys((r["mode"], r["deepgemm"]) for r in fw if r["model"] == model):
@@ -855,7 +866,7 @@ def plot(path: str, meta: dict, rows: list[dict]) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"{meta.get('layers')}-layer models, {meta['gpu']}, torch {meta['torch']}, "
-                 f"transformers {meta['transformers']} ({meta['date'][:10]})")
+                 f"transformers {meta['transformers']} ({meta['date'][:10]})", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -912,13 +923,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gen-new", type=int, default=64)
     ap.add_argument("--gen-rounds", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new cell after this many seconds")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=None, help="results folder (default bench/results; smoke: a temp folder)")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny models (H=64, E=8), T=1,8, few iterations; runs on CPU")
     ap.add_argument("--cpu", action="store_true", help="with --smoke: stay on CPU even if CUDA is there")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="join earlier runs' JSON files into one md/json/png")
     args = ap.parse_args(argv)
+    args.out = args.out or (os.path.join(tempfile.gettempdir(), "moe_fx_smoke") if args.smoke else os.path.join(HERE, "results"))
     args.models = args.models or ("qwen3" if args.smoke else ",".join(MODELS))
     args.tokens = args.tokens or ("1,8" if args.smoke else "1,16,256,1024,4096")
     args.modes = args.modes or ("default" if args.smoke else "default,reduce-overhead")

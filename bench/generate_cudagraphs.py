@@ -18,7 +18,8 @@ run), with ``faulthandler`` on (a crash prints the Python stack it happened in).
    runs the prefill eagerly), the backend (Inductor or moe_fx), the mode, and the knobs: ``autocompile``
    (no ``disable_compile``: generate() compiles the already compiled forward again), ``markstep``
    (``torch.compiler.cudagraph_mark_step_begin()`` before every forward), ``notrees``
-   (``torch._inductor.config.triton.cudagraph_trees = False``), ``earlycache`` (a ``StaticCache`` allocated
+   (``torch._inductor.config.triton.cudagraph_trees = False``), ``nopartition``
+   (``torch._inductor.config.graph_partition = False``), ``earlycache`` (a ``StaticCache`` allocated
    and initialised outside compiled code, so its tensors are marked static addresses, passed to generate),
    ``eagerprefill`` (the compiled forward is used for one-token steps only);
 3. generates twice to warm up, then times ``--rounds`` calls of ``--new`` and of 1 new token;
@@ -47,6 +48,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -73,6 +75,8 @@ class Variant:
         trees: ``torch._inductor.config.triton.cudagraph_trees``.
         earlycache: pass a ``StaticCache`` allocated and initialised before anything is compiled.
         eagerprefill: ``fwd`` only: run multi-token forwards (the prefill) eagerly.
+        partition: ``torch._inductor.config.graph_partition`` (on by default in recent torch: CPU ops are
+            split off and the GPU partitions of a graph are CUDA-graphed on their own).
     """
 
     path: str
@@ -83,6 +87,7 @@ class Variant:
     trees: bool = True
     earlycache: bool = False
     eagerprefill: bool = False
+    partition: bool = True
 
     @property
     def name(self) -> str:
@@ -94,6 +99,8 @@ class Variant:
                 parts.append(knob)
         if not self.trees:
             parts.append("notrees")
+        if not self.partition:
+            parts.append("nopartition")
         return "-".join(parts)
 
     @property
@@ -109,6 +116,7 @@ VARIANTS = [
     Variant("fwd", autocompile=True),
     Variant("fwd", markstep=True),
     Variant("fwd", trees=False),
+    Variant("fwd", partition=False),
     # hypothesis 1: the KV cache is allocated inside the compiled (CUDA-graphed) prefill
     Variant("fwd", earlycache=True),
     Variant("fwd", backend="moe_fx", earlycache=True),
@@ -133,6 +141,8 @@ def apply_variant(model, v: Variant, device: str):
     import torch
 
     torch._inductor.config.triton.cudagraph_trees = v.trees
+    if hasattr(torch._inductor.config, "graph_partition"):
+        torch._inductor.config.graph_partition = v.partition
     gc = model.generation_config
     gc.disable_compile = v.path != "cc" and not v.autocompile
     if v.path == "fwd":
@@ -387,13 +397,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--new", type=int, default=0, help="new tokens per call (default 64, smoke 4)")
     ap.add_argument("--rounds", type=int, default=0, help="timed calls (default 3, smoke 1)")
     ap.add_argument("--timeout-s", type=int, default=300, help="per variant")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=None, help="results folder (default bench/results; smoke: a temp folder)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--keep-logs", action="store_true", help="write each variant's stdout/stderr next to the results")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU; CUDA-graph variants report 'needs CUDA'")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--smoke-cpu", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.out = args.out or (os.path.join(tempfile.gettempdir(), "moe_fx_smoke") if args.smoke else os.path.join(HERE, "results"))
     args.vocab = args.vocab or (128 if args.smoke else 32000)
     args.batch = args.batch or (2 if args.smoke else 4)
     args.prompt = args.prompt or (4 if args.smoke else 32)
