@@ -290,6 +290,8 @@ def run_variant(v: Variant, args: argparse.Namespace, cuda: bool) -> dict:
     if not cuda:
         cmd.append("--smoke-cpu")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    # Inductor's "skipping cudagraphs due to ..." goes to the "cudagraphs" logging artifact; recompiles are counted
+    env["TORCH_LOGS"] = ",".join(x for x in (env.get("TORCH_LOGS", ""), "cudagraphs", "recompiles") if x)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(HERE), env.get("PYTHONPATH", "")) if p)
     t0 = time.time()
     try:
@@ -308,6 +310,7 @@ def run_variant(v: Variant, args: argparse.Namespace, cuda: bool) -> dict:
         if line.startswith(RESULT):
             row.update(json.loads(line[len(RESULT):]))
     row["skip_messages"] = skip_messages(err)
+    row["recompiles"] = err.count("Recompiling function")
     row["crash_frames"] = crash_frames(err)
     if rc not in (0, None) and not row["crash_frames"]:
         tail = [line for line in err.strip().splitlines() if line.strip()][-3:]
@@ -334,8 +337,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"(t(N new) - t(1 new)). same = fraction of greedy tokens equal to eager's. Variant names: "
         "docs/generate_cudagraphs.md.",
         "",
-        "| variant | status | decode tok/s | new tok/s | same | cudagraph skips | graphs | warm-up s | notes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | status | decode tok/s | new tok/s | same | cudagraph skips | graphs | recompiles | warm-up s | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         notes = "; ".join(r.get("skip_messages", [])[:2])
@@ -347,6 +350,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines.append(
             f"| {r['variant']} | {r['status']} | {num('decode_tok_s')} | {num('new_tok_s')} | "
             f"{num('same_tokens_as_eager', 2)} | {r.get('cudagraph_skips', '-')} | {r.get('graphs', '-')} | "
+            f"{r.get('recompiles', '-')} | "
             f"{num('warmup_s', 1)} | {notes.replace('|', '/')} |"
         )
     return "\n".join(lines) + "\n"
@@ -372,8 +376,12 @@ def parent(args: argparse.Namespace) -> None:
     rows: list[dict] = []
     from tqdm import tqdm
 
+    start = time.time()
     for name in tqdm(names, desc="variants", file=sys.stderr):
-        row = run_variant(BY_NAME[name], args, cuda)
+        if time.time() - start > args.budget_s:
+            row = {"variant": name, **dataclasses.asdict(BY_NAME[name]), "status": "skipped: time budget"}
+        else:
+            row = run_variant(BY_NAME[name], args, cuda)
         rows.append(row)
         log(f"{name:40s} {row['status']:20s} decode tok/s {row.get('decode_tok_s', '-')!s:.8s}  "
             f"same {row.get('same_tokens_as_eager', '-')}  skips {row.get('cudagraph_skips', '-')}  "
@@ -397,6 +405,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--new", type=int, default=0, help="new tokens per call (default 64, smoke 4)")
     ap.add_argument("--rounds", type=int, default=0, help="timed calls (default 3, smoke 1)")
     ap.add_argument("--timeout-s", type=int, default=300, help="per variant")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no variant after this many seconds")
     ap.add_argument("--out", default=None, help="results folder (default bench/results; smoke: a temp folder)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--keep-logs", action="store_true", help="write each variant's stdout/stderr next to the results")
