@@ -33,6 +33,7 @@ to ``--out`` (default bench/results) after every variant.
     python bench/generate_cudagraphs.py                         # every variant (two device calls' worth)
     python bench/generate_cudagraphs.py --variants fwd-ro-inductor,cc-ro-inductor,cc-ro-moe_fx
     python bench/generate_cudagraphs.py --list
+    python bench/generate_cudagraphs.py --merge A.json B.json      # variants split over device calls
     python bench/generate_cudagraphs.py --smoke                 # CPU: CUDA-graph variants report "needs CUDA"
 """
 
@@ -393,6 +394,31 @@ def parent(args: argparse.Namespace) -> None:
     log(f"-> {base}.md")
 
 
+def merge_runs(paths: list[str], out_dir: str, tag: str) -> str:
+    """Join runs of this script (variants split over device calls) into one md/json; later files win."""
+    metas, by_name = [], {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        metas.append(data["meta"])
+        for row in data["rows"]:
+            by_name[row["variant"]] = {**row, "run": os.path.basename(path)}
+    for key in ("gpu", "torch", "transformers", "model", "layers", "batch", "prompt", "new"):
+        if len({json.dumps(m.get(key)) for m in metas}) != 1:
+            raise SystemExit(f"--merge: runs differ in {key}")
+    meta = {**metas[0], "command": " ; ".join(m["command"] for m in metas)}
+    order = {n: i for i, n in enumerate(BY_NAME)}
+    rows = sorted(by_name.values(), key=lambda r: order.get(r["variant"], len(order)))
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"generate_cudagraphs_{meta['date'][:10]}{'_' + tag if tag else ''}")
+    with open(base + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(meta, rows))
+    log(f"merged {len(rows)} variants -> {base}.md")
+    return base
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default=None, help="comma list of variant names (--list); default: all")
@@ -410,6 +436,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tag", default="")
     ap.add_argument("--keep-logs", action="store_true", help="write each variant's stdout/stderr next to the results")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU; CUDA-graph variants report 'needs CUDA'")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="join earlier runs' JSON files into one md/json")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--smoke-cpu", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -428,7 +455,9 @@ def main(argv: list[str] | None = None) -> None:
         for v in VARIANTS:
             print(v.name)
         return
-    if args.child:
+    if args.merge:
+        merge_runs(args.merge, args.out, args.tag)
+    elif args.child:
         child(args)
     else:
         parent(args)
