@@ -885,19 +885,26 @@ def row_key(row: dict) -> tuple:
     return (row["kind"], row["model"], row.get("mode"), row.get("T"), row["deepgemm"])
 
 
-def merge_runs(paths: list[str], out_dir: str, tag: str, plot_it: bool) -> str:
-    """Join the rows of several runs of this script (same GPU and versions) into one md/json/png."""
+def load_runs(paths: list[str], key: Callable[[dict], Any], same: tuple[str, ...]) -> tuple[list[dict], dict]:
+    """The metas and the rows (by ``key(row)``, a later file's row replacing an earlier one's) of results JSON
+    files; SystemExit if the runs differ in any meta field of ``same``."""
     metas, by_key = [], {}
     for path in paths:
         with open(path) as f:
             data = json.load(f)
         metas.append(data["meta"])
         for row in data["rows"]:
-            by_key[row_key(row)] = {**row, "run": os.path.basename(path)}
-    for key in ("gpu", "torch", "triton", "transformers", "layers", "vocab", "dynamic"):
-        values = {json.dumps(m.get(key)) for m in metas}
+            by_key[key(row)] = {**row, "run": os.path.basename(path)}
+    for field in same:
+        values = {json.dumps(m.get(field)) for m in metas}
         if len(values) != 1:
-            raise SystemExit(f"--merge: runs differ in {key}: {sorted(values)}")
+            raise SystemExit(f"--merge: runs differ in {field}: {sorted(values)}")
+    return metas, by_key
+
+
+def merge_runs(paths: list[str], out_dir: str, tag: str, plot_it: bool) -> str:
+    """Join the rows of several runs of this script (same GPU and versions) into one md/json/png."""
+    metas, by_key = load_runs(paths, row_key, ("gpu", "torch", "triton", "transformers", "layers", "vocab", "dynamic"))
     meta = dict(metas[0])
     meta["merged_from"] = [os.path.basename(p) for p in paths]
     meta["commands"] = [m.get("command") for m in metas]

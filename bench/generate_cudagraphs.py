@@ -56,7 +56,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from e2e_model import MODELS, SMOKE_MODELS, build_model, cache_kwarg, static_cache  # noqa: E402
+from e2e_model import MODELS, SMOKE_MODELS, build_model, cache_kwarg, load_runs, static_cache  # noqa: E402
 from moe_layer import log, machine_meta  # noqa: E402
 
 RESULT = "RESULT "
@@ -396,16 +396,8 @@ def parent(args: argparse.Namespace) -> None:
 
 def merge_runs(paths: list[str], out_dir: str, tag: str) -> str:
     """Join runs of this script (variants split over device calls) into one md/json; later files win."""
-    metas, by_name = [], {}
-    for path in paths:
-        with open(path) as f:
-            data = json.load(f)
-        metas.append(data["meta"])
-        for row in data["rows"]:
-            by_name[row["variant"]] = {**row, "run": os.path.basename(path)}
-    for key in ("gpu", "torch", "transformers", "model", "layers", "batch", "prompt", "new"):
-        if len({json.dumps(m.get(key)) for m in metas}) != 1:
-            raise SystemExit(f"--merge: runs differ in {key}")
+    metas, by_name = load_runs(paths, lambda row: row["variant"],
+                               ("gpu", "torch", "transformers", "model", "layers", "batch", "prompt", "new"))
     meta = {**metas[0], "command": " ; ".join(m["command"] for m in metas)}
     order = {n: i for i, n in enumerate(BY_NAME)}
     rows = sorted(by_name.values(), key=lambda r: order.get(r["variant"], len(order)))
