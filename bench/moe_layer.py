@@ -55,6 +55,29 @@ def log(*a) -> None:
     print(*a, flush=True)
 
 
+def machine_meta() -> dict:
+    """Date, host, GPU, library versions and the command line of this run (the header of every results file)."""
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "command": " ".join(["python"] + sys.argv),
+    }
+
+
 def bench_us(fn, warmup: int = 3, rep_ms: float = 30.0) -> float:
     from triton.testing import do_bench
 
@@ -240,8 +263,6 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("bench/moe_layer.py needs a CUDA GPU")
-    import transformers
-    import triton
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
@@ -257,12 +278,7 @@ def main() -> None:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     base = os.path.join(args.out, f"moe_layer_{stamp}{'_' + args.tag if args.tag else ''}")
     meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
+        **machine_meta(),
         "hf_compiled": "none" if args.no_compile_hf else ("all" if args.compile_eager else "grouped_mm, batched_mm"),
     }
     limits = measure_limits()

@@ -1,0 +1,966 @@
+"""Whole transformers MoE models: ``torch.compile(model, backend="moe_fx")`` against plain ``torch.compile(model)``.
+
+The first check of issue 10. Models are transformers 5.x causal LMs at the real per-layer sizes of
+
+* ``qwen3``   Qwen3-30B-A3B  (E=128, K=8, H=2048, I=768, 32 heads / 4 kv heads, head_dim 128)
+* ``olmoe``   OLMoE-1B-7B    (E=64,  K=8, H=2048, I=1024, 16 / 16 heads, head_dim 128)
+* ``mixtral`` Mixtral-8x7B   (E=8,   K=2, H=4096, I=14336, 32 / 8 heads, head_dim 128)
+
+with ``--layers`` decoder layers (default 2), bf16, random weights (nothing is downloaded) and a reduced
+vocabulary (``--vocab``, default 32000). Every MoE model, backend and mode gets its own copy of the same
+weights, so a rewrite by moe_fx can never touch what plain Inductor runs.
+
+What is measured (all moe_fx / plain pairs are timed alternately, in rounds, in one process, so clock and
+thermal drift hit both; numbers are medians):
+
+* **forward** at each T of ``--tokens`` (batch 1, sequence T, ``use_cache=False``, ``logits_to_keep=1``:
+  the LM head runs on the last position only, as in generate's prefill), in each mode of ``--modes``
+  (``default``, ``reduce-overhead`` = CUDA graphs). Per backend:
+  - ``wall``: one forward, from a synchronised idle GPU to ``torch.cuda.synchronize()`` after it;
+  - ``host``: the same call up to its return, without synchronising (the GPU is idle at the start, so
+    this is the time the host needs to enqueue one forward; a host sync inside the forward shows up here);
+  - ``gpu``: torch.profiler, the sum of the durations of all GPU activities (kernels, memcpy, memset)
+    over ``--prof-iters`` forwards, divided by their number; ``kernels``: GPU activities per forward.
+* **layer host**: the host time (and wall time) of ONE decoder layer, moe_fx minus plain, in the default
+  mode at ``--layer-host-tokens``: models of ``--layers`` and ``2 * --layers`` layers are timed in the
+  same rounds, ``per layer = (t(2L) - t(L)) / L``. Attention is compiled by Inductor in both, so the
+  difference is what the MoE layer costs moe_fx above Inductor's own code for it.
+* **generate**: greedy ``generate()`` of ``--gen-batch`` random prompts of ``--gen-prompt`` tokens, a
+  static KV cache (``StaticCache``, reset before each call), ``--gen-new`` new tokens (``min_new_tokens``
+  = ``max_new_tokens``), ``model.forward = torch.compile(model.forward, ...)`` with
+  ``generation_config.disable_compile = True`` (transformers' documented recipe; the default mode only:
+  the CUDA-graph variant is bench/generate_cudagraphs.py, which isolates its segfault). Reported: new
+  tokens/s of whole calls, and decode tokens/s from ``(t(N new) - t(1 new))``, for eager, plain and
+  moe_fx; and whether the greedy tokens equal eager's.
+
+``--no-deepgemm`` sets ``MOE_FX_DISABLE_DEEPGEMM=1`` before moe_fx is imported (moe_fx then runs its
+Triton kernels); a run without it uses DeepGEMM where ``deep_gemm`` imports and the shapes fit. Merge
+the two runs (and runs split over device calls) with ``--merge A.json B.json ...``.
+
+Compilation: ``--dynamic true`` (default) compiles each (model, backend, mode) once for every T >= 2
+and once more for T = 1 (Dynamo specialises sizes 0 and 1); ``--dynamic false`` compiles per T
+(closer to what a fixed-shape server sees, ~5x the compile time). Compile time counts against
+``--budget-s``: a cell that would start after the budget is recorded as skipped.
+
+Targets of issue 10 are printed per row: default mode >= 1.0x everywhere and >= 1.3x at T >= 1024;
+reduce-overhead >= 1.5x at T >= 1024; generate decode >= 1.2x; one MoE layer's host time <= 40 µs above
+plain.
+
+    python bench/e2e_model.py [--models qwen3,olmoe,mixtral] [--tokens 1,16,256,1024,4096]
+        [--modes default,reduce-overhead] [--no-deepgemm] [--budget-s 420] [--tag TAG]
+    python bench/e2e_model.py --merge A.json B.json [--tag TAG]
+    python bench/e2e_model.py --smoke        # CPU, tiny model, ~2-3 min on 2 cores: checks the script end to end
+
+Writes ``e2e_model_<date>[_tag].{md,json,png}`` to ``--out`` (default bench/results), after every cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # bench/moe_layer.py's helpers
+
+from moe_layer import log, machine_meta  # noqa: E402
+
+# What is measured where (the issue's targets).
+TARGET_DEFAULT = 1.0
+TARGET_DEFAULT_LARGE = 1.3
+TARGET_GRAPHS_LARGE = 1.5
+TARGET_GENERATE = 1.2
+TARGET_LAYER_HOST_US = 40.0
+LARGE_T = 1024
+BACKENDS = ("plain", "moe_fx")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """One model's per-layer sizes (a transformers family and its MoE / attention shape)."""
+
+    family: str
+    experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    norm_topk_prob: bool = True
+
+
+MODELS = {
+    "qwen3": ModelSpec("qwen3_moe", 128, 8, 2048, 768, 32, 4, 128),
+    "olmoe": ModelSpec("olmoe", 64, 8, 2048, 1024, 16, 16, 128, norm_topk_prob=False),
+    "mixtral": ModelSpec("mixtral", 8, 2, 4096, 14336, 32, 8, 128),
+}
+SMOKE_MODELS = {
+    name: dataclasses.replace(spec, experts=8, top_k=2, hidden=64, intermediate=32, heads=4, kv_heads=2, head_dim=16)
+    for name, spec in MODELS.items()
+}
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+def build_config(spec: ModelSpec, layers: int, vocab: int):
+    """The transformers config of ``spec`` with ``layers`` decoder layers, every one of them MoE."""
+    import transformers
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=spec.hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        num_experts_per_tok=spec.top_k,
+    )
+    if spec.family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(
+            intermediate_size=4 * spec.intermediate, moe_intermediate_size=spec.intermediate,
+            num_experts=spec.experts, head_dim=spec.head_dim, norm_topk_prob=spec.norm_topk_prob,
+            decoder_sparse_step=1, mlp_only_layers=[], **common,
+        )
+    elif spec.family == "olmoe":
+        cfg = transformers.OlmoeConfig(
+            intermediate_size=spec.intermediate, num_experts=spec.experts, norm_topk_prob=spec.norm_topk_prob, **common
+        )
+    elif spec.family == "mixtral":
+        cfg = transformers.MixtralConfig(
+            intermediate_size=spec.intermediate, num_local_experts=spec.experts, head_dim=spec.head_dim, **common
+        )
+    else:
+        raise ValueError(f"unknown family {spec.family!r}")
+    if spec.hidden // spec.heads != spec.head_dim and spec.family == "olmoe":
+        raise ValueError(f"OLMoE's head_dim is hidden / heads: {spec.hidden} / {spec.heads} != {spec.head_dim}")
+    return cfg
+
+
+def build_model(spec: ModelSpec, layers: int, vocab: int, device: str, dtype, seed: int = 0):
+    """A randomly initialised causal LM of ``spec`` on ``device`` in ``dtype``, in eval mode, no grad."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = build_config(spec, layers, vocab)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    model.eval().requires_grad_(False)
+    return model
+
+
+def experts_implementation(model) -> str:
+    """The experts implementation transformers chose for ``model`` (``grouped_mm`` by default in 5.x)."""
+    return str(getattr(model.config, "_experts_implementation", None))
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+def synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_alternating(calls: dict[str, Callable[[], Any]], rounds: int, per_round: int) -> dict[str, dict]:
+    """Time each callable ``rounds * per_round`` times, alternating between them round by round.
+
+    The order of the callables rotates every round. Every call starts on an idle, synchronised GPU:
+    ``host`` is the time until the call returns, ``wall`` until ``synchronize()`` after it returns.
+    Returns ``{name: {"wall_us": median, "host_us": median, "wall_all": [...], "host_all": [...]}}``.
+    """
+    names = list(calls)
+    samples = {n: {"wall": [], "host": []} for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            fn = calls[name]
+            for _ in range(per_round):
+                synchronize()
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                synchronize()
+                t2 = time.perf_counter()
+                samples[name]["host"].append((t1 - t0) * 1e6)
+                samples[name]["wall"].append((t2 - t0) * 1e6)
+    return {
+        n: {
+            "wall_us": statistics.median(s["wall"]),
+            "host_us": statistics.median(s["host"]),
+            "wall_spread_us": spread(s["wall"]),
+            "samples": len(s["wall"]),
+        }
+        for n, s in samples.items()
+    }
+
+
+def spread(values: list[float]) -> float:
+    """Half the distance between the 25th and the 75th percentile (a robust +- for a median)."""
+    if len(values) < 4:
+        return 0.0
+    q = statistics.quantiles(values, n=4)
+    return (q[2] - q[0]) / 2
+
+
+def gpu_time_per_call(fn: Callable[[], Any], iters: int) -> tuple[float | None, float | None]:
+    """(µs of GPU activity, GPU activities) per call of ``fn``, from torch.profiler; (None, None) without CUDA.
+
+    Sums the durations of every GPU-side activity Kineto records (kernels, memcpy, memset) over ``iters``
+    calls: the time the GPU is busy, not the wall time.
+    """
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return None, None
+    synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        synchronize()
+    total_ns, count = 0, 0
+    for ev in prof.profiler.kineto_results.events():
+        if ev.device_type() == DeviceType.CUDA:
+            total_ns += ev.duration_ns() if hasattr(ev, "duration_ns") else 1e3 * ev.duration_us()
+            count += 1
+    return total_ns / 1e3 / iters, count / iters
+
+
+# ---------------------------------------------------------------------------------------------- cells
+
+
+@dataclasses.dataclass
+class Settings:
+    """What one run measures (from the command line)."""
+
+    device: str
+    dtype: Any
+    vocab: int
+    layers: int
+    dynamic: bool
+    rounds: int
+    per_round: int
+    warmup: int
+    prof_iters: int
+    gen_batch: int
+    gen_prompt: int
+    gen_new: int
+    gen_rounds: int
+
+
+def compile_forward(model, backend: str, mode: str, dynamic: bool) -> Callable:
+    """``torch.compile(model, backend=..., mode=...)``: plain Inductor for ``"plain"``, moe_fx's backend else."""
+    import torch
+
+    kwargs: dict[str, Any] = {"dynamic": dynamic}
+    if mode != "default":
+        kwargs["mode"] = mode
+    if backend == "moe_fx":
+        kwargs["backend"] = "moe_fx"
+    return torch.compile(model, **kwargs)
+
+
+def forward_call(compiled: Callable, input_ids, mode: str) -> Callable[[], Any]:
+    """One forward of ``compiled`` on ``input_ids`` (a new CUDA-graph step first in reduce-overhead mode)."""
+    import torch
+
+    graphs = mode == "reduce-overhead"
+
+    def call():
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return compiled(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+
+    return call
+
+
+def forward_target(mode: str, t: int) -> float | None:
+    """The issue's speed-up target for a forward row (None where it sets none)."""
+    if mode == "default":
+        return TARGET_DEFAULT_LARGE if t >= LARGE_T else TARGET_DEFAULT
+    if mode == "reduce-overhead" and t >= LARGE_T:
+        return TARGET_GRAPHS_LARGE
+    return None
+
+
+def measure_forward(calls: dict[str, Callable], s: Settings) -> dict:
+    """Warm up (compiles), time alternately, profile: the per-backend numbers of one forward row."""
+    import torch
+
+    with torch.no_grad():
+        for fn in calls.values():
+            for _ in range(s.warmup):
+                fn()
+        synchronize()
+        timed = time_alternating(calls, s.rounds, s.per_round)
+        for name, fn in calls.items():
+            timed[name]["gpu_us"], timed[name]["kernels"] = gpu_time_per_call(fn, s.prof_iters)
+    return timed
+
+
+def run_cell(row: dict, measure: Callable[[], dict], budget: Budget, errors: tuple, skip: str | None = None) -> dict:
+    """``row`` filled with ``measure()``'s numbers, or with the reason it has none.
+
+    ``skip`` (or a spent budget) records the row unmeasured; an error in ``errors`` is recorded in the
+    row and the run carries on. ``cell_s`` is the cell's wall time, compiles included.
+    """
+    if skip or budget.exceeded():
+        row["error"] = skip or "skipped: time budget"
+        return row
+    t0 = time.time()
+    try:
+        row.update(measure())
+    except errors as err:
+        row["error"] = error_text(err)
+    row["cell_s"] = round(time.time() - t0, 1)
+    return row
+
+
+def forward_row(calls: dict[str, Callable], mode: str, t: int, s: Settings) -> dict:
+    """The numbers of one forward row: per-backend times, speed-up and the issue's target for it."""
+    row: dict[str, Any] = measure_forward(calls, s)
+    row["speedup"] = row["plain"]["wall_us"] / row["moe_fx"]["wall_us"]
+    row["target"] = forward_target(mode, t)
+    row["ok"] = None if row["target"] is None else row["speedup"] >= row["target"]
+    return row
+
+
+def layer_host_cell(model_name: str, spec: ModelSpec, base_model, compiled: dict, t: int, s: Settings) -> dict:
+    """The one-layer host-time row: a model with twice the layers is built and compiled next to ``base_model``'s
+    default-mode compilations (``compiled[(backend, "default")]``, compiled here if that mode was not run)."""
+    import torch
+
+    bigger = build_model(spec, 2 * s.layers, s.vocab, s.device, s.dtype)
+    x = torch.randint(3, s.vocab, (1, t), device=s.device)
+    calls = {}
+    for b in BACKENDS:
+        small = compiled.get((b, "default"))
+        if small is None:
+            small = compile_forward(copy.deepcopy(base_model), b, "default", s.dynamic)
+        calls[b] = forward_call(small, x, "default")
+        calls[b + "_x2"] = forward_call(compile_forward(copy.deepcopy(bigger), b, "default", s.dynamic), x, "default")
+    return layer_host_row(model_name, calls, s.layers, t, s)
+
+
+def layer_host_row(model_name: str, calls: dict[str, Callable], layers: int, t: int, s: Settings) -> dict:
+    """Host and wall time of one decoder layer per backend, from models of ``layers`` and ``2 * layers``.
+
+    ``calls`` maps ``"plain"``, ``"moe_fx"``, ``"plain_x2"``, ``"moe_fx_x2"`` to forwards of the same T.
+    """
+    import torch
+
+    with torch.no_grad():
+        for fn in calls.values():
+            for _ in range(s.warmup):
+                fn()
+        timed = time_alternating(calls, s.rounds, s.per_round)
+    row: dict[str, Any] = {"kind": "layer_host", "model": model_name, "T": t, "mode": "default", "layers": layers}
+    for b in BACKENDS:
+        row[b] = {
+            "host_per_layer_us": (timed[b + "_x2"]["host_us"] - timed[b]["host_us"]) / layers,
+            "wall_per_layer_us": (timed[b + "_x2"]["wall_us"] - timed[b]["wall_us"]) / layers,
+            "host_us": timed[b]["host_us"],
+            "host_x2_us": timed[b + "_x2"]["host_us"],
+        }
+    row["delta_host_us"] = row["moe_fx"]["host_per_layer_us"] - row["plain"]["host_per_layer_us"]
+    row["target"] = TARGET_LAYER_HOST_US
+    row["ok"] = row["delta_host_us"] <= TARGET_LAYER_HOST_US
+    return row
+
+
+def static_cache(model, batch: int, max_len: int):
+    """A ``StaticCache`` for ``model``, allocated now, outside any compiled code.
+
+    Allocated eagerly, its tensors are marked as static addresses (``StaticLayer.lazy_initialization``
+    skips that when it runs inside a compiled prefill) and the compiled forward does not recompile when
+    the cache goes from uninitialised to initialised. ``reset()`` before each generate() call.
+    """
+    import transformers
+
+    cfg = model.config
+    cache = transformers.StaticCache(config=cfg, max_cache_len=max_len)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache.early_initialization(batch, cfg.num_key_value_heads, head_dim, model.dtype, model.device)
+    return cache
+
+
+def cache_kwarg(model) -> str:
+    """The name under which forward()/generate() take a cache: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def generate_row(model_name: str, models: dict[str, Any], s: Settings) -> dict:
+    """Greedy generate() with a static cache: eager, plain torch.compile and moe_fx, timed alternately.
+
+    ``models`` maps ``"eager"``, ``"plain"``, ``"moe_fx"`` to model objects with the same weights; the two
+    compiled ones get ``model.forward = torch.compile(model.forward, ...)`` here.
+    """
+    import torch
+
+    base = models["eager"]
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, base.config.vocab_size, (s.gen_batch, s.gen_prompt), generator=g).to(s.device)
+    mask = torch.ones_like(prompts)
+    max_len = s.gen_prompt + s.gen_new
+    caches, runs = {}, {}
+    for name, model in models.items():
+        model.generation_config.disable_compile = True  # eager stays eager; compiled forwards are compiled once
+        if name != "eager":
+            model.forward = torch.compile(
+                model.forward, dynamic=s.dynamic, **({"backend": "moe_fx"} if name == "moe_fx" else {})
+            )
+        caches[name] = static_cache(model, s.gen_batch, max_len)
+
+    cache_kw = cache_kwarg(base)
+
+    def run(name: str, new: int):
+        caches[name].reset()
+        return models[name].generate(
+            prompts, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+            **{cache_kw: caches[name]},
+        )
+
+    with torch.no_grad():
+        tokens = {}
+        for name in models:  # warm-up: compiles prefill and decode
+            for new in (1, s.gen_new):
+                out = run(name, new)
+            tokens[name] = out[:, s.gen_prompt:].cpu()
+        synchronize()
+        for name in models:
+            runs[name] = {"full": [], "one": []}
+        names = list(models)
+        for r in range(s.gen_rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                for key, new in (("full", s.gen_new), ("one", 1)):
+                    synchronize()
+                    t0 = time.perf_counter()
+                    run(name, new)
+                    synchronize()
+                    runs[name][key].append(time.perf_counter() - t0)
+    row: dict[str, Any] = {
+        "kind": "generate", "model": model_name, "mode": "default", "batch": s.gen_batch,
+        "prompt": s.gen_prompt, "new": s.gen_new,
+    }
+    for name in models:
+        full, one = statistics.median(runs[name]["full"]), statistics.median(runs[name]["one"])
+        row[name] = {
+            "s_per_call": full,
+            "s_per_call_1_new": one,
+            "new_tok_s": s.gen_batch * s.gen_new / full,
+            "decode_tok_s": decode_rate(s.gen_batch, s.gen_new, full, one),
+            "same_tokens_as_eager": float((tokens[name] == tokens["eager"]).float().mean()),
+        }
+    plain, mine = row["plain"]["decode_tok_s"], row["moe_fx"]["decode_tok_s"]
+    row["speedup"] = mine / plain if plain and mine else None
+    row["target"] = TARGET_GENERATE
+    row["ok"] = None if row["speedup"] is None else row["speedup"] >= TARGET_GENERATE
+    return row
+
+
+def decode_rate(batch: int, new: int, t_full: float, t_one: float) -> float | None:
+    """Decode tokens/s from calls generating ``new`` and 1 token(s); None when the difference is noise (<= 0)."""
+    if new < 2 or t_full <= t_one:
+        return None
+    return batch * (new - 1) / (t_full - t_one)
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+def deepgemm_state(disabled: bool) -> str:
+    """Whether DeepGEMM can be used in this run, in words (recorded per row)."""
+    if disabled:
+        return "disabled"
+    import importlib.util
+
+    if importlib.util.find_spec("deep_gemm") is None:
+        return "not installed"
+    import torch  # noqa: F401  (deep_gemm's extension links libc10)
+
+    try:
+        import deep_gemm  # noqa: F401
+    except (ImportError, OSError) as err:
+        return f"import fails: {str(err)[:80]}"
+    return "importable"
+
+
+def explain_kernels(model, input_ids) -> str:
+    """moe_fx.explain()'s summary for ``model``: matched regions and the kernels they run."""
+    import moe_fx
+
+    report = moe_fx.explain(model, input_ids=input_ids, use_cache=False, logits_to_keep=1)
+    kernels = sorted({str(r.kernel) for r in report.matched})
+    reasons = sorted({f"{k}: {v}" for r in report.matched for k, v in r.kernel_reasons.items()})
+    return f"{len(report.matched)}/{len(report.regions)} regions rewritten, kernel(s) {kernels}" + (
+        f"; not taken: {reasons[:3]}" if reasons else ""
+    )
+
+
+class Budget:
+    """Wall-clock budget of one run: cells that would start after it are recorded as skipped."""
+
+    def __init__(self, seconds: float) -> None:
+        self.start = time.time()
+        self.seconds = seconds
+
+    def exceeded(self) -> bool:
+        return time.time() - self.start > self.seconds
+
+    def elapsed(self) -> float:
+        return time.time() - self.start
+
+
+def cell_errors() -> tuple[type[BaseException], ...]:
+    """The errors one cell may raise and the run survives (recorded in the row): torch's, Inductor's, Triton's."""
+    errors: list[type[BaseException]] = [RuntimeError, ValueError, TypeError, AssertionError, NotImplementedError]
+    try:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+
+        errors += [CompilationError, OutOfResources]
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def error_text(err: BaseException) -> str:
+    first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+    return f"{type(err).__name__}: {first}"
+
+
+def run_benchmark(args: argparse.Namespace) -> None:
+    """Measure every cell of the chosen models, tokens and modes; save after each."""
+    import torch
+    from tqdm import tqdm
+
+    import moe_fx  # noqa: F401  (registers backend="moe_fx" in a source checkout; after MOE_FX_DISABLE_DEEPGEMM)
+
+    budget = Budget(args.budget_s)
+    settings = make_settings(args)
+    specs = SMOKE_MODELS if args.smoke else MODELS
+    models = args.models.split(",")
+    for name in models:
+        if name not in specs:
+            raise SystemExit(f"unknown model {name!r}; known: {', '.join(specs)}")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    modes = args.modes.split(",")
+    for mode in modes:
+        if mode not in ("default", "reduce-overhead"):
+            raise SystemExit(f"unknown mode {mode!r}: default or reduce-overhead")
+    cache_limit = 256
+    for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), cache_limit))
+    dg = deepgemm_state(args.no_deepgemm)
+    meta = {
+        **machine_meta(),
+        "smoke": args.smoke,
+        "device": settings.device,
+        "dtype": str(settings.dtype).replace("torch.", ""),
+        "layers": settings.layers,
+        "vocab": settings.vocab,
+        "dynamic": settings.dynamic,
+        "deepgemm": dg,
+        "timing": (
+            f"{settings.rounds} rounds x {settings.per_round} calls per backend, alternating; "
+            f"{settings.warmup} warm-up calls; profiler over {settings.prof_iters} calls"
+        ),
+        "models": {n: dataclasses.asdict(specs[n]) for n in models},
+        "explain": {},
+    }
+    log("meta", json.dumps({k: v for k, v in meta.items() if k != "models"}))
+    rows: list[dict] = []
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    base = os.path.join(args.out, f"e2e_model_{stamp}{'_' + args.tag if args.tag else ''}")
+    errors = cell_errors()
+
+    def finish(row: dict) -> None:
+        rows.append(row)
+        log(summary_line(row))
+        bar.update()
+        write_results(base, meta, rows, plot_it=False)
+
+    cells = len(models) * (len(modes) * len(tokens) + (0 if args.no_layer_host else 1) + (0 if args.no_generate else 1))
+    bar = tqdm(total=cells, desc="e2e cells", file=sys.stderr, mininterval=10)
+    for model_name in models:
+        if budget.exceeded():  # not even built: its rows are absent, the meta says why
+            meta.setdefault("models_skipped_for_time", []).append(model_name)
+            log(f"{model_name}: skipped, time budget spent")
+            continue
+        spec = specs[model_name]
+        tag = {"model": model_name, "deepgemm": dg}
+        base_model = build_model(spec, settings.layers, settings.vocab, settings.device, settings.dtype)
+        meta.setdefault("experts_implementation", experts_implementation(base_model))
+        ids = {t: torch.randint(3, settings.vocab, (1, t), device=settings.device) for t in tokens}
+        try:
+            meta["explain"][model_name] = explain_kernels(copy.deepcopy(base_model), ids[tokens[-1]])
+        except errors as err:
+            meta["explain"][model_name] = error_text(err)
+        log("explain", model_name, meta["explain"][model_name])
+        compiled: dict[tuple[str, str], Callable] = {}
+        for mode in modes:
+            for b in BACKENDS:
+                compiled[(b, mode)] = compile_forward(copy.deepcopy(base_model), b, mode, settings.dynamic)
+            for t in tokens:
+                bar.set_postfix_str(f"{model_name} {mode} T={t} ({budget.elapsed():.0f}s)")
+                calls = {b: forward_call(compiled[(b, mode)], ids[t], mode) for b in BACKENDS}
+                finish(run_cell(
+                    {"kind": "forward", **tag, "mode": mode, "T": t, "layers": settings.layers},
+                    lambda: forward_row(calls, mode, t, settings), budget, errors,
+                    skip="needs CUDA" if mode == "reduce-overhead" and settings.device != "cuda" else None,
+                ))
+        if not args.no_layer_host:
+            t = args.layer_host_tokens
+            finish(run_cell(
+                {"kind": "layer_host", **tag, "T": t, "mode": "default", "layers": settings.layers},
+                lambda: layer_host_cell(model_name, spec, base_model, compiled, t, settings), budget, errors,
+            ))
+        if not args.no_generate:
+            finish(run_cell(
+                {"kind": "generate", **tag, "mode": "default"},
+                lambda: generate_row(model_name, {"eager": base_model, "plain": copy.deepcopy(base_model),
+                                                  "moe_fx": copy.deepcopy(base_model)}, settings),
+                budget, errors,
+            ))
+        base_model = compiled = None  # free this model's copies before the next one
+        torch._dynamo.reset()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    bar.close()
+    meta["run_s"] = round(budget.elapsed(), 1)
+    write_results(base, meta, rows, plot_it=not args.no_plot)
+    log(f"done in {budget.elapsed():.0f}s -> {base}.md")
+
+
+def make_settings(args: argparse.Namespace) -> Settings:
+    """Sizes and iteration counts: the full run's on CUDA, tiny ones with ``--smoke``."""
+    import torch
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    if not cuda and not args.smoke:
+        raise SystemExit("bench/e2e_model.py needs a CUDA GPU (or --smoke for a tiny run on CPU)")
+    smoke = args.smoke
+    return Settings(
+        device="cuda" if cuda else "cpu",
+        dtype=torch.bfloat16 if cuda else torch.float32,
+        vocab=args.vocab if args.vocab else (128 if smoke else 32000),
+        layers=args.layers,
+        dynamic=args.dynamic == "true",
+        rounds=args.rounds or (2 if smoke else 10),
+        per_round=args.per_round or (2 if smoke else 5),
+        warmup=3,
+        prof_iters=2 if smoke else 5,
+        gen_batch=2 if smoke else args.gen_batch,
+        gen_prompt=4 if smoke else args.gen_prompt,
+        gen_new=3 if smoke else args.gen_new,
+        gen_rounds=1 if smoke else args.gen_rounds,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def fmt(x: Any, digits: int = 1) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def verdict(row: dict) -> str:
+    ok = row.get("ok")
+    return "-" if ok is None else ("PASS" if ok else "miss")
+
+
+def summary_line(row: dict) -> str:
+    """One line per row for the log."""
+    head = f"{row['kind']:10s} {row['model']:8s} {row.get('mode', ''):15s} T={row.get('T', '-')!s:5s} dg={row['deepgemm']}"
+    if "error" in row:
+        return f"{head}  {row['error']}"
+    if row["kind"] == "forward":
+        p, m = row["plain"], row["moe_fx"]
+        return (f"{head}  wall {p['wall_us']:.0f} / {m['wall_us']:.0f} µs  x{row['speedup']:.2f} "
+                f"(target {fmt(row['target'], 2)}: {verdict(row)})  gpu {fmt(p['gpu_us'], 0)} / {fmt(m['gpu_us'], 0)}  "
+                f"host {p['host_us']:.0f} / {m['host_us']:.0f}")
+    if row["kind"] == "layer_host":
+        return (f"{head}  host/layer plain {row['plain']['host_per_layer_us']:.1f} moe_fx "
+                f"{row['moe_fx']['host_per_layer_us']:.1f}  delta {row['delta_host_us']:+.1f} µs ({verdict(row)})")
+    return (f"{head}  decode tok/s eager {fmt(row['eager']['decode_tok_s'], 0)} plain {fmt(row['plain']['decode_tok_s'], 0)} "
+            f"moe_fx {fmt(row['moe_fx']['decode_tok_s'], 0)}  x{fmt(row['speedup'], 2)} ({verdict(row)})")
+
+
+def write_results(base: str, meta: dict, rows: list[dict], plot_it: bool) -> None:
+    """``base``.json (meta + rows), ``base``.md (tables), ``base``.png (when ``plot_it`` and matplotlib is there)."""
+    with open(base + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(meta, rows))
+    if plot_it:
+        try:
+            plot(base + ".png", meta, rows)
+        except ImportError as err:
+            log("no plot:", err)
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    """The results as markdown: header, forward, layer-host and generate tables, each with the targets."""
+    fw = [r for r in rows if r["kind"] == "forward"]
+    lh = [r for r in rows if r["kind"] == "layer_host"]
+    gen = [r for r in rows if r["kind"] == "generate"]
+    runs = meta.get("merged_from")
+    skipped = meta.get("models_skipped_for_time")
+    lines = [
+        "# Whole models: torch.compile(backend=\"moe_fx\") vs plain torch.compile" + (" (SMOKE: tiny CPU run)" if meta.get("smoke") else ""),
+        "",
+        f"{meta['date']} · {meta['gpu']} · host {meta.get('host', '?')} ({meta.get('cpus', '?')} CPUs) · torch {meta['torch']} · "
+        f"triton {meta['triton']} · transformers {meta['transformers']} · python {meta.get('python', '?')}",
+        "",
+        f"Command: `{meta.get('command', '?')}`" + (f" (merged: {', '.join(runs)}; commands per run in the JSON)" if runs else ""),
+        "",
+        f"{meta.get('layers')} decoder layers, {meta.get('dtype')}, random weights, vocabulary reduced to {meta.get('vocab')}, "
+        f"experts implementation `{meta.get('experts_implementation')}`, sdpa attention, dynamic={meta.get('dynamic')}; "
+        f"timing: {meta.get('timing')}. DeepGEMM: {meta.get('deepgemm')}.",
+        "",
+        "wall = one forward from an idle synchronised GPU to the sync after it; host = the same call until it returns "
+        "(enqueue time); GPU = profiler sum of GPU activity per forward; kernels = GPU activities per forward. "
+        "Speed-up = plain wall / moe_fx wall. Targets (issue 10): default >= 1.0x, >= 1.3x at T >= 1024; "
+        "reduce-overhead >= 1.5x at T >= 1024.",
+        "",
+    ]
+    lines.append("Targets met: " + target_summary(rows) + "." + (
+        f" Not measured (time budget): {', '.join(skipped)}." if skipped else ""))
+    lines.append("")
+    for name, text in meta.get("explain", {}).items():
+        lines.append(f"- moe_fx.explain, {name}: {text}")
+    lines += md_table(
+        "Forward", "",
+        ["model", "mode", "DeepGEMM", "T", "plain wall µs", "moe_fx wall µs", "speed-up", "target", "",
+         "plain GPU µs", "moe_fx GPU µs", "plain host µs", "moe_fx host µs", "kernels plain / moe_fx"],
+        fw, lambda r: [r["model"], r["mode"], r["deepgemm"], str(r["T"])],
+        lambda r: [
+            f"{r['plain']['wall_us']:.0f} ± {r['plain']['wall_spread_us']:.0f}",
+            f"{r['moe_fx']['wall_us']:.0f} ± {r['moe_fx']['wall_spread_us']:.0f}",
+            f"{r['speedup']:.2f}x", fmt(r["target"], 1), verdict(r),
+            fmt(r["plain"]["gpu_us"], 0), fmt(r["moe_fx"]["gpu_us"], 0),
+            f"{r['plain']['host_us']:.0f}", f"{r['moe_fx']['host_us']:.0f}",
+            f"{fmt(r['plain']['kernels'], 0)} / {fmt(r['moe_fx']['kernels'], 0)}",
+        ],
+        sort_key=lambda r: (r["model"], r["mode"], r["deepgemm"], r["T"]),
+    )
+    lines += md_table(
+        "Host time of one MoE decoder layer (default mode)",
+        "Per layer = (time of a model with 2L layers - time with L layers) / L, timed alternately; delta = moe_fx - "
+        "plain (attention is Inductor's in both). Target: delta <= 40 µs.",
+        ["model", "DeepGEMM", "T", "plain host/layer µs", "moe_fx host/layer µs", "delta µs", "target", "",
+         "plain wall/layer µs", "moe_fx wall/layer µs"],
+        lh, lambda r: [r["model"], r["deepgemm"], str(r["T"])],
+        lambda r: [
+            f"{r['plain']['host_per_layer_us']:.1f}", f"{r['moe_fx']['host_per_layer_us']:.1f}",
+            f"{r['delta_host_us']:+.1f}", "<= 40", verdict(r),
+            f"{r['plain']['wall_per_layer_us']:.1f}", f"{r['moe_fx']['wall_per_layer_us']:.1f}",
+        ],
+        sort_key=lambda r: (r["model"], r["deepgemm"], r["T"]),
+    )
+    lines += md_table(
+        "generate() decode (greedy, static cache, compiled forward, default mode)",
+        "decode tok/s = batch * (N - 1) / (t(N new tokens) - t(1 new token)); new tok/s = batch * N / t(N). "
+        "Speed-up = moe_fx decode / plain decode; target >= 1.2x. same = fraction of greedy tokens equal to eager's.",
+        ["model", "DeepGEMM", "batch x prompt + new", "eager decode tok/s", "plain decode tok/s",
+         "moe_fx decode tok/s", "speed-up", "target", "", "new tok/s eager / plain / moe_fx", "same plain / moe_fx"],
+        gen, lambda r: [r["model"], r["deepgemm"]],
+        lambda r: [
+            f"{r['batch']} x {r['prompt']} + {r['new']}",
+            *(fmt(r[n]["decode_tok_s"], 0) for n in ("eager", "plain", "moe_fx")),
+            f"{fmt(r['speedup'], 2)}x", "1.2", verdict(r),
+            " / ".join(f"{r[n]['new_tok_s']:.0f}" for n in ("eager", "plain", "moe_fx")),
+            f"{r['plain']['same_tokens_as_eager']:.2f} / {r['moe_fx']['same_tokens_as_eager']:.2f}",
+        ],
+        sort_key=lambda r: (r["model"], r["deepgemm"]),
+    )
+    return "\n".join(lines) + "\n"
+
+
+def target_summary(rows: list[dict]) -> str:
+    """How many measured rows with a target meet it, per kind of row (and mode for forwards)."""
+    groups: dict[str, list[bool]] = {}
+    for r in rows:
+        if r.get("ok") is not None:
+            groups.setdefault(f"{r['kind']} {r['mode']}" if r["kind"] == "forward" else r["kind"], []).append(r["ok"])
+    return "; ".join(f"{name} {sum(oks)}/{len(oks)}" for name, oks in groups.items()) or "no measured row has a target"
+
+
+def md_table(title: str, note: str, header: list[str], rows: list[dict], head: Callable[[dict], list[str]],
+             body: Callable[[dict], list[str]], sort_key: Callable[[dict], Any]) -> list[str]:
+    """A markdown section: ``## title``, ``note``, then one table line per row (``head(row) + body(row)``,
+    or ``head(row)`` and the row's error where it has no numbers)."""
+    lines = ["", f"## {title}", ""] + ([note, ""] if note else [])
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in sorted(rows, key=sort_key):
+        cells = head(r)
+        cells += [r["error"]] + [""] * (len(header) - len(cells) - 1) if "error" in r else body(r)
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot(path: str, meta: dict, rows: list[dict]) -> None:
+    """Speed-up against T per model (top; one line per mode and DeepGEMM state, targets dashed), and the
+    default mode's wall and GPU times of both backends (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fw = [r for r in rows if r["kind"] == "forward" and "error" not in r]
+    models = list(dict.fromkeys(r["model"] for r in fw))
+    if not models:
+        return
+    fig, axes = plt.subplots(2, len(models), figsize=(max(8.0, 5.5 * len(models)), 8), squeeze=False)
+    for col, model in enumerate(models):
+        ax = axes[0][col]
+        for (mode, dg) in dict.fromkeys((r["mode"], r["deepgemm"]) for r in fw if r["model"] == model):
+            pts = sorted((r["T"], r["speedup"]) for r in fw if (r["model"], r["mode"], r["deepgemm"]) == (model, mode, dg))
+            ax.plot(*zip(*pts), marker="o", ms=3, label=f"{mode}, DeepGEMM {dg}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.plot([LARGE_T, max(LARGE_T, max(r["T"] for r in fw))], [TARGET_DEFAULT_LARGE] * 2, "k--", lw=0.8,
+                 label="target default (T>=1024)")
+        ax.plot([LARGE_T, max(LARGE_T, max(r["T"] for r in fw))], [TARGET_GRAPHS_LARGE] * 2, "k:", lw=0.8,
+                 label="target reduce-overhead (T>=1024)")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{model}: moe_fx speed-up over plain torch.compile")
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel("plain wall / moe_fx wall")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        ax = axes[1][col]
+        for dg in dict.fromkeys(r["deepgemm"] for r in fw if r["model"] == model):
+            sel = sorted((r for r in fw if r["model"] == model and r["mode"] == "default" and r["deepgemm"] == dg),
+                         key=lambda r: r["T"])
+            if not sel:
+                continue
+            ts = [r["T"] for r in sel]
+            for b, style in (("plain", "--"), ("moe_fx", "-")):
+                ax.plot(ts, [r[b]["wall_us"] for r in sel], style, marker="o", ms=3, label=f"{b} wall (DG {dg})")
+                if all(r[b]["gpu_us"] is not None for r in sel):
+                    ax.plot(ts, [r[b]["gpu_us"] for r in sel], style, marker="x", ms=4, alpha=0.6,
+                            label=f"{b} GPU (DG {dg})")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{model}: default mode, wall and GPU time per forward")
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel("µs")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{meta.get('layers')}-layer models, {meta['gpu']}, torch {meta['torch']}, "
+                 f"transformers {meta['transformers']} ({meta['date'][:10]})", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def row_key(row: dict) -> tuple:
+    """What identifies a measurement across runs (a later run's row replaces an earlier one's)."""
+    return (row["kind"], row["model"], row.get("mode"), row.get("T"), row["deepgemm"])
+
+
+def load_runs(paths: list[str], key: Callable[[dict], Any], same: tuple[str, ...]) -> tuple[list[dict], dict]:
+    """The metas and the rows (by ``key(row)``, a later file's row replacing an earlier one's) of results JSON
+    files; SystemExit if the runs differ in any meta field of ``same``."""
+    metas, by_key = [], {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        metas.append(data["meta"])
+        for row in data["rows"]:
+            by_key[key(row)] = {**row, "run": os.path.basename(path)}
+    for field in same:
+        values = {json.dumps(m.get(field)) for m in metas}
+        if len(values) != 1:
+            raise SystemExit(f"--merge: runs differ in {field}: {sorted(values)}")
+    return metas, by_key
+
+
+def merge_runs(paths: list[str], out_dir: str, tag: str, plot_it: bool) -> str:
+    """Join the rows of several runs of this script (same GPU and versions) into one md/json/png."""
+    metas, by_key = load_runs(paths, row_key, ("gpu", "torch", "triton", "transformers", "layers", "vocab", "dynamic"))
+    meta = dict(metas[0])
+    meta["merged_from"] = [os.path.basename(p) for p in paths]
+    meta["commands"] = [m.get("command") for m in metas]
+    meta["deepgemm"] = ", ".join(sorted({m.get("deepgemm", "?") for m in metas}))
+    meta["explain"] = {f"{n} (DeepGEMM {m.get('deepgemm')})": v for m in metas for n, v in m.get("explain", {}).items()}
+    meta["models"] = {n: s for m in metas for n, s in m.get("models", {}).items()}
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"e2e_model_{meta['date'][:10]}{'_' + tag if tag else ''}")
+    write_results(base, meta, list(by_key.values()), plot_it=plot_it)
+    log(f"merged {len(by_key)} rows -> {base}.md")
+    return base
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all)")
+    ap.add_argument("--tokens", default=None, help="comma list of T (default 1,16,256,1024,4096; smoke 1,8)")
+    ap.add_argument("--modes", default=None, help="default,reduce-overhead (default: both; smoke: default)")
+    ap.add_argument("--no-deepgemm", action="store_true", help="set MOE_FX_DISABLE_DEEPGEMM=1 (moe_fx runs Triton)")
+    ap.add_argument("--dynamic", choices=["true", "false"], default="true",
+                    help="torch.compile(dynamic=...) for both backends (default true: one compile for all T >= 2)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=0, help="vocabulary size (default 32000; smoke 128)")
+    ap.add_argument("--rounds", type=int, default=0, help="alternating rounds per cell (default 10; smoke 2)")
+    ap.add_argument("--per-round", type=int, default=0, help="calls per backend per round (default 5; smoke 2)")
+    ap.add_argument("--layer-host-tokens", type=int, default=16, help="T of the one-layer host-time cell")
+    ap.add_argument("--no-layer-host", action="store_true", help="skip the one-layer host-time cell")
+    ap.add_argument("--no-generate", action="store_true", help="skip the generate() cell")
+    ap.add_argument("--gen-batch", type=int, default=4)
+    ap.add_argument("--gen-prompt", type=int, default=32)
+    ap.add_argument("--gen-new", type=int, default=64)
+    ap.add_argument("--gen-rounds", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no new cell after this many seconds")
+    ap.add_argument("--out", default=None, help="results folder (default bench/results; smoke: a temp folder)")
+    ap.add_argument("--tag", default="", help="suffix of the output file names")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny models (H=64, E=8), T=1,8, few iterations; runs on CPU")
+    ap.add_argument("--cpu", action="store_true", help="with --smoke: stay on CPU even if CUDA is there")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="join earlier runs' JSON files into one md/json/png")
+    args = ap.parse_args(argv)
+    args.out = args.out or (os.path.join(tempfile.gettempdir(), "moe_fx_smoke") if args.smoke else os.path.join(HERE, "results"))
+    args.models = args.models or ("qwen3" if args.smoke else ",".join(MODELS))
+    args.tokens = args.tokens or ("1,8" if args.smoke else "1,16,256,1024,4096")
+    args.modes = args.modes or ("default" if args.smoke else "default,reduce-overhead")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.merge:
+        merge_runs(args.merge, args.out, args.tag, plot_it=not args.no_plot)
+        return
+    if args.no_deepgemm:  # read by moe_fx when it first probes the kernels: set it before anything compiles
+        os.environ["MOE_FX_DISABLE_DEEPGEMM"] = "1"
+    run_benchmark(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""bench/e2e_model.py end to end on CPU: its smoke mode writes results files of the expected shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "e2e_model.py"
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT, check=False)
+
+
+@pytest.mark.timeout(120)
+def test_e2e_model_smoke_writes_results(tmp_path):
+    """A tiny one-layer model, one T, default mode, static shapes: two Inductor compiles on CPU (~35 s of
+    CPU time, most of it Inductor's C++ builds). Checks the forward row of both backends, the markdown
+    tables, and ``--merge`` of the JSON. The layer-host and generate cells (four more compiles) are left to
+    a manual ``python bench/e2e_model.py --smoke`` run to keep this test short."""
+    out = tmp_path / "res"
+    proc = _run(["--smoke", "--cpu", "--tokens", "8", "--layers", "1", "--dynamic", "false", "--no-layer-host",
+                 "--no-generate", "--no-plot", "--out", str(out), "--tag", "t"], timeout=100)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    [js] = out.glob("e2e_model_*_t.json")
+    data = json.loads(js.read_text())
+    meta, rows = data["meta"], data["rows"]
+    for key in ("date", "gpu", "torch", "triton", "transformers", "command", "deepgemm", "layers", "vocab", "explain"):
+        assert key in meta, key
+    assert meta["smoke"] is True and meta["device"] == "cpu"
+    assert "1/1 regions rewritten" in meta["explain"]["qwen3"], meta["explain"]
+    [row] = rows
+    assert row["kind"] == "forward" and row["model"] == "qwen3" and row["T"] == 8 and row["mode"] == "default"
+    assert "error" not in row, row
+    for backend in ("plain", "moe_fx"):
+        assert row[backend]["wall_us"] > 0 and row[backend]["host_us"] > 0
+        assert row[backend]["gpu_us"] is None  # no CUDA: no profiler numbers
+    assert row["speedup"] == pytest.approx(row["plain"]["wall_us"] / row["moe_fx"]["wall_us"])
+    assert row["target"] == 1.0 and isinstance(row["ok"], bool)
+    md = js.with_suffix(".md").read_text()
+    assert "| qwen3 | default | " in md and "## Host time of one MoE decoder layer" in md and "## generate()" in md
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import e2e_model
+
+    merged = tmp_path / "merged"
+    e2e_model.merge_runs([str(js), str(js)], str(merged), "m", plot_it=False)
+    [mjs] = merged.glob("e2e_model_*_m.json")
+    mdata = json.loads(mjs.read_text())
+    assert len(mdata["rows"]) == 1 and mdata["meta"]["merged_from"] == [js.name, js.name]
