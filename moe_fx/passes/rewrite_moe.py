@@ -13,6 +13,7 @@ layout is passed as a transposed view, not copied).
 from __future__ import annotations
 
 import logging
+import math
 import re
 
 import torch
@@ -23,12 +24,14 @@ from moe_fx.passes.find_experts import ExpertWeights, find_expert_weights
 from moe_fx.passes.graph_utils import DataFlow, add_weight_buffer, fake_mode_of, tensor_value
 from moe_fx.passes.manager import PassContext
 from moe_fx.passes.report import RegionReport
+from moe_fx.passes.autocast_guard import check_autocast
+from moe_fx.passes.probe_plan import ProbePlan, plan_probe, token_hint
 from moe_fx.passes.verify_region import (
     ProbeResult,
     activation_hypotheses,
     check_ops,
-    estimate_probe_flops,
     probe_region,
+    region_rows_per_token,
 )
 
 __all__ = ["rewrite_moe_regions"]
@@ -168,25 +171,51 @@ def _weights_freed(region: Region, ctx: PassContext) -> bool:
     return any(isinstance(v, torch.Tensor) and ep_weights_freed(v) for v in values)
 
 
-def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked) -> ProbeResult:
-    """Structural and numerical checks; the ProbeResult says yes (with the semantics) or why not."""
-    bad = check_ops(region)
+def _probe_plan(region: Region, ctx: PassContext, stacked) -> ProbePlan | str:
+    """The numerical check this region gets, or why it gets none (``verify="never"``, an EP recompile)."""
+    if ctx.config.verify == "never":
+        return "verify='never'"
+    if _weights_freed(region, ctx):
+        # split_ep already narrowed these weights to this rank's experts (a recompile): the other
+        # experts' rows are gone, so only the structure can be checked.
+        return "expert weights already split across ranks by an earlier compile"
+    budget = ctx.config.verify_max_flops
+    if stacked[0].device.type != "cpu":
+        budget *= 1000  # an accelerator runs the probe in milliseconds at prefill sizes
+    a = region.anchors
+    return plan_probe(token_hint(region.num_tokens), region_rows_per_token(region), a.num_experts, region.top_k,
+                      a.hidden, a.intermediate, budget, ctx.config.verify)
+
+
+def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked, plan: ProbePlan | str) -> ProbeResult:
+    """Structural and numerical checks; the ProbeResult says yes (with the semantics) or why not.
+
+    ``plan`` is the numerical check to run (:func:`_probe_plan`); a string (the reason there is none)
+    matches on structure alone, with the activation read from the graph and weights on the output.
+    """
+    bad = check_ops(region) or check_autocast(region)
     if bad:
         return ProbeResult(False, reason=bad)
     acts = activation_hypotheses(region)
     if not acts:
         return ProbeResult(False, reason="no gated activation (silu/gelu) inside the region")
-    mode = ctx.config.verify
-    if _weights_freed(region, ctx):
-        # split_ep already narrowed these weights to this rank's experts (a recompile): the other
-        # experts' rows are gone, so only the structure can be checked.
-        mode = "never"
-    budget = ctx.config.verify_max_flops
-    if stacked[0].device.type != "cpu":
-        budget *= 1000  # an accelerator runs the probe in milliseconds at prefill sizes
-    if mode == "never" or (mode == "auto" and estimate_probe_flops(region) > budget):
+    if isinstance(plan, str):
         return ProbeResult(True, acts[0], False, reason="structure")
-    return probe_region(region, flow, ctx.real_value, stacked, acts)
+    return probe_region(region, flow, ctx.real_value, stacked, acts, plan)
+
+
+def _record_verification(report: RegionReport, plan: ProbePlan | str, probe: ProbeResult) -> None:
+    """Say in the report how the region was checked: probe size and error, or that it was not."""
+    if isinstance(plan, str):
+        if probe.ok:
+            report.verified = "unverified"
+            report.warnings.append(f"rewritten without a numerical check ({plan}): if the region computes "
+                                   "something else than moe_fx::experts, the compiled model is wrong")
+        return
+    if probe.ok or not math.isnan(probe.error):  # the probe ran (a failed structural check runs none)
+        report.probe, report.probe_error = plan.describe(), probe.error
+    if probe.ok:
+        report.verified = "numerics"
 
 
 def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
@@ -211,7 +240,9 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         if stacked is None:
             report.reason = "the real expert weights are not available to the pass"
             continue
-        probe = _guard(region, ctx, flow, stacked)
+        plan = _probe_plan(region, ctx, stacked)
+        probe = _guard(region, ctx, flow, stacked, plan)
+        _record_verification(report, plan, probe)
         if not probe.ok:
             report.reason = probe.reason
             log.info("moe_fx: left %s untouched: %s", report.layer, report.reason)
@@ -221,7 +252,6 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
             ctx.after_compile.append(lambda a=anchors, x=w13, y=w2: _share_storage(a, ctx, x, y))
         _insert_op(gm, flow, region, probe, ctx, stacked, count, len(ctx.report) - 1)
         report.matched, report.activation, report.weights_on_input = True, probe.activation, probe.weights_on_input
-        report.verified = "structure" if probe.reason == "structure" else f"numerics (rel err {probe.error:.1e})"
         count += 1
         log.info("moe_fx: rewrote %s", report.one_line())
         flow = DataFlow(gm.graph)  # node positions changed
