@@ -25,6 +25,7 @@ from moe_fx.passes.extract_region import Region, extract_region
 from moe_fx.passes.find_experts import ExpertWeights, find_expert_weights
 from moe_fx.passes.graph_utils import DataFlow, add_weight_buffer, fake_mode_of, tensor_value
 from moe_fx.passes.manager import PassContext
+from moe_fx.passes.near_misses import per_expert_near_misses
 from moe_fx.passes.report import RegionReport
 from moe_fx.passes.autocast_guard import check_autocast
 from moe_fx.passes.expert_storage import PerExpertSync, share_storage, stack_per_expert
@@ -248,7 +249,11 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         return 0
     count = 0
     flow = DataFlow(gm.graph)
-    for anchors in find_expert_weights(gm.graph, flow):
+    found_anchors = find_expert_weights(gm.graph, flow)
+    for near_miss in per_expert_near_misses(gm.graph, (n for a in found_anchors for n in a.nodes)):
+        ctx.report.append(near_miss)
+        log.info("moe_fx: left %s untouched: %s", near_miss.layer, near_miss.reason)
+    for anchors in found_anchors:
         found = extract_region(flow, anchors)
         region = found if isinstance(found, Region) else None
         report = _report_for(anchors, region)
