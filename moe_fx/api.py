@@ -101,7 +101,8 @@ class ExplainReport:
         widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
         widths[-1] = 0
         lines = [f"note: {n}" for n in self.notes]
-        lines += ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in [head, *rows]]
+        lines += ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip()
+                  for row in [head, *rows]]
         lines.append(
             f"{len(self.matched)} of {len(self.regions)} MoE region(s) rewritten in {self.graphs} graph(s); "
             f"passes took {self.pass_ms:.1f} ms"

@@ -61,7 +61,8 @@ def test_issue_example_compiles_through_inductor_under_autocast():
 def test_op_ignores_ambient_autocast():
     """The op computes in its inputs' dtypes: an fp32 call under bf16 autocast gives the fp32 result."""
     g = torch.Generator().manual_seed(0)
-    hidden, w13, w2 = torch.randn(5, 16, generator=g), torch.randn(4, 16, 16, generator=g), torch.randn(4, 16, 8, generator=g)
+    hidden, w13 = torch.randn(5, 16, generator=g), torch.randn(4, 16, 16, generator=g)
+    w2 = torch.randn(4, 16, 8, generator=g)
     ids, weights = torch.tensor([[0, 1], [2, 3], [1, 1], [3, 0], [2, 2]]), torch.rand(5, 2, generator=g)
     want = torch.ops.moe_fx.experts(hidden, ids, weights, w13, w2)
     with torch.autocast("cpu", torch.bfloat16):

@@ -136,7 +136,8 @@ def test_quantize_fp8_packs_weights_once_at_rewrite_time():
     assert params_before == {n: p.data_ptr() for n, p in model.named_parameters()}
     from helpers import rel_err
 
-    assert rel_err(got.logits, want) < 0.12  # fp8 weights of a random tiny model (0.06 measured), see bench/fp8_accuracy.py
+    # fp8 weights of a random tiny model (0.06 measured), see bench/fp8_accuracy.py
+    assert rel_err(got.logits, want) < 0.12
 
 
 def test_explain_reports_fp8_checkpoint_experts():

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-import moe_fx
+import moe_fx  # noqa: F401  (registers the ops and backend="moe_fx")
 from moe_fx.ops import ACTIVATIONS
 
 

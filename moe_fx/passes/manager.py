@@ -43,6 +43,9 @@ class PassContext:
         call_checks: callables the compiled graph runs before every call, with the call's graph inputs
             (they keep tensors made at rewrite time in step with the model's parameters:
             :mod:`moe_fx.passes.expert_storage`).
+        weight_sources: per rewritten region (by its index in ``report``): the model's own weight
+            tensors its op's weights come from, as graph input positions or tensors, and a function
+            building the op's ``(w13, w2)`` from them (for passes that make new weights, e.g. fp8).
     """
 
     config: MoEConfig = field(default_factory=MoEConfig)
@@ -52,6 +55,7 @@ class PassContext:
     pack_weights: Callable[..., tuple] | None = None
     after_compile: list[Callable[[], None]] = field(default_factory=list)
     call_checks: list[Callable[[Sequence[Any]], None]] = field(default_factory=list)
+    weight_sources: dict[int, tuple[list[Any], Callable[[list[torch.Tensor]], tuple]]] = field(default_factory=dict)
     _placeholder_values: dict[str, Any] | None = None
     _placeholder_index: dict[str, int] = field(default_factory=dict)
 

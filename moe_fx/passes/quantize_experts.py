@@ -43,7 +43,8 @@ def _repack_on_change(
 ) -> None:
     """Quantise again, into the same buffers, whenever the model's weights change (checked before
     every call, :class:`~moe_fx.passes.expert_storage.SourceWatch`); warn when the sources are unknown."""
-    sources = node.meta.get("moe_fx", {}).get("weight_sources")
+    report_index = node.meta.get("moe_fx", {}).get("report_index")
+    sources = ctx.weight_sources.get(report_index) if report_index is not None else None
     if sources is None or any(r is None for r in sources[0]):
         if report is not None:
             report.warnings.append("fp8 weights were quantised at compile time from weights the pass cannot "

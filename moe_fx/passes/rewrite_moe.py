@@ -279,8 +279,8 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         warning = _keep_weights_in_step(region, ctx, stacked)
         if warning:
             report.warnings.append(warning)
-        op = _insert_op(gm, flow, region, probe, ctx, stacked, count, len(ctx.report) - 1)
-        op.meta["moe_fx"]["weight_sources"] = _weight_sources(region, ctx)
+        _insert_op(gm, flow, region, probe, ctx, stacked, count, len(ctx.report) - 1)
+        ctx.weight_sources[len(ctx.report) - 1] = _weight_sources(region, ctx)
         report.matched, report.activation, report.weights_on_input = True, probe.activation, probe.weights_on_input
         count += 1
         log.info("moe_fx: rewrote %s", report.one_line())

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,7 +37,6 @@ __all__ = [
     "ProbeResult",
     "activation_hypotheses",
     "check_ops",
-    "estimate_probe_flops",
     "probe_region",
     "region_rows_per_token",
 ]
@@ -100,16 +98,6 @@ def activation_hypotheses(region: Region) -> list[str]:
     return out
 
 
-def estimate_probe_flops(region: Region) -> float:
-    """Flops of one probe run at the region's traced T: every routed token through one expert (dense: all).
-
-    ``inf`` when T is data-dependent (no concrete value while tracing).
-    """
-    a = region.anchors
-    t = token_hint(region.num_tokens)
-    return math.inf if t is None else 6.0 * t * region_rows_per_token(region) * a.hidden * a.intermediate
-
-
 def region_rows_per_token(region: Region) -> int:
     """Expert rows one token costs: K, or E for a dense form that runs every expert on every token."""
     return region.anchors.num_experts if region.form == "dense_bmm" else region.top_k
@@ -140,7 +128,8 @@ def _probe_inputs(region: Region, device: torch.device, scale: float, ids: torch
     """Random hidden states and routing weights for the top-k ``ids`` of one probe run (see :mod:`probe_plan`)."""
     t, h = ids.shape[0], region.anchors.hidden
     hidden = (torch.randn(t, h, generator=gen) * scale).to(device=device, dtype=tensor_value(region.hidden).dtype)
-    weights = (torch.rand(t, region.top_k, generator=gen) + 0.1).to(device=device, dtype=tensor_value(region.weights).dtype)
+    weights = torch.rand(t, region.top_k, generator=gen) + 0.1
+    weights = weights.to(device=device, dtype=tensor_value(region.weights).dtype)
     return hidden, ids.to(device=device, dtype=tensor_value(region.ids).dtype), weights
 
 
