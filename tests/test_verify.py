@@ -84,7 +84,7 @@ def test_over_budget_region_computing_something_else_is_left_untouched(variant, 
     got, cap = run_captured(model, x, config=TINY_BUDGET, dynamic=dynamic)
     (r,) = cap.reports
     assert not r.matched and cap.count(OP) == 0
-    assert "reduced T=4 of 40 x2" in r.reason, r.reason
+    assert "reduced T=4 of 40 x3" in r.reason, r.reason
     with torch.no_grad():
         assert rel_err(got, model(x)) < 1e-6
 
@@ -183,4 +183,38 @@ def test_verify_never_is_an_explicit_unverified_rewrite():
     text = str(moe_fx.explain(model, x, config=MoEConfig(verify="never")))
     assert "UNVERIFIED" in text and "without a numerical check" in text
     verified = str(moe_fx.explain(GatherBmmMoE(), x))
-    assert "T=6 x2, err" in verified and "UNVERIFIED" not in verified
+    assert "T=6 x3, err" in verified and "UNVERIFIED" not in verified
+
+
+class _CapacityMoE(GatherBmmMoE):
+    """Switch-style capacity: each expert keeps its first ``int(1.25 * T * K / E)`` tokens, drops the rest."""
+
+    def forward(self, x):
+        t, e = x.shape[0], self.w13.shape[0]
+        weights, ids = torch.topk(F.softmax(x @ self.router.t(), dim=-1), self.top_k, dim=-1)
+        flat = ids.reshape(-1)
+        position = (F.one_hot(flat, e).cumsum(0) * F.one_hot(flat, e)).sum(-1)  # 1-based rank within expert
+        keep = (position <= int(1.25 * t * self.top_k / e)).to(x.dtype)
+        h = torch.bmm(self.w13[flat], x.repeat_interleave(self.top_k, dim=0).unsqueeze(-1)).squeeze(-1)
+        g, u = h.chunk(2, dim=-1)
+        y = torch.bmm(self.w2[flat], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)
+        y = y * (weights.reshape(-1) * keep).unsqueeze(-1)
+        return y.view(t, self.top_k, x.shape[1]).sum(dim=1)
+
+
+@pytest.mark.parametrize("budget", ["default", "tiny"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_capacity_token_dropping_is_never_rewritten(dynamic, budget):
+    """Token dropping depends on the load and on T. Within the budget the skewed probe runs show it;
+    above it, a static T's capacity literal is not resized (no reduced probe: left alone) and a
+    symbolic capacity is not a multiple of T. Before: rewritten as plain SwiGLU above the budget."""
+    model = _CapacityMoE()
+    x = torch.randn(1, 32).repeat(40, 1) + 0.3 * _x(40)  # similar tokens: a few experts overflow
+    config = TINY_BUDGET if budget == "tiny" else MoEConfig()
+    got, cap = run_captured(model, x, config=config, dynamic=dynamic)
+    (r,) = cap.reports
+    assert not r.matched and cap.count(OP) == 0, r.one_line()
+    with torch.no_grad():
+        want = model(x)
+    assert rel_err(want, GatherBmmMoE()(x)) > 1e-2, "the input must make the capacity drop tokens"
+    assert rel_err(got, want) < 1e-6

@@ -172,7 +172,11 @@ def _resize(gm: fx.GraphModule, region: Region, plan: ProbePlan) -> str | None:
         return None  # same T, or a symbolic T whose size inputs _extra_args evaluates at the new T
     a = region.anchors
     sizes = {a.num_experts, a.num_experts - 1, region.top_k, a.hidden, a.intermediate, 2 * a.intermediate}
-    return resize_literals(gm, int(region.num_tokens), plan.tokens, region.top_k, sizes)
+    why = resize_literals(gm, int(region.num_tokens), plan.tokens, region.top_k, a.num_experts, sizes)
+    if why is None:
+        return None
+    return (f"{why}; compile with dynamic=True (a symbolic T is resized exactly), raise "
+            f"MoEConfig.verify_max_flops, or use verify='always' to check it at its own size")
 
 
 @dataclass
