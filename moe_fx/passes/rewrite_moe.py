@@ -21,15 +21,15 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
+from moe_fx.passes.autocast_guard import check_autocast
+from moe_fx.passes.expert_storage import PerExpertSync, share_storage, stack_per_expert
 from moe_fx.passes.extract_region import Region, extract_region
 from moe_fx.passes.find_experts import ExpertWeights, find_expert_weights
 from moe_fx.passes.graph_utils import DataFlow, add_weight_buffer, fake_mode_of, tensor_value
 from moe_fx.passes.manager import PassContext
 from moe_fx.passes.near_misses import per_expert_near_misses
-from moe_fx.passes.report import RegionReport
-from moe_fx.passes.autocast_guard import check_autocast
-from moe_fx.passes.expert_storage import PerExpertSync, share_storage, stack_per_expert
 from moe_fx.passes.probe_plan import ProbePlan, plan_probe, token_hint
+from moe_fx.passes.report import RegionReport
 from moe_fx.passes.verify_region import (
     ProbeResult,
     activation_hypotheses,
@@ -285,4 +285,9 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         count += 1
         log.info("moe_fx: rewrote %s", report.one_line())
         flow = DataFlow(gm.graph)  # node positions changed
+    unverified = [r.layer for r in ctx.report if r.matched and r.verified == "unverified"]
+    if unverified:
+        log.warning("moe_fx: %d region(s) rewritten without a numerical check (%s): %s", len(unverified),
+                    "verify='never'" if ctx.config.verify == "never" else "expert-parallel recompile",
+                    ", ".join(unverified))
     return count
