@@ -73,7 +73,7 @@ class ProbePlan:
         return self.tokens != self.traced_tokens
 
     def describe(self) -> str:
-        """``"T=14 x2"`` or ``"reduced T=32 of 2048 x2"`` for reports."""
+        """``"T=14 x3"`` or ``"reduced T=32 of 2048 x3"`` (tokens per run, runs) for reports."""
         runs = f"x{self.runs}"
         if not self.reduced:
             return f"T={self.tokens} {runs}"

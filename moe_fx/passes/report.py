@@ -31,8 +31,8 @@ class RegionReport:
             inputs, equals the op's reference), ``"unverified"`` (``MoEConfig(verify="never")`` or an
             expert-parallel recompile: rewritten on its structure alone) or ``"attributes"`` (FP8
             checkpoint modules, matched by their attributes before tracing).
-        probe: the numerical check's size, e.g. ``"T=14 x2"`` or ``"reduced T=32 of 2048 x2"`` (also
-            set when the check failed).
+        probe: the numerical check's size, e.g. ``"T=14 x3"`` or ``"reduced T=32 of 2048 x3"`` (also
+            set when the check ran and failed).
         probe_error: the largest relative error the check found (nan when none ran).
         warnings: what the user should know about a region beyond matched / not matched (weights
             that are copies, a request that cannot be honoured, ...).
@@ -60,7 +60,7 @@ class RegionReport:
     warnings: list[str] = field(default_factory=list)
 
     def verification(self) -> str:
-        """How the region was checked, for explain: ``"T=14 x2, err 3e-07"``, ``"UNVERIFIED (...)"``."""
+        """How the region was checked, for explain: ``"T=14 x3, err 3e-07"``, ``"UNVERIFIED (...)"``."""
         if self.verified == "unverified":
             return "UNVERIFIED (rewritten on structure alone)"
         if self.verified == "attributes":
