@@ -3,6 +3,8 @@
 * ``demo``: a tiny random Qwen3-MoE language model compiled with ``backend="moe_fx"`` on CPU: prints the
   explain report, the largest logit difference from eager, and greedy ``generate()`` tokens of both.
 * ``explain``: the explain report for a tiny model of a chosen family and experts implementation.
+
+Sizes are bounded (``--layers`` 1 to 48, ``--tokens`` 1 to 256); anything else is a usage error.
 """
 
 from __future__ import annotations
@@ -62,20 +64,46 @@ def explain_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Families ``explain --family`` offers: every tiny transformers family moe_fx rewrites.
+FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "qwen2_moe", "olmoe")
+#: Most decoder layers a tiny model may have (``--layers``): a few seconds of tracing per dozen layers.
+MAX_LAYERS = 48
+#: Most tokens ``demo --tokens`` generates.
+MAX_TOKENS = 256
+
+
+def _bounded_int(name: str, low: int, high: int):
+    """An argparse type: an int in ``[low, high]``, else a clear argparse error naming ``name``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{name} must be between {low} and {high}, got {value}")
+        return value
+
+    parse.__name__ = name  # argparse names the type in some messages
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m moe_fx`` and the ``moe-fx`` script."""
     parser = argparse.ArgumentParser(prog="python -m moe_fx", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
+    layers = _bounded_int("--layers", 1, MAX_LAYERS)
     p = sub.add_parser("demo", help="compile a tiny MoE LM with moe_fx and compare with eager")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--layers", type=layers, default=2, help=f"decoder layers, 1 to {MAX_LAYERS} (default 2)")
+    p.add_argument("--tokens", type=_bounded_int("--tokens", 1, MAX_TOKENS), default=16,
+                   help=f"tokens to generate, 1 to {MAX_TOKENS} (default 16)")
     p.add_argument("--impl", default="grouped_mm", choices=["grouped_mm", "batched_mm"])
     p.set_defaults(fn=demo)
     p = sub.add_parser("explain", help="print the explain report for a tiny model")
-    p.add_argument("--family", default="qwen3_moe", choices=["mixtral", "qwen3_moe", "deepseek_v3"])
+    p.add_argument("--family", default="qwen3_moe", choices=FAMILIES)
     p.add_argument("--impl", default="grouped_mm", choices=["grouped_mm", "batched_mm"])
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=layers, default=2, help=f"decoder layers, 1 to {MAX_LAYERS} (default 2)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.set_defaults(fn=explain_cmd)
     args = parser.parse_args(argv)

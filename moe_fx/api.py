@@ -65,32 +65,51 @@ class ExplainReport:
         regions: the reports, in graph order (several graphs if the model has graph breaks).
         graphs: how many graphs Dynamo handed the backend.
         pass_ms: time spent in the moe_fx passes, in milliseconds.
+        notes: what holds for the whole model (its train mode, for instance).
     """
 
     regions: list[RegionReport] = field(default_factory=list)
     graphs: int = 0
     pass_ms: float = 0.0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def matched(self) -> list[RegionReport]:
         """The regions that were rewritten."""
         return [r for r in self.regions if r.matched]
 
+    @property
+    def warnings(self) -> list[str]:
+        """Every region's warnings, as ``"<layer>: <warning>"``, without repeats."""
+        out: list[str] = []
+        for r in self.regions:
+            for w in r.warnings:
+                line = f"{r.layer}: {w}"
+                if line not in out:
+                    out.append(line)
+        return out
+
     def __str__(self) -> str:
-        head = ("layer", "match", "family/form", "E", "K", "H", "I", "dtype", "kernel / reason")
+        head = ("layer", "match", "family/form", "E", "K", "H", "I", "dtype", "verified", "kernel / reason")
         rows = []
         for r in self.regions:
             what = f"{r.family or '-'}/{r.form or '?'}"
             last = r.kernel if r.matched else r.reason
             rows.append((r.layer, "yes" if r.matched else "no", what, str(r.num_experts or "-"),
-                         str(r.top_k or "-"), str(r.hidden or "-"), str(r.intermediate or "-"), r.dtype or "-", last))
+                         str(r.top_k or "-"), str(r.hidden or "-"), str(r.intermediate or "-"), r.dtype or "-",
+                         r.verification() if r.matched else (r.probe or "-"), last))
         widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
         widths[-1] = 0
-        lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in [head, *rows]]
+        lines = [f"note: {n}" for n in self.notes]
+        lines += ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip()
+                  for row in [head, *rows]]
         lines.append(
             f"{len(self.matched)} of {len(self.regions)} MoE region(s) rewritten in {self.graphs} graph(s); "
             f"passes took {self.pass_ms:.1f} ms"
         )
+        if self.warnings:
+            lines.append("warnings:")
+            lines += [f"  {w}" for w in self.warnings]
         why_not = [(r.layer, k, v) for r in self.matched for k, v in r.kernel_reasons.items()]
         if why_not:
             lines.append("kernels not taken:")
@@ -102,15 +121,51 @@ class ExplainReport:
         return "\n".join(lines)
 
 
-def _fill_kernels(regions: list[RegionReport], config: MoEConfig) -> None:
+def _explain_kernel(r: RegionReport, config: MoEConfig) -> tuple[str, dict[str, str]]:
+    """The lowering's kernel choice for one matched region: the only call into ``explain_kernel``."""
     from moe_fx.lowering.select import explain_kernel
 
+    return explain_kernel(
+        r.device or "cpu", r.dtype, r.num_experts, r.hidden, r.intermediate, r.fp8,
+        request=config.kernel, activation=r.activation or "silu",
+    )  # fmt: skip
+
+
+def _fill_kernels(regions: list[RegionReport], config: MoEConfig) -> None:
+    """Fill ``kernel`` / ``kernel_reasons`` of every matched region with what will really run.
+
+    The op's CPU implementation is the torch reference whatever kernel was requested; on a GPU a
+    request that cannot run makes the op raise. Both are said, with a warning.
+    """
     for r in regions:
-        if r.matched:
-            r.kernel, r.kernel_reasons = explain_kernel(
-                r.device or "cpu", r.dtype, r.num_experts, r.hidden, r.intermediate, r.fp8,
-                request=config.kernel, activation=r.activation or "silu",
-            )
+        if not r.matched:
+            continue
+        kernel, reasons = _explain_kernel(r, config)
+        if kernel.endswith("(cannot run)"):
+            why = reasons.get(config.kernel, "")
+            if (r.device or "cpu") == "cpu":
+                kernel = "reference"
+                reasons = {**reasons, config.kernel: f"requested, but cannot run ({why}); the CPU runs the reference"}
+                r.warnings.append(f"kernel={config.kernel!r} was requested but cannot run on cpu ({why}); "
+                                  "the torch reference runs instead")
+            else:
+                r.warnings.append(f"kernel={config.kernel!r} was requested but cannot run ({why}): the compiled "
+                                  "model raises when this layer runs; use kernel='auto'")
+        r.kernel, r.kernel_reasons = kernel, reasons
+
+
+def _mode_notes(model: Callable) -> list[str]:
+    """What the model's mode means for the report (explain itself always traces under no_grad)."""
+    module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
+    if not isinstance(module, torch.nn.Module) or not module.training:
+        return []
+    grads = any(p.requires_grad for p in module.parameters())
+    return [
+        "the model is in train mode (model.training is True); explain traced it under torch.no_grad(). "
+        + ("A compiled call with grad enabled leaves every region as written (training is not supported): "
+           "the rows below hold for calls under torch.no_grad() / inference_mode(). " if grads else "")
+        + "Call model.eval() for inference."
+    ]
 
 
 def explain(model: Callable, *example_inputs: Any, config: MoEConfig | None = None, **example_kwargs: Any) -> ExplainReport:
@@ -118,7 +173,10 @@ def explain(model: Callable, *example_inputs: Any, config: MoEConfig | None = No
 
     Nothing is compiled with Inductor and the model's outputs are discarded; the report says for every
     candidate region whether it is rewritten, its family/form, E, K, H, I, dtype, the kernel that will
-    run, and the reason for every non-match. Runs under ``torch.no_grad()``.
+    run (what really runs: on CPU the torch reference whatever was requested), how each rewritten region
+    was verified (probe size and error, or "UNVERIFIED" under ``verify="never"``), the reason for every
+    non-match, and warnings. Runs under ``torch.no_grad()``; a model in train mode gets a note saying
+    what that means for a compiled call with grad enabled.
     """
     import time
 
@@ -140,5 +198,6 @@ def explain(model: Callable, *example_inputs: Any, config: MoEConfig | None = No
     with torch.no_grad():
         torch.compile(model, backend=counting_backend)(*example_inputs, **example_kwargs)
     report.regions = sink
+    report.notes = _mode_notes(model)
     _fill_kernels(report.regions, config)
     return report

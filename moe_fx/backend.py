@@ -75,6 +75,24 @@ def _run_moe_passes(
     return ctx
 
 
+def _with_call_checks(compiled: Callable, checks: list[Callable[[Sequence[Any]], None]]) -> Callable:
+    """``compiled``, running ``checks`` on the graph inputs before every call (none: ``compiled`` itself).
+
+    The checks keep weights made at rewrite time in step with the model's parameters
+    (:mod:`moe_fx.passes.expert_storage`). Dynamo calls what a backend returns with the graph inputs
+    as positional arguments.
+    """
+    if not checks:
+        return compiled
+
+    def run(*args: Any) -> Any:
+        for check in checks:
+            check(args)
+        return compiled(*args)
+
+    return run
+
+
 def make_backend(
     config: MoEConfig | None = None, *, sink: list[RegionReport] | None = None, inductor: bool = True
 ) -> Callable:
@@ -109,7 +127,7 @@ def make_backend(
             compiled = compile_fx(gm, list(example_inputs), config_patches=patches)
         for action in ctx.after_compile:
             action()
-        return compiled
+        return _with_call_checks(compiled, ctx.call_checks)
 
     backend.moe_fx_config = config  # type: ignore[attr-defined]
     return backend

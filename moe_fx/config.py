@@ -17,11 +17,16 @@ class MoEConfig:
             torch reference on CPU), ``"reference"``, ``"triton"`` or ``"deepgemm"``.
         quantize: ``None`` keeps the model's expert weights; ``"fp8"`` quantises bf16 expert weights
             once, at rewrite time, to fp8 e4m3 with 128x128 block scales.
-        verify: check every matched region numerically against the reference op on random probes
-            before rewriting it (``"auto"``: when the probe is cheap enough, see ``verify_max_flops``).
-        verify_max_flops: the largest probe (in flops) ``verify="auto"`` runs on CPU weights (1000x
-            that on an accelerator); above it a region is rewritten on its structural match alone,
-            with the activation read from the graph and routing weights on the output.
+        verify: how a matched region is checked before it is rewritten. ``"auto"`` (default): the region
+            itself runs on random inputs whose routing reaches every expert and must equal the op's
+            reference; at its own token count when that costs at most ``verify_max_flops``, else on a
+            reduced problem of a few tokens (see :mod:`moe_fx.passes.probe_plan`). ``"always"``: at its
+            own token count whatever it costs. ``"never"`` (an expert option): no numerical check at
+            all; a region that matches structurally is rewritten even if it computes something else
+            (a sigmoid GLU, an extra scale, ...), and the report and explain mark it "UNVERIFIED".
+        verify_max_flops: the most flops one probe run at the region's own token count may cost on CPU
+            weights (1000x that on an accelerator) under ``verify="auto"``; above it the probe runs a
+            reduced problem instead (never no probe).
         enabled: ``False`` turns every pass off (the backend then behaves like plain Inductor).
         ep_group: process group for expert parallelism: ``None`` (no expert parallelism), ``"default"``
             (torch.distributed's default group), a ``ProcessGroup``, or a group's c10d name. Each rank

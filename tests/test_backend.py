@@ -112,11 +112,16 @@ def test_compile_rejects_backend_kwarg_and_bad_config():
 def test_verify_never_still_matches_structurally():
     torch.manual_seed(0)
     _, cap = run_captured(DenseBmmMoE(), torch.randn(4, 32), config=moe_fx.MoEConfig(verify="never"))
-    assert cap.reports[0].matched and cap.reports[0].verified == "structure"
+    assert cap.reports[0].matched and cap.reports[0].verified == "unverified"
 
 
 def test_quantize_fp8_packs_weights_once_at_rewrite_time():
     model = tiny_hf_model("qwen3_moe", num_layers=2, dtype=torch.bfloat16, hidden=128, intermediate=128)
+    with torch.no_grad():
+        # Layer 1 routes every token the same way whatever its input (exactly equal scores), so the fp8
+        # error of layer 0 cannot flip a near-tie top-k choice there: the bound below does not depend on
+        # the machine's bf16 kernels.
+        model.model.layers[1].mlp.gate.weight.zero_()
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(ids).logits
@@ -131,7 +136,8 @@ def test_quantize_fp8_packs_weights_once_at_rewrite_time():
     assert params_before == {n: p.data_ptr() for n, p in model.named_parameters()}
     from helpers import rel_err
 
-    assert rel_err(got.logits, want) < 0.2  # fp8 weights of a random tiny model, see bench/fp8_accuracy.py
+    # fp8 weights of a random tiny model (0.06 measured), see bench/fp8_accuracy.py
+    assert rel_err(got.logits, want) < 0.12
 
 
 def test_explain_reports_fp8_checkpoint_experts():

@@ -204,7 +204,16 @@ def experts_reference(
 
     Loops over experts with tokens; correct on any device, for T = 0, ``-1`` ids, duplicate ids and
     empty experts. Raises ``ValueError`` for ids outside the contract (see the module docstring).
+    An ambient ``torch.autocast`` does not change it (the op computes in its inputs' dtypes).
     """
+    device_type = hidden.device.type
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return experts_reference(
+                hidden, topk_ids, topk_weights, w13, w2, activation, weights_on_input, w13_scale, w2_scale,
+                w13_bias=w13_bias, w2_bias=w2_bias, gated=gated, gate_up_layout=gate_up_layout, alpha=alpha,
+                limit=limit, up_offset=up_offset, identity_experts=identity_experts,
+            )  # fmt: skip
     spec = ExpertActivation(activation, gated, gate_up_layout, alpha, limit, up_offset)
     t, h = hidden.shape
     num_experts = w13.shape[0]

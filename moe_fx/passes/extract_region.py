@@ -130,6 +130,8 @@ class _Builder:
             return "extra" if isinstance(v, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)) else None
         if is_factory(n) or v.dim() != 2 or not _same(v.shape[0], self.num_tokens):
             return None
+        if v.dtype == torch.bool:
+            return None  # a mask computed from the ids (``ids == e``) is routing plumbing inside the region
         if not v.dtype.is_floating_point:
             return "ids"
         return "hidden" if _same(v.shape[1], self.anchors.hidden) else "weights"
@@ -257,6 +259,29 @@ def extract_region(flow: DataFlow, anchors: ExpertWeights) -> Region | str:
             return _Builder(flow, anchors, fwd, cand).build()
         except _Reject as exc:
             log.debug("moe_fx: output candidate %s rejected: %s", cand.name, exc)
-            reasons.append(f"{cand.name}: {exc}")
-    # The most informative reason is usually the one of the last [T, H] candidate tried.
-    return reasons[-1]
+            reasons.append((cand, f"{cand.name}: {exc}"))
+    return _best_reason(reasons, _expert_products(flow, anchors))
+
+
+def _module_paths(node: fx.Node) -> list[str]:
+    """The module paths of Dynamo's ``nn_module_stack`` of ``node``, outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [str(v[0]) if isinstance(v, tuple) else str(k) for k, v in stack.items()]
+
+
+def _best_reason(reasons: list[tuple[fx.Node, str]], products: list[fx.Node]) -> str:
+    """The reason to report among the rejected output candidates: the last candidate tried that lies
+    deepest in the experts' own modules (later candidates can belong to later layers, whose reasons
+    would name another layer's tensors)."""
+    home = _module_paths(products[0]) if products else []
+
+    def depth(cand: fx.Node) -> int:
+        n = 0
+        for a, b in zip(_module_paths(cand), home):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    best = max(depth(c) for c, _ in reasons)
+    return [r for c, r in reasons if depth(c) == best][-1]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,12 @@ class PassContext:
             packing, handed in by the backend (passes never import kernels).
         after_compile: actions the backend runs once the graph is compiled (AOTAutograd re-reads the
             example inputs' metadata while compiling, so a pass must not change them before that).
+        call_checks: callables the compiled graph runs before every call, with the call's graph inputs
+            (they keep tensors made at rewrite time in step with the model's parameters:
+            :mod:`moe_fx.passes.expert_storage`).
+        weight_sources: per rewritten region (by its index in ``report``): the model's own weight
+            tensors its op's weights come from, as graph input positions or tensors, and a function
+            building the op's ``(w13, w2)`` from them (for passes that make new weights, e.g. fp8).
     """
 
     config: MoEConfig = field(default_factory=MoEConfig)
@@ -48,7 +54,10 @@ class PassContext:
     timings: dict[str, float] = field(default_factory=dict)
     pack_weights: Callable[..., tuple] | None = None
     after_compile: list[Callable[[], None]] = field(default_factory=list)
+    call_checks: list[Callable[[Sequence[Any]], None]] = field(default_factory=list)
+    weight_sources: dict[int, tuple[list[Any], Callable[[list[torch.Tensor]], tuple]]] = field(default_factory=dict)
     _placeholder_values: dict[str, Any] | None = None
+    _placeholder_index: dict[str, int] = field(default_factory=dict)
 
     def bind(self, gm: fx.GraphModule) -> None:
         """Associate placeholders of ``gm`` with ``example_inputs`` (by position)."""
@@ -56,7 +65,16 @@ class PassContext:
         self._placeholder_values = {
             n.name: v for n, v in zip(placeholders, self.example_inputs, strict=False)
         }
+        self._placeholder_index = {n.name: i for i, n in enumerate(placeholders[: len(self.example_inputs)])}
         self._gm = gm
+
+    def input_ref(self, node: fx.Node) -> int | torch.Tensor | None:
+        """How to find ``node``'s real tensor at call time: its graph input position (a placeholder),
+        the tensor itself (a get_attr), or None."""
+        if node.op == "placeholder":
+            return self._placeholder_index.get(node.name)
+        value = self.real_value(node)
+        return value if isinstance(value, torch.Tensor) else None
 
     def real_value(self, node: fx.Node) -> Any:
         """The real value behind a placeholder or get_attr node, or None if unknown."""

@@ -165,7 +165,7 @@ def capture_fp8_experts(model: nn.Module, kernel: str = "auto") -> list[RegionRe
                 layer=name, matched=True, form="fp8_experts", family=family, num_experts=m.num_experts,
                 top_k=int(getattr(getattr(module, "config", None), "num_experts_per_tok", 0) or 0),
                 hidden=m.hidden, intermediate=m.intermediate, dtype=dtype,
-                device=w.device.type, fp8=True, activation=m.activation, verified="structure",
+                device=w.device.type, fp8=True, activation=m.activation, verified="attributes",
             )
         )  # fmt: skip
         log.info("moe_fx: FP8 experts %s -> moe_fx::experts (fp8 weights and scales as stored)", name)

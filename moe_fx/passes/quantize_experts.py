@@ -4,7 +4,10 @@ Runs after ``rewrite_moe_regions``. For every ``moe_fx::experts`` node whose wei
 quantises the real weights once, at rewrite time, into fp8 e4m3 with 128x128 fp32 block scales (the
 packing function comes from the lowering through ``PassContext.pack_weights``, so this pass knows no
 kernel), stores them as buffers of the GraphModule and points the op at them. The model's own bf16
-parameters are untouched (they stay the source of truth for eager use and for recompiles).
+parameters are untouched (they stay the source of truth for eager use and for recompiles), and are
+watched: when they change (in-place edits, ``load_state_dict``, ``.to()`` and back), the fp8 buffers are
+quantised again before the next call (:class:`~moe_fx.passes.expert_storage.SourceWatch`). A layer
+that is not bf16 keeps its weights, with a warning in the report and the log.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import logging
 import torch
 import torch.fx as fx
 
+from moe_fx.passes.expert_storage import SourceWatch
 from moe_fx.passes.graph_utils import add_weight_buffer, tensor_value
 from moe_fx.passes.manager import PassContext
+from moe_fx.passes.report import RegionReport
 
 __all__ = ["quantize_experts"]
 
@@ -33,6 +38,30 @@ def _real_weight(node: fx.Node, ctx: PassContext) -> torch.Tensor | None:
     return None
 
 
+def _repack_on_change(
+    node: fx.Node, ctx: PassContext, packed: tuple[torch.Tensor, ...], report: RegionReport | None
+) -> None:
+    """Quantise again, into the same buffers, whenever the model's weights change (checked before
+    every call, :class:`~moe_fx.passes.expert_storage.SourceWatch`); warn when the sources are unknown."""
+    report_index = node.meta.get("moe_fx", {}).get("report_index")
+    sources = ctx.weight_sources.get(report_index) if report_index is not None else None
+    if sources is None or any(r is None for r in sources[0]):
+        if report is not None:
+            report.warnings.append("fp8 weights were quantised at compile time from weights the pass cannot "
+                                   "find again at call time: later changes of the model's weights are not seen")
+        return
+    refs, build = sources
+
+    def refresh(tensors: list[torch.Tensor]) -> None:
+        w13, w2 = build(tensors)
+        for buf, new in zip(packed, ctx.pack_weights(w13, w2, "fp8"), strict=True):
+            buf.copy_(new)
+
+    watch = SourceWatch(refs, refresh)
+    ctx.call_checks.append(watch)
+    ctx.after_compile.append(lambda: watch.record(ctx.example_inputs))
+
+
 def quantize_experts(gm: fx.GraphModule, ctx: PassContext) -> int:
     """Quantise the weights of every bf16 ``moe_fx::experts`` node to fp8 blocks; return how many."""
     if ctx.config.quantize != "fp8" or ctx.pack_weights is None:
@@ -46,8 +75,14 @@ def quantize_experts(gm: fx.GraphModule, ctx: PassContext) -> int:
         w13, w2 = _real_weight(w13_node, ctx), _real_weight(w2_node, ctx)
         if w13 is None or w2 is None or w13.dtype == torch.float8_e4m3fn:
             continue
+        report_index = node.meta.get("moe_fx", {}).get("report_index")
+        report = ctx.report[report_index] if report_index is not None else None
         if tensor_value(hidden).dtype != torch.bfloat16:
-            log.info("moe_fx: fp8 weights need bf16 activations; %s stays %s", node.name, tensor_value(hidden).dtype)
+            dtype = str(tensor_value(hidden).dtype).replace("torch.", "")
+            why = f"quantize='fp8' not applied: fp8 expert weights need bfloat16 activations, this layer is {dtype}"
+            log.warning("moe_fx: %s: %s", report.layer if report else node.name, why)
+            if report is not None:
+                report.warnings.append(why)
             continue
         with torch.no_grad():
             q13, s13, q2, s2 = ctx.pack_weights(w13, w2, "fp8")
@@ -59,8 +94,8 @@ def quantize_experts(gm: fx.GraphModule, ctx: PassContext) -> int:
             )
         node.args = (*node.args[:3], q13_n, q2_n, *node.args[5:])
         node.kwargs = {**node.kwargs, "w13_scale": s13_n, "w2_scale": s2_n}
-        report_index = node.meta.get("moe_fx", {}).get("report_index")
-        if report_index is not None:
-            ctx.report[report_index].fp8 = True
+        _repack_on_change(node, ctx, (q13, s13, q2, s2), report)
+        if report is not None:
+            report.fp8 = True
         count += 1
     return count

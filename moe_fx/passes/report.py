@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 __all__ = ["RegionReport"]
@@ -26,7 +27,15 @@ class RegionReport:
         reason: why the region was not rewritten (empty when matched).
         kernel: kernel the lowering will pick (filled by explain / the backend).
         kernel_reasons: why the other kernels were not picked.
-        verified: how the region was checked (``"numerics"`` or ``"structure"``).
+        verified: how a matched region was checked: ``"numerics"`` (the region itself, run on random
+            inputs, equals the op's reference), ``"unverified"`` (``MoEConfig(verify="never")`` or an
+            expert-parallel recompile: rewritten on its structure alone) or ``"attributes"`` (FP8
+            checkpoint modules, matched by their attributes before tracing).
+        probe: the numerical check's size, e.g. ``"T=14 x3"`` or ``"reduced T=32 of 2048 x3"`` (also
+            set when the check ran and failed).
+        probe_error: the largest relative error the check found (nan when none ran).
+        warnings: what the user should know about a region beyond matched / not matched (weights
+            that are copies, a request that cannot be honoured, ...).
     """
 
     layer: str
@@ -46,6 +55,20 @@ class RegionReport:
     kernel: str = ""
     kernel_reasons: dict[str, str] = field(default_factory=dict)
     verified: str = ""
+    probe: str = ""
+    probe_error: float = float("nan")
+    warnings: list[str] = field(default_factory=list)
+
+    def verification(self) -> str:
+        """How the region was checked, for explain: ``"T=14 x3, err 3e-07"``, ``"UNVERIFIED (...)"``."""
+        if self.verified == "unverified":
+            return "UNVERIFIED (rewritten on structure alone)"
+        if self.verified == "attributes":
+            return "module attributes (no numerical check)"
+        if self.probe:
+            err = "" if math.isnan(self.probe_error) else f", err {self.probe_error:.1e}"
+            return self.probe + err
+        return "-"
 
     def one_line(self) -> str:
         """A single log line describing the outcome."""
@@ -55,5 +78,6 @@ class RegionReport:
                 f"H={self.hidden} I={self.intermediate} {self.dtype} act={self.activation}"
                 + (" weights_on_input" if self.weights_on_input else "")
                 + (f" kernel={self.kernel}" if self.kernel else "")
+                + f" verified: {self.verification()}"
             )
         return f"{self.layer}: not matched ({self.form or 'unknown form'}): {self.reason}"

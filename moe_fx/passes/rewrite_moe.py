@@ -6,29 +6,36 @@ yes, insert one ``torch.ops.moe_fx.experts`` call and delete the region. Routing
 
 Per-expert weights (``nn.ModuleList`` experts) are stacked once into ``w13 [E, 2I, H]`` and
 ``w2 [E, H, I]``; the module's own parameters are then made views into the stacked tensors, so no
-second copy of the experts stays in memory. Stacked weights are used as they are (a transposed
-layout is passed as a transposed view, not copied).
+second copy of the experts stays in memory, and a check before every call keeps it so
+(:mod:`moe_fx.passes.expert_storage`). Stacked weights are used as they are (a transposed layout is
+passed as a transposed view, not copied).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
 
+from moe_fx.passes.autocast_guard import check_autocast
+from moe_fx.passes.expert_storage import PerExpertSync, share_storage, stack_per_expert
 from moe_fx.passes.extract_region import Region, extract_region
 from moe_fx.passes.find_experts import ExpertWeights, find_expert_weights
 from moe_fx.passes.graph_utils import DataFlow, add_weight_buffer, fake_mode_of, tensor_value
 from moe_fx.passes.manager import PassContext
+from moe_fx.passes.near_misses import per_expert_near_misses
+from moe_fx.passes.probe_plan import ProbePlan, plan_probe, token_hint
 from moe_fx.passes.report import RegionReport
 from moe_fx.passes.verify_region import (
     ProbeResult,
     activation_hypotheses,
     check_ops,
-    estimate_probe_flops,
     probe_region,
+    region_rows_per_token,
 )
 
 __all__ = ["rewrite_moe_regions"]
@@ -58,36 +65,57 @@ def _clean_path(path: str) -> str:
     return re.sub(r"\[(\d+)\]", r".\1", path)
 
 
-def _stack_per_expert(anchors: ExpertWeights, ctx: PassContext) -> tuple[torch.Tensor, torch.Tensor] | None:
-    gate = [ctx.real_value(n) for n in anchors.gate]
-    up = [ctx.real_value(n) for n in anchors.up]
-    down = [ctx.real_value(n) for n in anchors.down]
-    if any(not isinstance(t, torch.Tensor) for t in gate + up + down):
-        return None
-    with torch.no_grad():
-        w13 = torch.stack([torch.cat([g, u], dim=0) for g, u in zip(gate, up, strict=True)])
-        w2 = torch.stack(down)
-    return w13, w2
+def _per_expert_values(anchors: ExpertWeights, ctx: PassContext) -> list[torch.Tensor] | None:
+    """The real gate, up and down weights of every expert (E each, in that order), or None."""
+    values = [ctx.real_value(n) for n in anchors.gate + anchors.up + anchors.down]
+    return values if all(isinstance(t, torch.Tensor) for t in values) else None
 
 
 def _stacked_weights(region: Region, ctx: PassContext) -> tuple[torch.Tensor, torch.Tensor] | None:
     a = region.anchors
     if a.kind == "per_expert":
-        return _stack_per_expert(a, ctx)
+        values = _per_expert_values(a, ctx)
+        if values is None:
+            return None
+        e = a.num_experts
+        return stack_per_expert(values[:e], values[e : 2 * e], values[2 * e :])
     w13, w2 = ctx.real_value(a.w13), ctx.real_value(a.w2)
     if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
         return None
     return (w13.transpose(1, 2), w2.transpose(1, 2)) if a.transposed else (w13, w2)
 
 
-def _share_storage(anchors: ExpertWeights, ctx: PassContext, w13: torch.Tensor, w2: torch.Tensor) -> None:
-    """Make per-expert parameters views into the stacked tensors, so only one copy stays alive."""
-    inter = anchors.intermediate
-    with torch.no_grad():
-        for e, (g, u, d) in enumerate(zip(anchors.gate, anchors.up, anchors.down, strict=True)):
-            ctx.real_value(g).data = w13[e, :inter]
-            ctx.real_value(u).data = w13[e, inter:]
-            ctx.real_value(d).data = w2[e]
+def _keep_weights_in_step(region: Region, ctx: PassContext, stacked: tuple[torch.Tensor, torch.Tensor]) -> str:
+    """Per-expert weights: after compiling, make the parameters views of the stacks, and check before
+    every call that they still are (:mod:`expert_storage`). Returns a warning when that cannot be
+    guaranteed (a parameter the pass cannot find again at call time), else ``""``."""
+    a = region.anchors
+    if a.kind != "per_expert":
+        return ""
+    e, (w13, w2) = a.num_experts, stacked
+    values = _per_expert_values(a, ctx)
+    refs = [ctx.input_ref(n) for n in a.gate + a.up + a.down]
+    ctx.after_compile.append(lambda: share_storage(values[:e], values[e : 2 * e], values[2 * e :], w13, w2))
+    if any(r is None for r in refs):
+        return ("per-expert weights were stacked at compile time and some cannot be found at call time: "
+                "replacing or reloading them with assign=True is not seen by this compiled graph")
+    ctx.call_checks.append(PerExpertSync(refs, w13, w2))
+    return ""
+
+
+def _weight_sources(region: Region, ctx: PassContext) -> tuple[list, Callable[[list[torch.Tensor]], tuple]]:
+    """The model's own weight tensors the op's weights come from (as graph input positions or
+    tensors, see :data:`~moe_fx.passes.expert_storage.TensorRef`) and how to build the op's
+    ``(w13, w2)`` from them: what a later pass that makes new weights (fp8) re-reads."""
+    a = region.anchors
+    if a.kind == "per_expert":
+        refs = [ctx.input_ref(n) for n in a.gate + a.up + a.down]
+        e = a.num_experts
+        return refs, lambda ts: stack_per_expert(ts[:e], ts[e : 2 * e], ts[2 * e :])
+    refs = [ctx.input_ref(a.w13), ctx.input_ref(a.w2)]
+    if a.transposed:
+        return refs, lambda ts: (ts[0].transpose(1, 2), ts[1].transpose(1, 2))
+    return refs, lambda ts: (ts[0], ts[1])
 
 
 def _insert_op(
@@ -168,25 +196,51 @@ def _weights_freed(region: Region, ctx: PassContext) -> bool:
     return any(isinstance(v, torch.Tensor) and ep_weights_freed(v) for v in values)
 
 
-def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked) -> ProbeResult:
-    """Structural and numerical checks; the ProbeResult says yes (with the semantics) or why not."""
-    bad = check_ops(region)
+def _probe_plan(region: Region, ctx: PassContext, stacked) -> ProbePlan | str:
+    """The numerical check this region gets, or why it gets none (``verify="never"``, an EP recompile)."""
+    if ctx.config.verify == "never":
+        return "verify='never'"
+    if _weights_freed(region, ctx):
+        # split_ep already narrowed these weights to this rank's experts (a recompile): the other
+        # experts' rows are gone, so only the structure can be checked.
+        return "expert weights already split across ranks by an earlier compile"
+    budget = ctx.config.verify_max_flops
+    if stacked[0].device.type != "cpu":
+        budget *= 1000  # an accelerator runs the probe in milliseconds at prefill sizes
+    a = region.anchors
+    return plan_probe(token_hint(region.num_tokens), region_rows_per_token(region), a.num_experts, region.top_k,
+                      a.hidden, a.intermediate, budget, ctx.config.verify)
+
+
+def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked, plan: ProbePlan | str) -> ProbeResult:
+    """Structural and numerical checks; the ProbeResult says yes (with the semantics) or why not.
+
+    ``plan`` is the numerical check to run (:func:`_probe_plan`); a string (the reason there is none)
+    matches on structure alone, with the activation read from the graph and weights on the output.
+    """
+    bad = check_ops(region) or check_autocast(region)
     if bad:
         return ProbeResult(False, reason=bad)
     acts = activation_hypotheses(region)
     if not acts:
         return ProbeResult(False, reason="no gated activation (silu/gelu) inside the region")
-    mode = ctx.config.verify
-    if _weights_freed(region, ctx):
-        # split_ep already narrowed these weights to this rank's experts (a recompile): the other
-        # experts' rows are gone, so only the structure can be checked.
-        mode = "never"
-    budget = ctx.config.verify_max_flops
-    if stacked[0].device.type != "cpu":
-        budget *= 1000  # an accelerator runs the probe in milliseconds at prefill sizes
-    if mode == "never" or (mode == "auto" and estimate_probe_flops(region) > budget):
+    if isinstance(plan, str):
         return ProbeResult(True, acts[0], False, reason="structure")
-    return probe_region(region, flow, ctx.real_value, stacked, acts)
+    return probe_region(region, flow, ctx.real_value, stacked, acts, plan)
+
+
+def _record_verification(report: RegionReport, plan: ProbePlan | str, probe: ProbeResult) -> None:
+    """Say in the report how the region was checked: probe size and error, or that it was not."""
+    if isinstance(plan, str):
+        if probe.ok:
+            report.verified = "unverified"
+            report.warnings.append(f"rewritten without a numerical check ({plan}): if the region computes "
+                                   "something else than moe_fx::experts, the compiled model is wrong")
+        return
+    if probe.ok or not math.isnan(probe.error):  # the probe ran (a failed structural check runs none)
+        report.probe, report.probe_error = plan.describe(), probe.error
+    if probe.ok:
+        report.verified = "numerics"
 
 
 def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
@@ -195,7 +249,11 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         return 0
     count = 0
     flow = DataFlow(gm.graph)
-    for anchors in find_expert_weights(gm.graph, flow):
+    found_anchors = find_expert_weights(gm.graph, flow)
+    for near_miss in per_expert_near_misses(gm.graph, (n for a in found_anchors for n in a.nodes)):
+        ctx.report.append(near_miss)
+        log.info("moe_fx: left %s untouched: %s", near_miss.layer, near_miss.reason)
+    for anchors in found_anchors:
         found = extract_region(flow, anchors)
         region = found if isinstance(found, Region) else None
         report = _report_for(anchors, region)
@@ -211,18 +269,25 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         if stacked is None:
             report.reason = "the real expert weights are not available to the pass"
             continue
-        probe = _guard(region, ctx, flow, stacked)
+        plan = _probe_plan(region, ctx, stacked)
+        probe = _guard(region, ctx, flow, stacked, plan)
+        _record_verification(report, plan, probe)
         if not probe.ok:
             report.reason = probe.reason
             log.info("moe_fx: left %s untouched: %s", report.layer, report.reason)
             continue
-        if region.anchors.kind == "per_expert":
-            anchors, (w13, w2) = region.anchors, stacked
-            ctx.after_compile.append(lambda a=anchors, x=w13, y=w2: _share_storage(a, ctx, x, y))
+        warning = _keep_weights_in_step(region, ctx, stacked)
+        if warning:
+            report.warnings.append(warning)
         _insert_op(gm, flow, region, probe, ctx, stacked, count, len(ctx.report) - 1)
+        ctx.weight_sources[len(ctx.report) - 1] = _weight_sources(region, ctx)
         report.matched, report.activation, report.weights_on_input = True, probe.activation, probe.weights_on_input
-        report.verified = "structure" if probe.reason == "structure" else f"numerics (rel err {probe.error:.1e})"
         count += 1
         log.info("moe_fx: rewrote %s", report.one_line())
         flow = DataFlow(gm.graph)  # node positions changed
+    unverified = [r.layer for r in ctx.report if r.matched and r.verified == "unverified"]
+    if unverified:
+        log.warning("moe_fx: %d region(s) rewritten without a numerical check (%s): %s", len(unverified),
+                    "verify='never'" if ctx.config.verify == "never" else "expert-parallel recompile",
+                    ", ".join(unverified))
     return count

@@ -4,10 +4,11 @@
   plumbing, products, the gated activation, the weighted combine); anything else (a clamp, a bias,
   a norm after the experts, ...) keeps the region as the model wrote it.
 * :func:`activation_hypotheses` — which gated activations the region can mean.
-* :func:`probe_region` — runs the region itself on random inputs (uneven expert loads, two input
-  scales) with the model's real expert weights and compares it with the op's reference
-  implementation; this decides the activation and whether routing weights scale the expert input
-  or output, and rejects anything that computes something else.
+* :func:`probe_region` — runs the region itself on random inputs (uneven expert loads that reach
+  every expert, two input scales) with the model's real expert weights and compares it with the op's
+  reference implementation; this decides the activation and whether routing weights scale the expert
+  input or output, and rejects anything that computes something else. How many tokens and runs
+  (the full problem, or a reduced one when that costs too much) is :mod:`moe_fx.passes.probe_plan`'s.
 """
 
 from __future__ import annotations
@@ -22,8 +23,23 @@ import torch.fx as fx
 from moe_fx.ops import experts_reference
 from moe_fx.passes.extract_region import Region
 from moe_fx.passes.graph_utils import DataFlow, node_value, op_name, tensor_value
+from moe_fx.passes.probe_plan import (
+    SCALES,
+    ProbePlan,
+    probe_routing,
+    resize_literals,
+    symbolic_value,
+    token_hint,
+)
 
-__all__ = ["ALLOWED_OPS", "ProbeResult", "activation_hypotheses", "check_ops", "estimate_probe_flops", "probe_region"]
+__all__ = [
+    "ALLOWED_OPS",
+    "ProbeResult",
+    "activation_hypotheses",
+    "check_ops",
+    "probe_region",
+    "region_rows_per_token",
+]
 
 log = logging.getLogger("moe_fx.passes")
 
@@ -82,21 +98,9 @@ def activation_hypotheses(region: Region) -> list[str]:
     return out
 
 
-def _hint(v: object) -> int:
-    if isinstance(v, torch.SymInt):
-        hint = v.node.hint
-        if hint is None:
-            raise ValueError(f"no concrete value known for {v}")
-        return int(hint)
-    return int(v)
-
-
-def estimate_probe_flops(region: Region) -> float:
-    """Flops of one probe run: every routed token through one expert (dense forms: through all)."""
-    a = region.anchors
-    t = _hint(region.num_tokens)
-    rows = t * a.num_experts if region.form == "dense_bmm" else t * region.top_k
-    return 6.0 * rows * a.hidden * a.intermediate
+def region_rows_per_token(region: Region) -> int:
+    """Expert rows one token costs: K, or E for a dense form that runs every expert on every token."""
+    return region.anchors.num_experts if region.form == "dense_bmm" else region.top_k
 
 
 def _subgraph(region: Region, flow: DataFlow) -> tuple[fx.GraphModule, list[fx.Node]]:
@@ -120,14 +124,59 @@ def _subgraph(region: Region, flow: DataFlow) -> tuple[fx.GraphModule, list[fx.N
     return fx.GraphModule(torch.nn.Module(), g), inputs
 
 
-def _probe_inputs(region: Region, device: torch.device, scale: float, gen: torch.Generator):
-    t, h, e, k = _hint(region.num_tokens), region.anchors.hidden, region.anchors.num_experts, region.top_k
+def _probe_inputs(region: Region, device: torch.device, scale: float, ids: torch.Tensor, gen: torch.Generator):
+    """Random hidden states and routing weights for the top-k ``ids`` of one probe run (see :mod:`probe_plan`)."""
+    t, h = ids.shape[0], region.anchors.hidden
     hidden = (torch.randn(t, h, generator=gen) * scale).to(device=device, dtype=tensor_value(region.hidden).dtype)
-    # Skewed random top-k: some experts get many tokens, some none.
-    logits = torch.rand(t, e, generator=gen) + torch.linspace(0, 4, e) * (torch.rand(e, generator=gen) > 0.3)
-    ids = logits.topk(k, dim=-1).indices.to(device=device, dtype=tensor_value(region.ids).dtype)
-    weights = (torch.rand(t, k, generator=gen) + 0.1).to(device=device, dtype=tensor_value(region.weights).dtype)
-    return hidden, ids, weights
+    weights = torch.rand(t, region.top_k, generator=gen) + 0.1
+    weights = weights.to(device=device, dtype=tensor_value(region.weights).dtype)
+    return hidden, ids.to(device=device, dtype=tensor_value(region.ids).dtype), weights
+
+
+def _extra_args(
+    region: Region, inputs: list[fx.Node], real_value: Callable[[fx.Node], object], plan: ProbePlan
+) -> list[object] | str:
+    """Values of the subgraph inputs after hidden/ids/weights (expert weights, then sizes), at the
+    probe's T; or the reason they cannot be had."""
+    args: list[object] = []
+    for node in inputs[3:]:
+        v = real_value(node)
+        if isinstance(v, torch.Tensor):
+            args.append(v)
+            continue
+        traced = node_value(node)
+        if isinstance(traced, torch.Tensor):
+            return f"no real value for {node.name}"
+        sym = traced if isinstance(traced, torch.SymInt) else v
+        if isinstance(sym, torch.SymInt):
+            try:
+                v = symbolic_value(sym, region.num_tokens.node.expr, plan.tokens) if plan.reduced and \
+                    isinstance(region.num_tokens, torch.SymInt) else token_hint(sym)
+            except ValueError as exc:
+                return f"the probe cannot be resized to T={plan.tokens}: {exc}"
+            if v is None:
+                return f"no concrete value known for {node.name} ({sym})"
+        elif isinstance(traced, (torch.SymFloat, torch.SymBool)):
+            # A Python float of the model that Dynamo made a graph input (dynamic=True): it may change
+            # between calls without a recompile, and the op has no argument for it.
+            return f"the region reads {node.name}, a run-time scalar ({traced}) moe_fx::experts has no argument for"
+        elif v is None:
+            v = traced
+        args.append(v)
+    return args
+
+
+def _resize(gm: fx.GraphModule, region: Region, plan: ProbePlan) -> str | None:
+    """Make the region subgraph run at the probe's T; None on success, else the reason."""
+    if not plan.reduced or isinstance(region.num_tokens, torch.SymInt):
+        return None  # same T, or a symbolic T whose size inputs _extra_args evaluates at the new T
+    a = region.anchors
+    sizes = {a.num_experts, a.num_experts - 1, region.top_k, a.hidden, a.intermediate, 2 * a.intermediate}
+    why = resize_literals(gm, int(region.num_tokens), plan.tokens, region.top_k, a.num_experts, sizes)
+    if why is None:
+        return None
+    return (f"{why}; compile with dynamic=True (a symbolic T is resized exactly), raise "
+            f"MoEConfig.verify_max_flops, or use verify='always' to check it at its own size")
 
 
 @dataclass
@@ -147,38 +196,37 @@ def probe_region(
     real_value: Callable[[fx.Node], object],
     stacked: tuple[torch.Tensor, torch.Tensor],
     activations: list[str],
+    plan: ProbePlan,
 ) -> ProbeResult:
     """Run the region on random inputs and compare with :func:`experts_reference` under each hypothesis.
 
     ``stacked`` is ``(w13 [E, 2I, H], w2 [E, H, I])`` built from the real weights the way the rewrite
-    will pass them to the op.
+    will pass them to the op. ``plan`` (:func:`~moe_fx.passes.probe_plan.plan_probe`) gives the token
+    count and the number of runs; the routing reaches every expert (:func:`probe_routing`).
     """
     gm, inputs = _subgraph(region, flow)
+    where = f" ({plan.describe()})"
+    bad = _resize(gm, region, plan)
+    extras = bad if bad is not None else _extra_args(region, inputs, real_value, plan)
+    if isinstance(extras, str):
+        return ProbeResult(False, reason=f"no numerical check possible{where}: {extras}")
     w13, w2 = stacked
     device = w13.device
     dtype = tensor_value(region.hidden).dtype
     tol = _TOLERANCE.get(dtype, 3e-2)
     gen = torch.Generator().manual_seed(1234)
-    probes = [_probe_inputs(region, device, s, gen) for s in (1.0, 4.0)]
+    routing = probe_routing(plan.tokens, plan.runs, region.anchors.num_experts, region.top_k, gen)
+    probes = [_probe_inputs(region, device, SCALES[r % len(SCALES)], ids, gen) for r, ids in enumerate(routing)]
+    # The region runs under the ambient autocast state, as the model does (the reference ignores it;
+    # a region whose products autocast recasts is refused before the probe: check_autocast).
     with torch.no_grad():
         outs = []
         for hidden, ids, weights in probes:
-            args: list[object] = [hidden, ids, weights]
-            for node in inputs[3:]:
-                v = real_value(node)
-                if isinstance(v, torch.SymInt):
-                    v = _hint(v)
-                if v is None:
-                    v = node_value(node)
-                    if isinstance(v, torch.Tensor):
-                        return ProbeResult(False, reason=f"no real value for {node.name}")
-                    v = _hint(v)
-                args.append(v)
             try:
                 # The Interpreter, unlike gm(...), does not print the traceback of an expected failure.
-                outs.append(fx.Interpreter(gm).run(*args))
+                outs.append(fx.Interpreter(gm).run(hidden, ids, weights, *extras))
             except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-                return ProbeResult(False, reason=f"the region failed on probe inputs: {exc}")
+                return ProbeResult(False, reason=f"the region failed on probe inputs{where}: {exc}")
         best = ProbeResult(False, reason="no activation found in the region")
         for act in activations:
             for on_input in (False, True):
@@ -190,6 +238,6 @@ def probe_region(
                     return ProbeResult(True, act, on_input, err)
                 if not err >= best.error:  # keeps the smallest error (nan compares False)
                     best = ProbeResult(False, act, on_input, err,
-                                       f"numerical check failed: relative error {err:.2e} > {tol:.0e} "
+                                       f"numerical check failed{where}: relative error {err:.2e} > {tol:.0e} "
                                        f"(best hypothesis: {act}, weights on {'input' if on_input else 'output'})")
         return best

@@ -1,0 +1,179 @@
+"""explain tells the truth (issue 11, point 7) and the command line refuses what it cannot do (point 8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import moe_fx
+from helpers import rel_err, run_captured
+from moe_fx.config import MoEConfig
+from moe_fx.testing import DenseBmmMoE, LoopMoE, SwiGLUExpert, tiny_hf_model
+
+OP = "torch.ops.moe_fx.experts.default("
+
+
+def test_train_mode_is_said():
+    """explain traces under no_grad; a model in train mode gets a note saying what a compiled call with
+    grad enabled does (leaves it alone), instead of a plain "yes"."""
+    torch.manual_seed(0)
+    model = DenseBmmMoE()  # nn.Module: train mode until .eval()
+    x = torch.randn(4, 32)
+    report = moe_fx.explain(model, x)
+    assert report.matched and any("train mode" in n for n in report.notes)
+    assert "note: the model is in train mode" in str(report) and "leaves every region as written" in str(report)
+    assert not moe_fx.explain(model.eval(), x).notes
+
+
+class _Expert(SwiGLUExpert):
+    """A per-expert MLP whose middle is ``kind`` (near misses of ``down(silu(gate(x)) * up(x))``)."""
+
+    def __init__(self, hidden: int, inter: int, kind: str) -> None:
+        super().__init__(hidden, inter)
+        self.kind = kind
+
+    def forward(self, x):
+        if self.kind == "not_gated":
+            return self.down_proj(F.relu(self.up_proj(x)))
+        g, u = self.gate_proj(x), self.up_proj(x)
+        if self.kind == "relu":
+            a = F.relu(g) * u
+        elif self.kind == "sigmoid":
+            a = torch.sigmoid(g) * u
+        elif self.kind == "clamped_silu":
+            a = F.silu(g.clamp(max=1.0)) * u
+        elif self.kind == "silu_by_hand":
+            a = g * torch.sigmoid(g) * u
+        else:
+            raise ValueError(self.kind)
+        return self.down_proj(a)
+
+
+def _loop(kind: str) -> LoopMoE:
+    torch.manual_seed(0)
+    model = LoopMoE(num_experts=4)
+    if kind == "shared_instance":
+        model.experts = nn.ModuleList([model.experts[0]] * 4)
+    elif kind == "mixed_sizes":
+        model.experts[3] = SwiGLUExpert(32, 8)
+    else:
+        model.experts = nn.ModuleList(_Expert(32, 16, kind) for _ in range(4))
+    return model.eval()
+
+
+NEAR_MISSES = {
+    "relu": "activation is 'relu'",
+    "sigmoid": "sigmoid(...) * ...",
+    "clamped_silu": "activation is clamped",
+    "silu_by_hand": "hand-written x * sigmoid(x)",
+    "not_gated": "not gated",
+    "shared_instance": "one expert module instance serves every expert",
+    "mixed_sizes": "different sizes",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(NEAR_MISSES))
+def test_module_list_near_misses_say_why(kind):
+    """Before: "0 of 0 MoE region(s)". Now one unmatched region with the reason, graph untouched."""
+    model, x = _loop(kind), torch.randn(6, 32)
+    report = moe_fx.explain(model, x)
+    (r,) = report.regions
+    assert not r.matched and r.layer == "experts" and r.form == "expert_loop"
+    assert NEAR_MISSES[kind] in r.reason, r.reason
+    assert "0 of 1 MoE region(s)" in str(report)
+    got, cap = run_captured(model, x)
+    assert cap.count(OP) == 0
+    with torch.no_grad():
+        assert torch.equal(got, model(x))
+
+
+class _WhereLoopMoE(LoopMoE):
+    """The common hand-written loop: ``tok, slot = torch.where(ids == e)`` for each expert."""
+
+    def forward(self, x):
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * weights[tok, slot, None])
+        return out
+
+
+def test_where_ids_eq_e_loop_is_rewritten():
+    """Before: "found 4 top-k id [T, K] inputs instead of one" (the ``ids == e`` masks taken for ids)."""
+    torch.manual_seed(0)
+    model, x = _WhereLoopMoE(num_experts=4).eval(), torch.randn(7, 32)
+    got, cap = run_captured(model, x)
+    (r,) = cap.reports
+    assert r.matched and r.form == "expert_loop" and r.verified == "numerics", r.reason
+    with torch.no_grad():
+        assert rel_err(got, model(x)) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4"])
+def test_reason_names_the_layers_own_tensors(family):
+    """Before: layer 0's reason named layer 1's router bias / down_proj."""
+    model = tiny_hf_model(family, num_layers=2)
+    report = moe_fx.explain(model, torch.randint(0, 128, (1, 6)))
+    assert len(report.regions) == 2
+    for i, r in enumerate(report.regions):
+        assert r.layer.startswith(f"model.layers.{i}.")
+        other = f"layers_modules_{1 - i}_"
+        assert r.matched or (r.reason and other not in r.reason), r.reason
+
+
+def test_fp8_request_on_fp32_is_a_warning():
+    """Before: an INFO log only; the report said nothing."""
+    torch.manual_seed(0)
+    report = moe_fx.explain(DenseBmmMoE().eval(), torch.randn(4, 32), config=MoEConfig(quantize="fp8"))
+    (r,) = report.regions
+    assert r.matched and not r.fp8
+    assert any("quantize='fp8' not applied" in w and "float32" in w for w in r.warnings)
+    assert "warnings:" in str(report) and "quantize='fp8' not applied" in str(report)
+
+
+def test_triton_request_on_cpu_reports_what_runs():
+    """Before: "triton (cannot run)" while the reference ran. The report names the kernel that runs."""
+    torch.manual_seed(0)
+    model, x = DenseBmmMoE().eval(), torch.randn(4, 32)
+    report = moe_fx.explain(model, x, config=MoEConfig(kernel="triton"))
+    (r,) = report.regions
+    assert r.kernel == "reference" and "cannot run" not in str(report).split("\n")[1]
+    assert "requested, but cannot run" in r.kernel_reasons["triton"]
+    assert any("kernel='triton' was requested but cannot run on cpu" in w for w in r.warnings)
+    got, cap = run_captured(model, x, config=MoEConfig(kernel="triton"))
+    assert "impl = 'triton'" in cap.code
+    with torch.no_grad():
+        assert rel_err(got, model(x)) < 1e-5  # it ran (the reference), as reported
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--tokens", "0"], "--tokens must be between 1 and 256, got 0"),
+        (["explain", "--layers", "0"], "--layers must be between 1 and 48, got 0"),
+        (["explain", "--layers", "1000"], "--layers must be between 1 and 48, got 1000"),
+        (["demo", "--layers", "-3"], "--layers must be between 1 and 48, got -3"),
+        (["explain", "--family", "gpt_oss"], "invalid choice: 'gpt_oss'"),
+    ],
+)
+def test_cli_rejects_bad_sizes(argv, message, capsys):
+    from moe_fx.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family, cls", [("olmoe", "Olmoe/grouped_mm"), ("qwen2_moe", "Qwen2Moe/grouped_mm")])
+def test_cli_offers_every_rewritten_family(family, cls, capsys):
+    from moe_fx.__main__ import main
+
+    assert main(["explain", "--family", family, "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert cls in out and "1 of 1 MoE region(s)" in out
