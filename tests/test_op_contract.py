@@ -28,7 +28,12 @@ def _op_cpu(hidden, ids, weights, w13, w2, **kwargs):
 #: Implementations checked by the property test: name -> callable with the op's signature (keyword
 #: arguments as in the schema). More kernels (the Triton kernels under TRITON_INTERPRET=1, on CPU)
 #: are added here; each may declare the cases it does not take with :data:`SUPPORTS`.
-IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {"op_cpu": _op_cpu}
+def _triton_interpreted(hidden, ids, weights, w13, w2, **kwargs):
+    """The op's Triton kernels (permute, GEMMs, activation, unpermute) under Triton's interpreter on CPU."""
+    return torch.ops.moe_fx.experts(hidden, ids, weights, w13, w2, impl="triton", **kwargs)
+
+
+IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {"op_cpu": _op_cpu, "triton_interpreted": _triton_interpreted}
 #: name -> predicate on a :class:`Case`: the cases the implementation is asked about (default: all).
 SUPPORTS: dict[str, Callable[[Case], bool]] = {}
 
