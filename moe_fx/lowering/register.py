@@ -26,38 +26,13 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 
 from moe_fx.lowering.experts import plan_experts, plan_masked_experts, run_experts, run_masked_experts_op
 from moe_fx.lowering.prepare_finalize.ep import ep_combine_impl, ep_dispatch_impl
-from moe_fx.ops import ExpertActivation, experts_reference
-from moe_fx.ops.checks import check_experts_inputs
-from moe_fx.ops.ep import check_masked_experts_inputs, masked_experts_reference
+from moe_fx.ops import ExpertActivation
+from moe_fx.ops.ep import masked_experts_args, masked_check_call, masked_reference_of
+from moe_fx.ops.experts import check_experts_call, experts_args, reference_of
 
 __all__ = ["experts_eager", "masked_experts_eager"]
 
 _LIB = torch.library.Library("moe_fx", "IMPL")
-
-
-def _experts_args(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    activation: str = "silu",
-    weights_on_input: bool = False,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    impl: str = "auto",
-    *,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    gated: bool = True,
-    gate_up_layout: str = "halves",
-    alpha: float = 1.0,
-    limit: float | None = None,
-    up_offset: float = 0.0,
-    identity_experts: int = 0,
-) -> dict:
-    """The op's arguments by name (its schema, positional or keyword)."""
-    return dict(locals())
 
 
 def _spec(a: dict) -> ExpertActivation:
@@ -79,45 +54,13 @@ def _run(a: dict, plan) -> torch.Tensor:
 
 def experts_eager(*args: object, **kwargs: object) -> torch.Tensor:
     """Eager kernel of ``moe_fx::experts`` (CPU and CUDA): validate, plan, run (see the module docstring)."""
-    a = _experts_args(*args, **kwargs)
-    check_experts_inputs(
-        a["hidden"], a["topk_ids"], a["topk_weights"], a["w13"], a["w2"], a["activation"], a["w13_scale"],
-        a["w2_scale"], a["impl"], w13_bias=a["w13_bias"], w2_bias=a["w2_bias"], gated=a["gated"],
-        gate_up_layout=a["gate_up_layout"], alpha=a["alpha"], limit=a["limit"], up_offset=a["up_offset"],
-        identity_experts=a["identity_experts"],
-    )  # fmt: skip
+    a = experts_args(*args, **kwargs)
+    check_experts_call(a)
     plan = _plan(a)
     if plan.reference:
-        ref = {n: a[n] for n in ("w13_bias", "w2_bias", "gated", "gate_up_layout", "alpha", "limit", "up_offset",
-                                 "identity_experts")}
-        return experts_reference(a["hidden"], a["topk_ids"], a["topk_weights"], a["w13"], a["w2"], a["activation"],
-                                 a["weights_on_input"], a["w13_scale"], a["w2_scale"], **ref)
+        return reference_of(a)
     with set_wrap_triton_enabled(False):
         return _run(a, plan)
-
-
-def _masked_args(
-    x: torch.Tensor,
-    masked_m: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    activation: str = "silu",
-    x_scale: torch.Tensor | None = None,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    expected_m: int = 0,
-    impl: str = "auto",
-    *,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    gated: bool = True,
-    gate_up_layout: str = "halves",
-    alpha: float = 1.0,
-    limit: float | None = None,
-    up_offset: float = 0.0,
-) -> dict:
-    """The masked op's arguments by name."""
-    return dict(locals())
 
 
 def _masked_plan(a: dict):
@@ -132,19 +75,13 @@ def _masked_run(a: dict, plan) -> torch.Tensor:
     )
 
 
-_SPEC_NAMES = ("w13_bias", "w2_bias", "gated", "gate_up_layout", "alpha", "limit", "up_offset")
-
-
 def masked_experts_eager(*args: object, **kwargs: object) -> torch.Tensor:
     """Eager kernel of ``moe_fx::masked_experts`` (CPU and CUDA)."""
-    a = _masked_args(*args, **kwargs)
-    spec_kw = {n: a[n] for n in _SPEC_NAMES}
-    check_masked_experts_inputs(a["x"], a["masked_m"], a["w13"], a["w2"], a["activation"], a["x_scale"],
-                                a["w13_scale"], a["w2_scale"], **spec_kw)
+    a = masked_experts_args(*args, **kwargs)
+    masked_check_call(a)
     plan = _masked_plan(a)
     if plan.reference:
-        return masked_experts_reference(a["x"], a["masked_m"], a["w13"], a["w2"], a["activation"], a["x_scale"],
-                                        a["w13_scale"], a["w2_scale"], **spec_kw)
+        return masked_reference_of(a)
     with set_wrap_triton_enabled(False):
         return _masked_run(a, plan)
 
@@ -178,8 +115,8 @@ for _key in ("CPU", "CUDA"):
     _LIB.impl("ep_combine", ep_combine_impl, _key)
 
 torch.library.register_torch_dispatch(
-    "moe_fx::experts", FunctionalTensorMode, _decomposition(_experts_args, _plan, _run), lib=_LIB
+    "moe_fx::experts", FunctionalTensorMode, _decomposition(experts_args, _plan, _run), lib=_LIB
 )
 torch.library.register_torch_dispatch(
-    "moe_fx::masked_experts", FunctionalTensorMode, _decomposition(_masked_args, _masked_plan, _masked_run), lib=_LIB
+    "moe_fx::masked_experts", FunctionalTensorMode, _decomposition(masked_experts_args, _masked_plan, _masked_run), lib=_LIB
 )

@@ -384,7 +384,7 @@ def masked_experts_reference(
     return out
 
 
-def _masked_experts_default(
+def masked_experts_args(
     x: torch.Tensor,
     masked_m: torch.Tensor,
     w13: torch.Tensor,
@@ -395,11 +395,34 @@ def _masked_experts_default(
     w2_scale: torch.Tensor | None = None,
     expected_m: int = 0,
     impl: str = "auto",
-    **spec: object,
-) -> torch.Tensor:
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    gated: bool = True,
+    gate_up_layout: str = "halves",
+    alpha: float = 1.0,
+    limit: float | None = None,
+    up_offset: float = 0.0,
+) -> dict:
+    """``masked_experts``' arguments by name (the one Python copy of its signature; see ``experts_args``)."""
+    return dict(locals())
+
+
+def masked_check_call(a: dict) -> None:
+    """:func:`check_masked_experts_inputs` on bound arguments (:func:`masked_experts_args`)."""
+    check_masked_experts_inputs(**{k: v for k, v in a.items() if k not in ("expected_m", "impl")})
+
+
+def masked_reference_of(a: dict) -> torch.Tensor:
+    """:func:`masked_experts_reference` on bound arguments (``expected_m`` and ``impl`` are hints)."""
+    return masked_experts_reference(**{k: v for k, v in a.items() if k not in ("expected_m", "impl")})
+
+
+def _masked_experts_default(*args: object, **kwargs: object) -> torch.Tensor:
     """Default implementation of ``masked_experts`` (any device without a lowering kernel): the reference."""
-    check_masked_experts_inputs(x, masked_m, w13, w2, activation, x_scale, w13_scale, w2_scale, **spec)
-    return masked_experts_reference(x, masked_m, w13, w2, activation, x_scale, w13_scale, w2_scale, **spec)
+    a = masked_experts_args(*args, **kwargs)
+    masked_check_call(a)
+    return masked_reference_of(a)
 
 
 _LIB.impl("masked_experts", _masked_experts_default, "CompositeExplicitAutograd")
@@ -412,21 +435,10 @@ masked_experts = torch.ops.moe_fx.masked_experts
 
 
 @torch.library.register_fake("moe_fx::masked_experts")
-def _masked_experts_fake(
-    x: torch.Tensor,
-    masked_m: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    activation: str = "silu",
-    x_scale: torch.Tensor | None = None,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    expected_m: int = 0,
-    impl: str = "auto",
-    **spec: object,
-) -> torch.Tensor:
-    check_masked_experts_inputs(x, masked_m, w13, w2, activation, x_scale, w13_scale, w2_scale, **spec)
-    return x.new_empty(x.shape, dtype=masked_output_dtype(x))
+def _masked_experts_fake(*args: object, **kwargs: object) -> torch.Tensor:
+    a = masked_experts_args(*args, **kwargs)
+    masked_check_call(a)
+    return a["x"].new_empty(a["x"].shape, dtype=masked_output_dtype(a["x"]))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -266,7 +266,7 @@ _LIB = torch.library.Library("moe_fx", "FRAGMENT")
 _LIB.define("experts" + _SCHEMA)
 
 
-def _experts_default(
+def experts_args(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -286,18 +286,35 @@ def _experts_default(
     limit: float | None = None,
     up_offset: float = 0.0,
     identity_experts: int = 0,
-) -> torch.Tensor:
-    """Default implementation of ``moe_fx::experts`` (any device without a kernel of the lowering): the reference."""
+) -> dict:
+    """The op's arguments by name, from a call in the schema's form (positional or keyword).
+
+    The one Python copy of the op's signature: the default, fake and lowering implementations take
+    ``*args, **kwargs`` and bind them here.
+    """
+    return dict(locals())
+
+
+def check_experts_call(a: dict) -> None:
+    """:func:`~moe_fx.ops.checks.check_experts_inputs` on bound arguments (:func:`experts_args`)."""
     check_experts_inputs(
-        hidden, topk_ids, topk_weights, w13, w2, activation, w13_scale, w2_scale, impl,
-        w13_bias=w13_bias, w2_bias=w2_bias, gated=gated, gate_up_layout=gate_up_layout, alpha=alpha,
-        limit=limit, up_offset=up_offset, identity_experts=identity_experts,
+        a["hidden"], a["topk_ids"], a["topk_weights"], a["w13"], a["w2"], a["activation"], a["w13_scale"],
+        a["w2_scale"], a["impl"], w13_bias=a["w13_bias"], w2_bias=a["w2_bias"], gated=a["gated"],
+        gate_up_layout=a["gate_up_layout"], alpha=a["alpha"], limit=a["limit"], up_offset=a["up_offset"],
+        identity_experts=a["identity_experts"],
     )  # fmt: skip
-    return experts_reference(
-        hidden, topk_ids, topk_weights, w13, w2, activation, weights_on_input, w13_scale, w2_scale,
-        w13_bias=w13_bias, w2_bias=w2_bias, gated=gated, gate_up_layout=gate_up_layout, alpha=alpha,
-        limit=limit, up_offset=up_offset, identity_experts=identity_experts,
-    )  # fmt: skip
+
+
+def reference_of(a: dict) -> torch.Tensor:
+    """:func:`experts_reference` on bound arguments (:func:`experts_args`; ``impl`` is ignored)."""
+    return experts_reference(**{k: v for k, v in a.items() if k != "impl"})
+
+
+def _experts_default(*args: object, **kwargs: object) -> torch.Tensor:
+    """Default implementation of ``moe_fx::experts`` (any device without a kernel of the lowering): the reference."""
+    a = experts_args(*args, **kwargs)
+    check_experts_call(a)
+    return reference_of(a)
 
 
 _LIB.impl("experts", _experts_default, "CompositeExplicitAutograd")
@@ -308,30 +325,7 @@ experts = torch.ops.moe_fx.experts
 
 
 @torch.library.register_fake("moe_fx::experts")
-def _experts_fake(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    activation: str = "silu",
-    weights_on_input: bool = False,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    impl: str = "auto",
-    *,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    gated: bool = True,
-    gate_up_layout: str = "halves",
-    alpha: float = 1.0,
-    limit: float | None = None,
-    up_offset: float = 0.0,
-    identity_experts: int = 0,
-) -> torch.Tensor:
-    check_experts_inputs(
-        hidden, topk_ids, topk_weights, w13, w2, activation, w13_scale, w2_scale, impl,
-        w13_bias=w13_bias, w2_bias=w2_bias, gated=gated, gate_up_layout=gate_up_layout, alpha=alpha,
-        limit=limit, up_offset=up_offset, identity_experts=identity_experts,
-    )  # fmt: skip
-    return hidden.new_empty(hidden.shape)
+def _experts_fake(*args: object, **kwargs: object) -> torch.Tensor:
+    a = experts_args(*args, **kwargs)
+    check_experts_call(a)
+    return a["hidden"].new_empty(a["hidden"].shape)
