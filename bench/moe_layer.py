@@ -44,7 +44,14 @@ SHAPES = {  # name: (transformers family, E, K, H, I)
     "mixtral": ("mixtral", 8, 2, 4096, 14336),
     "qwen3": ("qwen3_moe", 128, 8, 2048, 768),
     "dsv3": ("deepseek_v3", 32, 8, 7168, 2048),
+    # GPT-OSS-sized (E=32, K=4, H=2880, I=2880): biases, interleaved gate/up, clamped SwiGLU with alpha
+    # and up + 1 (transformers runs it in an eager loop over the experts hit: its hf_eager row only)
+    "gpt_oss": ("gpt_oss", 32, 4, 2880, 2880),
 }
+#: Per family, the op's extra arguments (activation spec; biases are made per shape) and the transformers
+#: experts implementations that exist for it.
+GPT_OSS_ACT = {"gate_up_layout": "interleaved", "alpha": 1.702, "limit": 7.0, "up_offset": 1.0}
+FAMILY_IMPLS = {"gpt_oss": ("eager",)}
 TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 HF_IMPLS = ("eager", "grouped_mm", "batched_mm")
 ROTATE = 4
@@ -115,6 +122,11 @@ def hf_experts_module(family: str, e: int, k: int, h: int, i: int, impl: str, we
             hidden_size=h, moe_intermediate_size=i, num_experts=e, num_experts_per_tok=k, num_hidden_layers=1
         )
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts as cls
+    elif family == "gpt_oss":
+        cfg = transformers.GptOssConfig(
+            hidden_size=h, intermediate_size=i, num_local_experts=e, num_experts_per_tok=k, num_hidden_layers=1
+        )
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as cls
     else:
         cfg = transformers.DeepseekV3Config(
             hidden_size=h, moe_intermediate_size=i, n_routed_experts=e, num_experts_per_tok=k, num_hidden_layers=1
@@ -123,6 +135,12 @@ def hf_experts_module(family: str, e: int, k: int, h: int, i: int, impl: str, we
     cfg._experts_implementation = impl
     with torch.device("meta"):
         mod = cls(cfg)
+    if family == "gpt_oss":  # [E, H, 2I] / [E, I, H] stored for x @ w; views of the op's weights, no copy
+        mod.gate_up_proj = torch.nn.Parameter(weights[0].transpose(1, 2), requires_grad=False)
+        mod.down_proj = torch.nn.Parameter(weights[1].transpose(1, 2), requires_grad=False)
+        mod.gate_up_proj_bias = torch.nn.Parameter(weights[2], requires_grad=False)
+        mod.down_proj_bias = torch.nn.Parameter(weights[3], requires_grad=False)
+        return mod.eval()
     mod.gate_up_proj = torch.nn.Parameter(weights[0], requires_grad=False)
     mod.down_proj = torch.nn.Parameter(weights[1], requires_grad=False)
     return mod.eval()
@@ -211,12 +229,12 @@ def experts_fn(op, w13, w2, s13=None, s2=None, **kw):
     return fn
 
 
-def check_outputs(fns: dict, e: int, k: int, h: int, w13, w2) -> dict:
+def check_outputs(fns: dict, e: int, k: int, h: int, w13, w2, **op_kwargs) -> dict:
     """Relative error of every implementation against the fp32 reference on one T=64 routing set."""
     from moe_fx.ops import experts_reference
 
     hidden, ids, w = routing_sets(64, e, k, h, 1, seed=123)[0]
-    ref = experts_reference(hidden, ids, w, w13, w2).float()
+    ref = experts_reference(hidden, ids, w, w13, w2, **op_kwargs).float()
     out = {}
     for name, fn in fns.items():
         try:
@@ -323,18 +341,25 @@ def main() -> None:
                         log(f"tuned {shape} {kind} N={n_} K={k_} m={em}: {cfg} ({time.time() - t0:.1f}s)")
         fns = {}
         mods = {}
-        for impl in HF_IMPLS:
+        op_kw = {}
+        hf_weights = (w13, w2)
+        if family == "gpt_oss":
+            b13 = torch.randn(e, 2 * i, device="cuda", generator=g, dtype=torch.bfloat16) * 0.1
+            b2 = torch.randn(e, h, device="cuda", generator=g, dtype=torch.bfloat16) * 0.1
+            op_kw = {**GPT_OSS_ACT, "w13_bias": b13, "w2_bias": b2}
+            hf_weights = (w13, w2, b13, b2)
+        for impl in FAMILY_IMPLS.get(family, HF_IMPLS):
             if "hf_" + impl in impls:
-                mods[impl] = hf_experts_module(family, e, k, h, i, impl, (w13, w2))
+                mods[impl] = hf_experts_module(family, e, k, h, i, impl, hf_weights)
                 compiled = not args.no_compile_hf and (impl != "eager" or args.compile_eager)
                 fns["hf_" + impl] = torch.compile(mods[impl], dynamic=True) if compiled else mods[impl]
         op = torch.ops.moe_fx.experts
-        fns["moe_fx_bf16"] = torch.compile(experts_fn(op, w13, w2, impl="triton"))
-        fns["moe_fx_fp8"] = torch.compile(experts_fn(op, q13, q2, s13, s2, impl="triton"))
-        if deep_gemm_ok:
+        fns["moe_fx_bf16"] = torch.compile(experts_fn(op, w13, w2, impl="triton", **op_kw))
+        fns["moe_fx_fp8"] = torch.compile(experts_fn(op, q13, q2, s13, s2, impl="triton", **op_kw))
+        if deep_gemm_ok and family != "gpt_oss":  # H=2880 is not 128-aligned: no DeepGEMM
             fns["moe_fx_deepgemm_bf16"] = torch.compile(experts_fn(op, w13, w2, impl="deepgemm"))
             fns["moe_fx_deepgemm_fp8"] = torch.compile(experts_fn(op, q13, q2, s13, s2, impl="deepgemm"))
-        meta.setdefault("check_rel_err_vs_fp32_reference", {})[shape] = check_outputs(fns, e, k, h, w13, w2)
+        meta.setdefault("check_rel_err_vs_fp32_reference", {})[shape] = check_outputs(fns, e, k, h, w13, w2, **op_kw)
         log("check", shape, json.dumps(meta["check_rel_err_vs_fp32_reference"][shape]))
         for t in map(int, args.tokens.split(",")):
             sets = routing_sets(t, e, k, h, ROTATE, seed=t)
