@@ -1,0 +1,393 @@
+"""Tiny random models of every transformers text MoE family, and user-written blocks of every expert form.
+
+Two parts:
+
+* :func:`tiny_family_model` builds a small causal LM of any transformers 5.x MoE family from its default
+  config, shrunk by attribute name (hidden 32, 2 layers, 8 experts, top-2, small heads), with every
+  layer a sparse MoE layer where the config allows it. :data:`TEXT_MOE_FAMILIES` lists the families the
+  family survey (``bench/families.py``) runs; :data:`FAMILY_OVERRIDES` holds the few per-family settings
+  a generic shrink cannot guess.
+* User-written MoE blocks in the forms the pass must recognise beyond transformers' own
+  implementations: :class:`NonGatedMoE` (up -> plain activation -> down, Nemotron-H style),
+  :class:`ClampedSwiGLUMoE` (DeepSeek-V4-style ``swiglu_limit``), :class:`JetSortMoE` (hand-written
+  sort-based dispatch with ``div(..., rounding_mode="trunc")``, ``split`` by counts, a per-expert
+  ``F.linear`` loop and an output bias after the combine, JetMoE style), :class:`HitLoopExperts`
+  (a loop over the experts actually hit, ``for e in expert_hit:``, optional biases, clamp, alpha,
+  interleaved gate/up rows and identity experts; DBRX / Step / LongCat-Flash / transformers ``eager``
+  style).
+
+Nothing is downloaded; weights are random (``torch.manual_seed``), every weight non-zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "FAMILY_OVERRIDES",
+    "TEXT_MOE_FAMILIES",
+    "ClampedSwiGLUMoE",
+    "HitLoopExperts",
+    "HitLoopMoE",
+    "JetSortMoE",
+    "NonGatedMoE",
+    "tiny_family_config",
+    "tiny_family_model",
+]
+
+#: transformers 5.x causal-LM families with a text MoE (``AutoModelForCausalLM`` builds them).
+TEXT_MOE_FAMILIES = (
+    "afmoe", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_v2", "deepseek_v3",
+    "deepseek_v32", "deepseek_v4", "doge", "dots1", "dots3_note", "ernie4_5_moe", "exaone_moe", "flex_olmo",
+    "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
+    "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "jetmoe", "kimi_linear",
+    "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4", "longcat_flash", "mellum", "mimo_v2_flash", "minimax",
+    "minimax_m2", "mixtral", "nemotron_h", "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next",
+    "qwen4_exp", "solar_open", "step3p7", "zaya",
+)  # fmt: skip
+
+# Scalar config attributes set by name when the family's config has them.
+_SHRINK: dict[str, Any] = {
+    "vocab_size": 128, "hidden_size": 32, "d_model": 32, "num_hidden_layers": 2, "n_layers": 2, "num_layers": 2,
+    "num_attention_heads": 4, "n_heads": 4, "num_key_value_heads": 4, "head_dim": 8, "kv_channels": 8,
+    "intermediate_size": 64, "intermediate_size_mlp": 64, "ffn_hidden_size": 64, "shared_intermediate_size": 32,
+    "moe_intermediate_size": 16, "expert_ffn_hidden_size": 16, "shared_expert_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32,
+    "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8, "moe_num_experts": 8,
+    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_k": 2, "moe_topk": 2, "moe_top_k": 2, "top_k": 2,
+    "n_group": 2, "num_expert_group": 2, "topk_group": 1, "n_shared_experts": 1, "num_shared_experts": 1,
+    "kv_lora_rank": 16, "q_lora_rank": 24, "o_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+    "v_head_dim": 8, "index_head_dim": 8, "index_n_heads": 2, "index_topk": 8, "o_groups": 2,
+    "first_k_dense_replace": 0, "num_dense_layers": 0, "moe_layer_start_index": 0, "decoder_sparse_step": 1,
+    "moe_layer_interval": 1, "expert_layer_period": 1, "expert_layer_offset": 0, "interleave_moe_layer_step": 1,
+    "max_position_embeddings": 256, "max_seq_len": 256, "sliding_window": 64, "attention_chunk_size": 64,
+    "num_nextn_predict_layers": 0, "zero_expert_num": 2,
+    "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_head_dim": 8, "linear_num_heads": 4, "mamba_num_heads": 4, "mamba_n_heads": 4, "mamba_head_dim": 8,
+    "mamba_d_head": 8, "n_groups": 1, "mamba_n_groups": 1, "mamba_d_state": 8, "ssm_state_size": 8,
+    "mamba_dt_rank": 4, "router_hidden_size": 16, "gated_norm_rank": 4, "hc_lowrank": 4, "ple_embed_dim": 16,
+    "ngram_vocab_size_base": 64, "layer_group_size": 2, "global_attn_every_n_layers": 2,
+}  # fmt: skip
+# Per-layer lists: which entry names an MoE layer.
+_MOE_LAYER_WORDS = ("sparse", "moe", "hash_moe")
+
+#: Settings a name-based shrink cannot guess, per family.
+FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
+    # transformers 5.24's DBRX attention reads attn_config.rope_theta, which its config class no longer sets.
+    "dbrx": {"ffn_config": {"ffn_hidden_size": 16, "moe_num_experts": 8, "moe_top_k": 2, "hidden_size": 32},
+             "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "dots1": {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    "hunyuan_v1_moe": {"head_dim": 8, "num_experts": 8, "moe_topk": 2},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "nemotron_h": {"layers_block_type": ["moe", "full_attention", "moe"], "num_hidden_layers": 3,
+                   "moe_latent_size": None, "n_group": 1, "topk_group": 1},
+    "granitemoehybrid": {"mamba_d_head": 16, "layer_types": ["linear_attention", "attention"]},
+    "qwen4_exp": {"layer_types": ["linear_attention", "indexed_attention"], "indexer_n_heads": 2, "indexer_kv_heads": 1,
+                  "indexer_head_dim": 8, "indexer_budget": 8, "indexer_compress_ratio": 2},
+    "zaya": {"num_experts_per_tok": 1},
+    "llama4": {"num_experts_per_tok": 1, "no_rope_layers": [1, 1], "moe_layers": [0, 1]},
+    "longcat_flash": {"num_layers": 1, "num_hidden_layers": 1},
+    "step3p7": {"swiglu_limits": [0.0, 2.0], "sliding_window": 64},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 1},
+    "doge": {"num_experts": 16, "num_experts_per_tok": 4},
+    "deepseek_v4": {"mlp_layer_types": ["moe", "moe"], "num_key_value_heads": 1, "head_dim": 16},
+}
+
+
+def _shrink_list(key: str, value: list, num_layers: int) -> list | None:
+    if not value or len(value) < num_layers:
+        return None
+    items = list(value[:num_layers])
+    attention = [w for w in value if isinstance(w, str) and "attention" in w and "linear" not in w]
+    if attention and attention[0] not in items:
+        items[-1] = attention[0]  # hybrid models need one attention layer (their cache asks it for lengths)
+    if "mlp" in key or "block" in key:
+        moe = next((w for w in value if isinstance(w, str) and w in _MOE_LAYER_WORDS), None)
+        if moe is not None:
+            items = [moe if isinstance(w, str) and w in ("dense", "mlp") else w for w in items]
+    return items
+
+
+def tiny_family_config(family: str, *, num_layers: int = 2, **overrides: Any):
+    """A small config of transformers family ``family`` (shrunk from its defaults; see the module docstring)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if family not in CONFIG_MAPPING:
+        raise ValueError(f"transformers has no config for family {family!r}")
+    cls = CONFIG_MAPPING[family]
+    default = cls()
+    text = default.get_text_config() if hasattr(default, "get_text_config") else default
+    if text is not default:
+        cls = type(text)
+    base = text.to_dict()
+    default_layers = next((base[k] for k in ("num_hidden_layers", "n_layers", "num_layers") if k in base), None)
+    kwargs: dict[str, Any] = {}
+    for key, value in base.items():
+        if key in _SHRINK and isinstance(value, (int, float)) and not isinstance(value, bool):
+            kwargs[key] = _SHRINK[key]
+        elif isinstance(value, list) and default_layers and len(value) == default_layers:
+            shrunk = _shrink_list(key, value, num_layers)
+            if shrunk is not None:
+                kwargs[key] = shrunk
+    for key in ("num_hidden_layers", "n_layers", "num_layers"):
+        if key in kwargs:
+            kwargs[key] = num_layers
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id", "eod_token_id", "sep_token_id"):
+        if key in base:
+            kwargs[key] = 0 if key == "pad_token_id" else 1
+    kwargs.update(FAMILY_OVERRIDES.get(family, {}))
+    kwargs.update(overrides)
+    kwargs["tie_word_embeddings"] = False
+    cfg = cls(**kwargs)
+    return cfg
+
+
+def tiny_family_model(
+    family: str, *, dtype: torch.dtype = torch.float32, seed: int = 0, experts_implementation: str | None = None,
+    **overrides: Any,
+) -> nn.Module:
+    """A random tiny causal LM of ``family`` in eval mode; ``experts_implementation`` sets transformers' choice."""
+    import transformers
+
+    cfg = tiny_family_config(family, **overrides)
+    if experts_implementation is not None:
+        cfg._experts_implementation = experts_implementation
+    torch.manual_seed(seed)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    except ValueError:  # a text config without a registered causal-LM class (Step-3.7): its text model
+        model = _text_model_class(family)(cfg)
+    _randomise(model)
+    return model.to(dtype).eval()
+
+
+def _text_model_class(family: str) -> type[nn.Module]:
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    names = [n for n in dir(module) if n.endswith("TextModel") or n.endswith("ForCausalLM")]
+    if not names:
+        raise ValueError(f"transformers.models.{family} has no text model class")
+    return getattr(module, sorted(names, key=lambda n: not n.endswith("ForCausalLM"))[0])
+
+
+def _randomise(model: nn.Module) -> None:
+    """Every weight random and non-zero (transformers leaves some routers, biases and experts at zero)."""
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.rand_like(buf) * 0.1)
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2 if p.dim() == 3 or "gate" in name or "router" in name else 0.05)
+            elif name.endswith("bias") and ("expert" in name or "router" in name):
+                p.normal_(0.0, 0.2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# User-written blocks of the forms the pass recognises beyond transformers' grouped_mm / batched_mm.
+
+
+class _Router(nn.Module):
+    """Softmax top-k router: ``[T, H] -> (weights [T, K], ids [T, K])``."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.randn(num_experts, hidden) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        return (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype), ids
+
+
+_ACTS = {"relu2": lambda x: F.relu(x).square(), "gelu": F.gelu, "relu": F.relu, "silu": F.silu}
+
+
+class NonGatedMoE(nn.Module):
+    """Non-gated experts (Nemotron-H style): ``down(act(up(x)))`` with stacked ``up [E, I, H]``, ``down [E, H, I]``.
+
+    Written as transformers' ``grouped_mm`` form does it (sort by expert, ``torch._grouped_mm``, scatter back).
+    ``activation``: ``"relu2"`` (squared ReLU), ``"gelu"``, ``"relu"`` or ``"silu"``.
+    """
+
+    def __init__(self, hidden: int = 32, inter: int = 24, num_experts: int = 8, top_k: int = 2,
+                 activation: str = "relu2") -> None:
+        super().__init__()
+        self.hidden, self.num_experts, self.top_k, self.activation = hidden, num_experts, top_k, activation
+        self.router = _Router(hidden, num_experts, top_k)
+        self.up_proj = nn.Parameter(torch.randn(num_experts, inter, hidden) * 0.2)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, hidden, inter) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.hidden)
+        weights, ids = self.router(x)
+        flat = ids.reshape(-1)
+        sorted_ids, perm = torch.sort(flat)
+        routed = x[perm // self.top_k]
+        counts = torch.histc(sorted_ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = torch._grouped_mm(routed, self.up_proj.transpose(-2, -1), offs=offsets)
+        y = torch._grouped_mm(_ACTS[self.activation](h), self.down_proj.transpose(-2, -1), offs=offsets)
+        y = y * weights.reshape(-1)[perm].unsqueeze(-1)
+        out = torch.zeros_like(y).index_copy(0, perm, y)
+        return out.view(-1, self.top_k, self.hidden).sum(dim=1).reshape(shape)
+
+
+class ClampedSwiGLUMoE(nn.Module):
+    """Clamped SwiGLU experts without GPT-OSS's extras (DeepSeek-V4 ``swiglu_limit``), as a dense ``bmm``.
+
+    ``silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)``. ``up_limit`` other than ``limit`` (or
+    ``clamp_after_act=True``: Step-3.7's ``silu(gate).clamp(max=limit)``) makes a near miss the op cannot express.
+    """
+
+    def __init__(self, hidden: int = 32, inter: int = 16, num_experts: int = 8, top_k: int = 2, limit: float = 1.5,
+                 up_limit: float | None = None, clamp_after_act: bool = False) -> None:
+        super().__init__()
+        self.hidden, self.num_experts = hidden, num_experts
+        self.limit, self.up_limit = limit, limit if up_limit is None else up_limit
+        self.clamp_after_act = clamp_after_act
+        self.router = _Router(hidden, num_experts, top_k)
+        self.gate_up = nn.Parameter(torch.randn(num_experts, 2 * inter, hidden) * 0.2)
+        self.down = nn.Parameter(torch.randn(num_experts, hidden, inter) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.hidden)
+        weights, ids = self.router(x)
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device).scatter(1, ids, weights)
+        h = torch.bmm(x.unsqueeze(0).expand(self.num_experts, -1, -1), self.gate_up.transpose(1, 2))
+        gate, up = h.chunk(2, dim=-1)
+        if self.clamp_after_act:
+            act = F.silu(gate).clamp(max=self.limit)
+        else:
+            act = F.silu(gate.clamp(max=self.limit))
+        y = torch.bmm(act * up.clamp(-self.up_limit, self.up_limit), self.down.transpose(1, 2))
+        return (y * dense.t().unsqueeze(-1)).sum(dim=0).reshape(shape)
+
+
+class JetSortMoE(nn.Module):
+    """JetMoE-style hand-written dispatch: sort, ``div(..., rounding_mode="trunc")``, ``split`` by per-expert
+    counts (``tolist()``), one ``F.linear`` per expert, ``index_add`` back, then an output bias ``[H]``.
+
+    Weights ``input_linear [E, 2I, H]`` (gate rows first), ``output_linear [E, H, I]``.
+    """
+
+    def __init__(self, hidden: int = 32, inter: int = 16, num_experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.input_linear = nn.Parameter(torch.randn(num_experts, 2 * inter, hidden) * 0.2)
+        self.output_linear = nn.Parameter(torch.randn(num_experts, hidden, inter) * 0.2)
+        self.bias = nn.Parameter(torch.randn(hidden) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.hidden)
+        logits = self.router(x).float()
+        top_logits, top_ids = logits.topk(self.top_k, dim=1)
+        gates = torch.softmax(top_logits, dim=1).type_as(x)
+        one_hot = torch.zeros(x.shape[0], self.num_experts, dtype=gates.dtype, device=x.device).scatter(1, top_ids, 1)
+        expert_size = one_hot.long().sum(0).tolist()
+        _, order = top_ids.flatten().sort(0)
+        batch_index = order.div(self.top_k, rounding_mode="trunc")
+        batch_gates = gates.flatten()[order]
+        inputs = x[batch_index].split(expert_size, dim=0)
+        h = torch.cat([F.linear(inputs[e], self.input_linear[e]) for e in range(self.num_experts)], dim=0)
+        gate, up = h.chunk(2, dim=-1)
+        mids = (F.silu(gate) * up).split(expert_size, dim=0)
+        y = torch.cat([F.linear(mids[e], self.output_linear[e]) for e in range(self.num_experts)], dim=0)
+        y = y * batch_gates[:, None]
+        out = torch.zeros_like(x).index_add(0, batch_index, y)
+        return (out + self.bias).reshape(shape)
+
+
+class HitLoopExperts(nn.Module):
+    """Experts looped over the experts actually hit (``for e in expert_hit:``), as transformers' ``eager`` does.
+
+    ``forward(hidden [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``. The loop length depends on
+    the routing (a graph break for Dynamo): the capture step replaces it before tracing. Options:
+    ``bias`` (``[E, 2I]`` and ``[E, H]``), ``limit``/``alpha``/``up_offset`` (GPT-OSS's clamped SwiGLU),
+    ``interleaved`` gate/up rows, ``transposed`` storage (``x @ w``), ``identity_experts`` (ids
+    ``E .. E+Z-1`` return their input, LongCat-Flash), ``item`` (``int(idx.item())`` like LongCat),
+    ``clamp_after_act`` (Step-3.7: ``silu(gate).clamp(max=limit)``, a near miss).
+    """
+
+    def __init__(
+        self, hidden: int = 32, inter: int = 16, num_experts: int = 8, *, bias: bool = False,
+        limit: float | None = None, alpha: float = 1.0, up_offset: float = 0.0, interleaved: bool = False,
+        transposed: bool = False, identity_experts: int = 0, item: bool = False, clamp_after_act: bool = False,
+        activation: str = "silu",
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.limit, self.alpha, self.up_offset = limit, alpha, up_offset
+        self.interleaved, self.transposed, self.item = interleaved, transposed, item
+        self.zero_expert_num, self.clamp_after_act = identity_experts, clamp_after_act
+        self.act_fn = {"silu": nn.SiLU(), "gelu": nn.GELU()}[activation]
+        shape13 = (num_experts, hidden, 2 * inter) if transposed else (num_experts, 2 * inter, hidden)
+        shape2 = (num_experts, inter, hidden) if transposed else (num_experts, hidden, inter)
+        self.gate_up_proj = nn.Parameter(torch.randn(shape13) * 0.2)
+        self.down_proj = nn.Parameter(torch.randn(shape2) * 0.2)
+        self.gate_up_proj_bias = nn.Parameter(torch.randn(num_experts, 2 * inter) * 0.2) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.randn(num_experts, hidden) * 0.2) if bias else None
+
+    def _gate(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = (h[..., ::2], h[..., 1::2]) if self.interleaved else h.chunk(2, dim=-1)
+        if self.limit is not None and not self.clamp_after_act:
+            gate = gate.clamp(max=self.limit)
+        if self.limit is not None:
+            up = up.clamp(-self.limit, self.limit)
+        act = gate * torch.sigmoid(gate * self.alpha) if self.alpha != 1.0 else self.act_fn(gate)
+        if self.clamp_after_act:
+            act = act.clamp(max=self.limit)
+        return act * (up + self.up_offset)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w if self.transposed else F.linear(x, w)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        out = torch.zeros_like(hidden_states)
+        total = self.num_experts + self.zero_expert_num
+        with torch.no_grad():
+            mask = F.one_hot(top_k_index, num_classes=total).permute(2, 1, 0)
+            expert_hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            e = int(expert_idx.item()) if self.item else expert_idx[0]
+            slot, tok = torch.where(mask[e])
+            x = hidden_states[tok]
+            if e >= self.num_experts:
+                y = x
+            else:
+                h = self._linear(x, self.gate_up_proj[e])
+                if self.gate_up_proj_bias is not None:
+                    h = h + self.gate_up_proj_bias[e]
+                y = self._linear(self._gate(h), self.down_proj[e])
+                if self.down_proj_bias is not None:
+                    y = y + self.down_proj_bias[e]
+            out.index_add_(0, tok, (y * top_k_weights[tok, slot, None]).to(out.dtype))
+        return out
+
+
+class HitLoopMoE(nn.Module):
+    """A router plus :class:`HitLoopExperts` (same options); ``[T, H]`` or ``[B, S, H]`` in and out."""
+
+    def __init__(self, hidden: int = 32, inter: int = 16, num_experts: int = 8, top_k: int = 2, **options: Any):
+        super().__init__()
+        self.hidden = hidden
+        total = num_experts + options.get("identity_experts", 0)
+        self.router = _Router(hidden, total, top_k)
+        self.experts = HitLoopExperts(hidden, inter, num_experts, **options)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.hidden)
+        weights, ids = self.router(x)
+        return self.experts(x, ids, weights).reshape(shape)
+
