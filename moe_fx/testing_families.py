@@ -21,6 +21,7 @@ Nothing is downloaded; weights are random (``torch.manual_seed``), every weight 
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -154,15 +155,31 @@ def tiny_family_model(
     import transformers
 
     cfg = tiny_family_config(family, **overrides)
-    if experts_implementation is not None:
-        cfg._experts_implementation = experts_implementation
     torch.manual_seed(seed)
     try:
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-    except ValueError:  # a text config without a registered causal-LM class (Step-3.7): its text model
-        model = _text_model_class(family)(cfg)
+        model = _build(family, cfg, experts_implementation)
+    except ValueError as exc:
+        if "does not support setting experts implementation" not in str(exc):
+            raise
+        model = _build(family, cfg, None)  # a family with one experts forward only (Llama 4, JetMoE, ...)
     _randomise(model)
     return model.to(dtype).eval()
+
+
+def _build(family: str, cfg: Any, experts_implementation: str | None) -> nn.Module:
+    import transformers
+
+    kwargs = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+    cfg = copy.deepcopy(cfg)  # from_config writes the implementation into the config, even when it refuses it
+    try:
+        return transformers.AutoModelForCausalLM.from_config(cfg, **kwargs)
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+    # A text config without a registered causal-LM class (Step-3.7): its text model.
+    if experts_implementation is not None:
+        cfg._experts_implementation = experts_implementation
+    return _text_model_class(family)(cfg)
 
 
 def _text_model_class(family: str) -> type[nn.Module]:
@@ -212,8 +229,9 @@ _ACTS = {"relu2": lambda x: F.relu(x).square(), "gelu": F.gelu, "relu": F.relu, 
 class NonGatedMoE(nn.Module):
     """Non-gated experts (Nemotron-H style): ``down(act(up(x)))`` with stacked ``up [E, I, H]``, ``down [E, H, I]``.
 
-    Written as transformers' ``grouped_mm`` form does it (sort by expert, ``torch._grouped_mm``, scatter back).
-    ``activation``: ``"relu2"`` (squared ReLU), ``"gelu"``, ``"relu"`` or ``"silu"``.
+    Written as transformers' ``batched_mm`` form does it (each routed token gathers its expert's weights,
+    ``bmm``, weighted sum over the top-k). ``activation``: ``"relu2"`` (squared ReLU), ``"gelu"``,
+    ``"relu"`` or ``"silu"``.
     """
 
     def __init__(self, hidden: int = 32, inter: int = 24, num_experts: int = 8, top_k: int = 2,
@@ -229,15 +247,11 @@ class NonGatedMoE(nn.Module):
         x = x.reshape(-1, self.hidden)
         weights, ids = self.router(x)
         flat = ids.reshape(-1)
-        sorted_ids, perm = torch.sort(flat)
-        routed = x[perm // self.top_k]
-        counts = torch.histc(sorted_ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
-        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        h = torch._grouped_mm(routed, self.up_proj.transpose(-2, -1), offs=offsets)
-        y = torch._grouped_mm(_ACTS[self.activation](h), self.down_proj.transpose(-2, -1), offs=offsets)
-        y = y * weights.reshape(-1)[perm].unsqueeze(-1)
-        out = torch.zeros_like(y).index_copy(0, perm, y)
-        return out.view(-1, self.top_k, self.hidden).sum(dim=1).reshape(shape)
+        tokens = x.repeat_interleave(self.top_k, dim=0)
+        h = torch.bmm(self.up_proj[flat], tokens.unsqueeze(-1)).squeeze(-1)
+        y = torch.bmm(self.down_proj[flat], _ACTS[self.activation](h).unsqueeze(-1)).squeeze(-1)
+        y = y * weights.reshape(-1, 1)
+        return y.view(-1, self.top_k, self.hidden).sum(dim=1).reshape(shape)
 
 
 class ClampedSwiGLUMoE(nn.Module):

@@ -27,6 +27,8 @@ class RegionReport:
         kernel: kernel the lowering will pick (filled by explain / the backend).
         kernel_reasons: why the other kernels were not picked.
         verified: how the region was checked (``"numerics"`` or ``"structure"``).
+        details: what the op computes beyond plain SwiGLU (activation variant, biases, identity experts,
+            dense scores), empty for the plain form.
     """
 
     layer: str
@@ -46,6 +48,7 @@ class RegionReport:
     kernel: str = ""
     kernel_reasons: dict[str, str] = field(default_factory=dict)
     verified: str = ""
+    details: str = ""
 
     def one_line(self) -> str:
         """A single log line describing the outcome."""
@@ -54,6 +57,7 @@ class RegionReport:
                 f"{self.layer}: matched {self.family or '-'}/{self.form} E={self.num_experts} K={self.top_k} "
                 f"H={self.hidden} I={self.intermediate} {self.dtype} act={self.activation}"
                 + (" weights_on_input" if self.weights_on_input else "")
+                + (f" [{self.details}]" if self.details else "")
                 + (f" kernel={self.kernel}" if self.kernel else "")
             )
         return f"{self.layer}: not matched ({self.form or 'unknown form'}): {self.reason}"

@@ -18,6 +18,7 @@ import re
 import torch
 import torch.fx as fx
 
+from moe_fx.ops import ExpertActivation
 from moe_fx.passes.extract_region import Region, extract_region
 from moe_fx.passes.find_experts import ExpertWeights, find_expert_weights
 from moe_fx.passes.graph_utils import DataFlow, add_weight_buffer, fake_mode_of, tensor_value
@@ -28,6 +29,7 @@ from moe_fx.passes.verify_region import (
     activation_hypotheses,
     check_ops,
     estimate_probe_flops,
+    needs_numerics,
     probe_region,
 )
 
@@ -108,17 +110,19 @@ def _insert_op(
             w2_node.meta["example_value"] = tensor_value(a.w2).transpose(1, 2)
         else:
             w13_node, w2_node = a.w13, a.w2
+        weights_node = _gather_scores(g, region) if region.dense_scores else region.weights
         kwargs = {"activation": probe.activation, "weights_on_input": probe.weights_on_input,
-                  "impl": ctx.config.kernel}
+                  "impl": ctx.config.kernel, **_variant_kwargs(region, probe.spec)}
         op = g.call_function(
             torch.ops.moe_fx.experts.default,
-            (region.hidden, region.ids, region.weights, w13_node, w2_node),
+            (region.hidden, region.ids, weights_node, w13_node, w2_node),
             kwargs,
         )
-    fake_args = [tensor_value(n) for n in (region.hidden, region.ids, region.weights, w13_node, w2_node)]
+    fake_args = [tensor_value(n) for n in (region.hidden, region.ids, weights_node, w13_node, w2_node)]
+    fake_kwargs = {k: tensor_value(v) if isinstance(v, fx.Node) else v for k, v in kwargs.items()}
     mode = fake_mode_of(fake_args)
     with mode if mode is not None else torch.no_grad():
-        op.meta["example_value"] = torch.ops.moe_fx.experts.default(*fake_args, **kwargs)
+        op.meta["example_value"] = torch.ops.moe_fx.experts.default(*fake_args, **fake_kwargs)
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if key in region.output.meta:
             op.meta[key] = region.output.meta[key]
@@ -131,6 +135,32 @@ def _insert_op(
     for n in sorted(region.nodes, key=flow.order.__getitem__, reverse=True):
         g.erase_node(n)
     return op
+
+
+def _variant_kwargs(region: Region, spec: ExpertActivation | None) -> dict[str, object]:
+    """The op's keyword arguments beyond the plain SwiGLU ones: biases and the activation variant."""
+    out: dict[str, object] = {}
+    if region.w13_bias is not None:
+        out["w13_bias"] = region.w13_bias
+    if region.w2_bias is not None:
+        out["w2_bias"] = region.w2_bias
+    if spec is None:
+        return out
+    default = ExpertActivation(spec.name)
+    for name in ("gated", "gate_up_layout", "alpha", "limit", "up_offset"):
+        if getattr(spec, name) != getattr(default, name):
+            out[name] = getattr(spec, name)
+    return out
+
+
+def _gather_scores(g: fx.Graph, region: Region) -> fx.Node:
+    """``scores.gather(1, ids)``: the top-k routing weights of a dense ``[T, E]`` score matrix (Llama 4)."""
+    node = g.call_method("gather", (region.weights, 1, region.ids))
+    scores, ids = tensor_value(region.weights), tensor_value(region.ids)
+    mode = fake_mode_of([scores, ids])
+    with mode if mode is not None else torch.no_grad():
+        node.meta["example_value"] = scores.gather(1, ids)
+    return node
 
 
 def _param_path(node: fx.Node) -> str:
@@ -159,6 +189,16 @@ def _report_for(anchors: ExpertWeights, region: Region | None) -> RegionReport:
     )
 
 
+def _details(region: Region, spec: ExpertActivation | None) -> str:
+    """What the op computes beyond plain SwiGLU, for reports: the activation variant, biases, dense scores."""
+    parts = [] if spec is None or spec.is_plain else [spec.describe()]
+    if region.biases:
+        parts.append("biases " + "+".join(k for k, b in (("w13", region.w13_bias), ("w2", region.w2_bias)) if b is not None))
+    if region.dense_scores:
+        parts.append(f"dense [T, E] scores reduced to the router's top-{region.top_k}")
+    return "; ".join(parts)
+
+
 def _weights_freed(region: Region, ctx: PassContext) -> bool:
     try:
         from moe_fx.passes.split_ep import ep_weights_freed
@@ -175,7 +215,7 @@ def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked) -> ProbeRe
         return ProbeResult(False, reason=bad)
     acts = activation_hypotheses(region)
     if not acts:
-        return ProbeResult(False, reason="no gated activation (silu/gelu) inside the region")
+        return ProbeResult(False, reason="no activation (silu/gelu/relu) inside the region")
     mode = ctx.config.verify
     if _weights_freed(region, ctx):
         # split_ep already narrowed these weights to this rank's experts (a recompile): the other
@@ -185,8 +225,16 @@ def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked) -> ProbeRe
     if stacked[0].device.type != "cpu":
         budget *= 1000  # an accelerator runs the probe in milliseconds at prefill sizes
     if mode == "never" or (mode == "auto" and estimate_probe_flops(region) > budget):
-        return ProbeResult(True, acts[0], False, reason="structure")
-    return probe_region(region, flow, ctx.real_value, stacked, acts)
+        why = needs_numerics(region, acts[0])
+        if why is not None:
+            skipped = "verify='never'" if mode == "never" else "the probe is over MoEConfig.verify_max_flops"
+            return ProbeResult(False, reason=f"{why}, which was skipped ({skipped})")
+        return ProbeResult(True, acts[0].name, False, reason="structure", spec=acts[0])
+    nodes = (region.w13_bias, region.w2_bias)
+    biases = tuple(None if b is None else ctx.real_value(b) for b in nodes)
+    if any(b is not None and not isinstance(v, torch.Tensor) for b, v in zip(nodes, biases, strict=True)):
+        return ProbeResult(False, reason="the real expert biases are not available to the pass")
+    return probe_region(region, flow, ctx.real_value, stacked, acts, biases)
 
 
 def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
@@ -221,6 +269,7 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
             ctx.after_compile.append(lambda a=anchors, x=w13, y=w2: _share_storage(a, ctx, x, y))
         _insert_op(gm, flow, region, probe, ctx, stacked, count, len(ctx.report) - 1)
         report.matched, report.activation, report.weights_on_input = True, probe.activation, probe.weights_on_input
+        report.details = _details(region, probe.spec)
         report.verified = "structure" if probe.reason == "structure" else f"numerics (rel err {probe.error:.1e})"
         count += 1
         log.info("moe_fx: rewrote %s", report.one_line())
