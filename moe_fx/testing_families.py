@@ -91,10 +91,11 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
                   "indexer_head_dim": 8, "indexer_budget": 8, "indexer_compress_ratio": 2},
     "zaya": {"num_experts_per_tok": 1},
     "llama4": {"num_experts_per_tok": 1, "no_rope_layers": [1, 1], "moe_layers": [0, 1]},
-    "longcat_flash": {"num_layers": 1, "num_hidden_layers": 1},
+    "longcat_flash": {"num_hidden_layers": 2},  # = 2 * num_layers: one layer of two sub-blocks
+    "flint": {"mlp_only_layers": []},
     "step3p7": {"swiglu_limits": [0.0, 2.0], "sliding_window": 64},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 1},
-    "doge": {"num_experts": 16, "num_experts_per_tok": 4},
+    "doge": {"is_moe": True, "num_experts": 16, "num_experts_per_tok": 4},
     "deepseek_v4": {"mlp_layer_types": ["moe", "moe"], "num_key_value_heads": 1, "head_dim": 16},
 }
 

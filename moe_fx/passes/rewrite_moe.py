@@ -38,20 +38,47 @@ __all__ = ["rewrite_moe_regions"]
 log = logging.getLogger("moe_fx.passes")
 
 
-def _module_of(node: fx.Node) -> tuple[str, str]:
-    """(module path, class name) of the innermost ``*Experts`` module around ``node``, else the innermost."""
+def _module_stack(node: fx.Node) -> list[tuple[str, str]]:
+    """``(module path, class name)`` of every module around ``node``, outermost first."""
     stack = node.meta.get("nn_module_stack") or {}
     entries = []
     for key, value in stack.items():
         path, cls = value if isinstance(value, tuple) else (key, value)
         name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
         entries.append((str(path), name))
+    return entries
+
+
+def _module_of(node: fx.Node) -> tuple[str, str]:
+    """(module path, class name) of the innermost ``*Experts`` module around ``node``, else the innermost."""
+    entries = _module_stack(node)
     if not entries:
         return "", ""
     for path, name in reversed(entries):
         if name.endswith("Experts"):
             return path, name
     return entries[-1]
+
+
+def _common_module(a: fx.Node, b: fx.Node) -> tuple[str, str]:
+    """The innermost module around both ``a`` and ``b`` (JetMoE keeps w13 and w2 in two sibling modules)."""
+    inner = ("", "")
+    for x, y in zip(_module_stack(a), _module_stack(b)):
+        if _clean_path(x[0]) != _clean_path(y[0]):
+            break
+        inner = x
+    return inner
+
+
+_FAMILY_SUFFIXES = ("Experts", "SparseMoeBlock", "SparseMoEBlock", "MoE", "Moe")
+
+
+def _family(cls: str) -> str:
+    """``GptOss`` from ``GptOssExperts``, ``JetMoe`` from ``JetMoeMoE``; ``""`` for other classes."""
+    for suffix in _FAMILY_SUFFIXES:
+        if cls.endswith(suffix) and len(cls) > len(suffix):
+            return cls[: -len(suffix)]
+    return ""
 
 
 def _clean_path(path: str) -> str:
@@ -174,14 +201,18 @@ def _param_path(node: fx.Node) -> str:
 def _report_for(anchors: ExpertWeights, region: Region | None) -> RegionReport:
     path, cls = _module_of(region.output) if region is not None else ("", "")
     if not cls.endswith("Experts"):
-        # No experts module around the output: name the region after its weights' owner.
-        wpath, wcls = _module_of(next(iter(anchors.nodes[-1].users), anchors.nodes[-1]))
-        if wcls.endswith("Experts") or not path:
+        # No experts module around the output: name the region after its weights' owner, or the
+        # module around both weights when each lives in its own (JetMoE's input_linear / output_linear).
+        owners = [next(iter(w.users), w) for w in (anchors.w13, anchors.w2) if w is not None]
+        owners = owners or [next(iter(anchors.nodes[-1].users), anchors.nodes[-1])]
+        split = len({_module_of(o)[0] for o in owners}) > 1
+        wpath, wcls = _common_module(*owners) if split else _module_of(owners[-1])
+        if wpath and (split or wcls.endswith("Experts")) or not path:
             path, cls = wpath, wcls
     if anchors.kind == "per_expert" and not cls.endswith("Experts"):
         path = re.sub(r"\.\d+\.[^.]+\.weight$", "", _param_path(anchors.down[0]))
         cls = ""
-    family = cls[: -len("Experts")] if cls.endswith("Experts") else ""
+    family = _family(cls)
     layer = _clean_path(path) or ".".join(_param_path(anchors.nodes[-1]).split(".")[:-1]) or _param_path(anchors.nodes[-1])
     return RegionReport(
         layer=layer, family=family, num_experts=anchors.num_experts,
@@ -246,6 +277,11 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
     for anchors in find_expert_weights(gm.graph, flow):
         found = extract_region(flow, anchors)
         region = found if isinstance(found, Region) else None
+        if region is None and anchors.kind == "per_expert" and "expert" not in anchors.name.lower():
+            # SwiGLU MLPs under a ModuleList that is not named as experts and that no routing feeds
+            # (LongCat-Flash's two dense MLPs per layer): not an MoE layer, nothing to report.
+            log.debug("moe_fx: %s is not an MoE layer: %s", anchors.name, found)
+            continue
         report = _report_for(anchors, region)
         ctx.report.append(report)
         if region is None:
