@@ -26,6 +26,7 @@ from helpers import logits, rel_err, run_captured  # noqa: E402
 
 import moe_fx  # noqa: E402
 from moe_fx.api import _capture_modules  # noqa: E402
+from moe_fx.passes.inventory import unseen_moe_layers  # noqa: E402
 from moe_fx.testing_families import TEXT_MOE_FAMILIES, tiny_family_model  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
@@ -41,6 +42,7 @@ def run_family(family: str, impl: str, dtype: torch.dtype) -> dict:
     module_reports = _capture_modules(model, moe_fx.MoEConfig())
     got, cap = run_captured(model, ids)
     reports = module_reports + [r for r in cap.reports if r.layer != "<graph>"]
+    reports += unseen_moe_layers(model, reports)
     matched = [r for r in reports if r.matched]
     err = rel_err(logits(got).float(), want.float())
     return {

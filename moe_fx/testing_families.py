@@ -9,7 +9,8 @@ Two parts:
   a generic shrink cannot guess.
 * User-written MoE blocks in the forms the pass must recognise beyond transformers' own
   implementations: :class:`NonGatedMoE` (up -> plain activation -> down, Nemotron-H style),
-  :class:`ClampedSwiGLUMoE` (DeepSeek-V4-style ``swiglu_limit``), :class:`JetSortMoE` (hand-written
+  :class:`ClampedSwiGLUMoE` (DeepSeek-V4-style ``swiglu_limit``), :class:`DenseScoresMoE` (Llama 4's
+  dense ``[T, E]`` scores on the expert input), :class:`JetSortMoE` (hand-written
   sort-based dispatch with ``div(..., rounding_mode="trunc")``, ``split`` by counts, a per-expert
   ``F.linear`` loop and an output bias after the combine, JetMoE style), :class:`HitLoopExperts`
   (a loop over the experts actually hit, ``for e in expert_hit:``, optional biases, clamp, alpha,
@@ -32,6 +33,7 @@ __all__ = [
     "FAMILY_OVERRIDES",
     "TEXT_MOE_FAMILIES",
     "ClampedSwiGLUMoE",
+    "DenseScoresMoE",
     "HitLoopExperts",
     "HitLoopMoE",
     "JetSortMoE",
@@ -93,6 +95,8 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "llama4": {"num_experts_per_tok": 1, "no_rope_layers": [1, 1], "moe_layers": [0, 1]},
     "longcat_flash": {"num_hidden_layers": 2},  # = 2 * num_layers: one layer of two sub-blocks
     "flint": {"mlp_only_layers": []},
+    "deepseek_v2": {"num_experts_per_tok": 2},
+    "mimo_v2_flash": {"head_dim": 24, "v_head_dim": 16, "num_key_value_heads": 2},  # sliding layers double kv heads
     "step3p7": {"swiglu_limits": [0.0, 2.0], "sliding_window": 64},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 1},
     "doge": {"is_moe": True, "num_experts": 16, "num_experts_per_tok": 4},
@@ -258,19 +262,24 @@ class NonGatedMoE(nn.Module):
 class ClampedSwiGLUMoE(nn.Module):
     """Clamped SwiGLU experts without GPT-OSS's extras (DeepSeek-V4 ``swiglu_limit``), as a dense ``bmm``.
 
-    ``silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)``. ``up_limit`` other than ``limit`` (or
-    ``clamp_after_act=True``: Step-3.7's ``silu(gate).clamp(max=limit)``) makes a near miss the op cannot express.
+    ``silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)``. Near misses the op cannot express:
+    ``up_limit`` other than ``limit``, ``clamp_after_act=True`` (Step-3.7's ``silu(gate).clamp(max=limit)``),
+    ``bias="after_weight"`` (a per-expert ``[E, H]`` bias added after the routing weight). ``bias="output"``
+    adds it before the routing weight (the op's ``w2_bias``: matched).
     """
 
     def __init__(self, hidden: int = 32, inter: int = 16, num_experts: int = 8, top_k: int = 2, limit: float = 1.5,
-                 up_limit: float | None = None, clamp_after_act: bool = False) -> None:
+                 up_limit: float | None = None, clamp_after_act: bool = False, bias: str | None = None) -> None:
         super().__init__()
+        if bias not in (None, "output", "after_weight"):
+            raise ValueError(f"bias must be None, 'output' or 'after_weight', got {bias!r}")
         self.hidden, self.num_experts = hidden, num_experts
         self.limit, self.up_limit = limit, limit if up_limit is None else up_limit
-        self.clamp_after_act = clamp_after_act
+        self.clamp_after_act, self.bias_mode = clamp_after_act, bias
         self.router = _Router(hidden, num_experts, top_k)
         self.gate_up = nn.Parameter(torch.randn(num_experts, 2 * inter, hidden) * 0.2)
         self.down = nn.Parameter(torch.randn(num_experts, hidden, inter) * 0.2)
+        self.down_bias = nn.Parameter(torch.randn(num_experts, hidden) * 0.2) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -284,7 +293,47 @@ class ClampedSwiGLUMoE(nn.Module):
         else:
             act = F.silu(gate.clamp(max=self.limit))
         y = torch.bmm(act * up.clamp(-self.up_limit, self.up_limit), self.down.transpose(1, 2))
-        return (y * dense.t().unsqueeze(-1)).sum(dim=0).reshape(shape)
+        if self.bias_mode == "output":
+            y = y + self.down_bias.unsqueeze(1)
+        y = y * dense.t().unsqueeze(-1)
+        if self.bias_mode == "after_weight":
+            y = y + self.down_bias.unsqueeze(1)
+        return y.sum(dim=0).reshape(shape)
+
+
+class DenseScoresMoE(nn.Module):
+    """Llama 4's shape: every expert runs on ``x * score``, scores a dense ``[T, E]`` matrix, summed over E.
+
+    ``scores="topk_sigmoid"`` (Llama 4): ``sigmoid`` of the top-k logits scattered into ``-inf``, so zero
+    outside the top-k (matched, the op runs only the top-k). ``scores="softmax"``: a softmax over all
+    experts, non-zero everywhere (a near miss: reducing it to a top-k would drop experts).
+    """
+
+    def __init__(self, hidden: int = 32, inter: int = 16, num_experts: int = 8, top_k: int = 1,
+                 scores: str = "topk_sigmoid") -> None:
+        super().__init__()
+        if scores not in ("topk_sigmoid", "softmax"):
+            raise ValueError(f"scores must be 'topk_sigmoid' or 'softmax', got {scores!r}")
+        self.hidden, self.num_experts, self.top_k, self.scores = hidden, num_experts, top_k, scores
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.randn(num_experts, hidden, 2 * inter) * 0.2)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, inter, hidden) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.hidden)
+        logits = self.router(x)
+        if self.scores == "softmax":
+            scores = torch.softmax(logits.float(), dim=-1).to(x.dtype)
+        else:
+            top, ids = torch.topk(logits, self.top_k, dim=1)
+            scores = torch.full_like(logits, float("-inf")).scatter_(1, ids, top)
+            scores = torch.sigmoid(scores.float()).to(x.dtype)
+        routed = x.repeat(self.num_experts, 1) * scores.transpose(0, 1).reshape(-1, 1)
+        h = torch.bmm(routed.view(self.num_experts, -1, self.hidden), self.gate_up_proj)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch.bmm(up * F.silu(gate), self.down_proj).view(-1, self.hidden)
+        return y.reshape(self.num_experts, -1, self.hidden).sum(dim=0).reshape(shape)
 
 
 class JetSortMoE(nn.Module):

@@ -267,14 +267,19 @@ class _Builder:
             walk_through.add(rw)
         raise _Reject("routing weights and ids have different shapes")
 
+    def _reads_scores(self, found: dict[str, set[fx.Node]]) -> bool:
+        """True if the region's only routing input is one ``[T, E]`` float matrix (no top-k ids)."""
+        if found["ids"] or len(found["weights"]) != 1:
+            return False
+        return tensor_value(next(iter(found["weights"]))).shape[1] == self.anchors.num_experts
+
     def _dense_scores(self, found: dict[str, set[fx.Node]]) -> tuple[fx.Node, fx.Node] | None:
         """``(scores [T, E], top-k ids [T, K])`` if the region reads a score matrix that is provably zero
         outside the router's top-k ids (Llama 4), else None."""
-        if found["ids"] or len(found["weights"]) != 1:
+        if not self._reads_scores(found):
             return None
         (scores,) = found["weights"]
-        v = tensor_value(scores)
-        if v.shape[1] != self.anchors.num_experts or self.flow.mutators.get(scores):
+        if self.flow.mutators.get(scores):
             return None
         ids = sparse_support(self.flow, scores)
         return None if ids is None else (scores, ids)
@@ -301,6 +306,12 @@ class _Builder:
         try:
             nodes, found, ids, rw = self._sparse_boundary(nodes, found, walk_through)
         except _Reject:
+            if dense is None and self._reads_scores(found):
+                (scores,) = found["weights"]
+                raise _Reject(
+                    f"the experts read a dense {list(tensor_value(scores).shape)} score matrix ({scores.name}) that the "
+                    "graph does not prove zero outside the router's top-k ids; reducing it to a top-k could drop experts"
+                ) from None
             if dense is None:
                 raise
             # Llama 4: the first walk's boundary is (hidden, scores); the ids come from the router.
