@@ -26,22 +26,23 @@ from helpers import logits, rel_err, run_captured  # noqa: E402
 
 import moe_fx  # noqa: E402
 from moe_fx.api import _capture_modules  # noqa: E402
-from moe_fx.passes.inventory import unseen_moe_layers  # noqa: E402
+from moe_fx.passes.inventory import qualify_layer_names, unseen_moe_layers  # noqa: E402
 from moe_fx.testing_families import TEXT_MOE_FAMILIES, tiny_family_model  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
-def run_family(family: str, impl: str, dtype: torch.dtype) -> dict:
+def run_family(family: str, impl: str, dtype: torch.dtype, layers: int) -> dict:
     """Build, capture, compile and compare one family; returns the row's fields."""
     start = time.perf_counter()
-    model = tiny_family_model(family, dtype=dtype, experts_implementation=impl)
+    model = tiny_family_model(family, dtype=dtype, experts_implementation=impl, num_layers=layers)
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = logits(model(ids))
     module_reports = _capture_modules(model, moe_fx.MoEConfig())
     got, cap = run_captured(model, ids)
     reports = module_reports + [r for r in cap.reports if r.layer != "<graph>"]
+    qualify_layer_names(model, reports)
     reports += unseen_moe_layers(model, reports)
     matched = [r for r in reports if r.matched]
     err = rel_err(logits(got).float(), want.float())
@@ -58,14 +59,18 @@ def main() -> int:
     parser.add_argument("families", nargs="*", default=list(TEXT_MOE_FAMILIES))
     parser.add_argument("--impl", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (default: 2 in float32; 1 in bfloat16, so that routing sees bit-identical "
+                             "inputs in eager and compiled runs and no top-k tie can flip)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    layers = args.layers or (2 if dtype == torch.float32 else 1)
     warnings.filterwarnings("ignore")
     rows = []
     for family in args.families:
         try:
-            row = run_family(family, args.impl, dtype)
+            row = run_family(family, args.impl, dtype, layers)
         except (RuntimeError, ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
             row = {"family": family, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         rows.append(row)
@@ -81,11 +86,11 @@ def main() -> int:
         return 0
     out = Path(__file__).parent / "results" / f"families_{args.impl}_{args.dtype}_{datetime.date.today()}.md"
     lines = [
-        f"# transformers MoE families through moe_fx ({args.impl}, {args.dtype}, CPU)",
+        f"# transformers MoE families through moe_fx ({args.impl}, {args.dtype}, {layers} layer(s), CPU)",
         "",
         f"{datetime.datetime.now().isoformat(timespec='seconds')} · {platform.processor() or platform.machine()} · "
         f"torch {torch.__version__} · transformers {__import__('transformers').__version__} · "
-        f"`python bench/families.py --impl {args.impl} --dtype {args.dtype}`",
+        f"`python bench/families.py --impl {args.impl} --dtype {args.dtype} --layers {layers}`",
         "",
         "| family | MoE layers rewritten | rel. logit error vs eager | graphs | forms | layers left alone (reason) |",
         "|---|---|---|---|---|---|",

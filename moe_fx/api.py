@@ -125,7 +125,7 @@ def explain(model: Callable, *example_inputs: Any, config: MoEConfig | None = No
     import time
 
     from moe_fx.backend import make_backend
-    from moe_fx.passes.inventory import unseen_moe_layers
+    from moe_fx.passes.inventory import qualify_layer_names, unseen_moe_layers
 
     config = config or MoEConfig()
     enable_capture()
@@ -143,6 +143,9 @@ def explain(model: Callable, *example_inputs: Any, config: MoEConfig | None = No
     with torch.no_grad():
         torch.compile(model, backend=counting_backend)(*example_inputs, **example_kwargs)
     module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
-    report.regions = sink + (unseen_moe_layers(module, sink) if isinstance(module, torch.nn.Module) else [])
+    if isinstance(module, torch.nn.Module):
+        qualify_layer_names(module, sink)
+        sink += unseen_moe_layers(module, sink)
+    report.regions = sink
     _fill_kernels(report.regions, config)
     return report

@@ -86,8 +86,7 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "dots1": {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1},
     "hunyuan_v1_moe": {"head_dim": 8, "num_experts": 8, "moe_topk": 2},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
-    "nemotron_h": {"layers_block_type": ["moe", "full_attention", "moe"], "num_hidden_layers": 3,
-                   "moe_latent_size": None, "n_group": 1, "topk_group": 1},
+    "nemotron_h": {"moe_latent_size": None, "n_group": 1, "topk_group": 1},
     "granitemoehybrid": {"mamba_d_head": 16, "layer_types": ["linear_attention", "attention"]},
     "qwen4_exp": {"layer_types": ["linear_attention", "indexed_attention"], "indexer_n_heads": 2, "indexer_kv_heads": 1,
                   "indexer_head_dim": 8, "indexer_budget": 8, "indexer_compress_ratio": 2},
@@ -97,7 +96,8 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "flint": {"mlp_only_layers": []},
     "deepseek_v2": {"num_experts_per_tok": 2},
     "mimo_v2_flash": {"head_dim": 24, "v_head_dim": 16, "num_key_value_heads": 2},  # sliding layers double kv heads
-    "step3p7": {"swiglu_limits": [0.0, 2.0], "sliding_window": 64},
+    # Step-3.7 clamps after the activation on some layers (bound 7 in the real model): the first layer here.
+    "step3p7": {"swiglu_limits": [2.0, 0.0], "sliding_window": 64},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 1},
     "doge": {"is_moe": True, "num_experts": 16, "num_experts_per_tok": 4},
     "deepseek_v4": {"mlp_layer_types": ["moe", "moe"], "num_key_value_heads": 1, "head_dim": 16},
@@ -146,6 +146,9 @@ def tiny_family_config(family: str, *, num_layers: int = 2, **overrides: Any):
         if key in base:
             kwargs[key] = 0 if key == "pad_token_id" else 1
     kwargs.update(FAMILY_OVERRIDES.get(family, {}))
+    if family == "nemotron_h":  # one block per layer: num_layers MoE blocks around one attention block
+        blocks = ["full_attention", "moe"] if num_layers == 1 else ["moe", "full_attention", "moe"] + ["moe"] * (num_layers - 2)
+        kwargs.update(layers_block_type=blocks, num_hidden_layers=len(blocks))
     kwargs.update(overrides)
     kwargs["tie_word_embeddings"] = False
     cfg = cls(**kwargs)

@@ -12,10 +12,11 @@ from torch import nn
 
 from moe_fx.passes.report import RegionReport
 
-__all__ = ["moe_layers", "unseen_moe_layers"]
+__all__ = ["moe_layers", "qualify_layer_names", "unseen_moe_layers"]
 
-#: Class-name parts of modules that belong to an MoE layer without being one.
-_NOT_A_LAYER = ("Attention", "DecoderLayer", "Norm", "Router", "Gate", "Gating", "Embedding", "Rotary", "Model")
+#: Class-name endings of MoE blocks (``DogeCDMoE``, ``Llama4TextMoe``, ``Qwen2MoeSparseMoeBlock``); a family
+#: prefix such as ``Qwen2Moe`` in ``Qwen2MoeMLP`` (a shared expert) does not make a block.
+_BLOCK_SUFFIXES = ("MoE", "Moe", "MoeBlock", "MoEBlock")
 _FAMILY_SUFFIXES = ("Experts", "SparseMoeBlock", "MoE", "Moe")
 
 
@@ -24,9 +25,7 @@ def _is_experts(module: nn.Module) -> bool:
 
 
 def _is_moe_block(module: nn.Module) -> bool:
-    name = type(module).__name__
-    return ("MoE" in name or "Moe" in name) and not any(part in name for part in _NOT_A_LAYER) \
-        and not hasattr(module, "base_model_prefix")
+    return type(module).__name__.endswith(_BLOCK_SUFFIXES) and not hasattr(module, "base_model_prefix")
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, str]]:
@@ -67,6 +66,25 @@ def _family(cls: str) -> str:
         if cls.endswith(suffix) and len(cls) > len(suffix):
             return cls[: -len(suffix)]
     return ""
+
+
+def qualify_layer_names(model: nn.Module, reports: list[RegionReport]) -> None:
+    """Give reports named relative to a sub-module their full module path in ``model``, in place.
+
+    After a graph break Dynamo traces a decoder layer's forward as a frame of its own, and the module paths
+    it records start at that layer (``mlp.experts``). Reports are in the order the layers ran, so the n-th
+    report with a relative name takes the n-th module path of ``model`` ending with that name.
+    """
+    paths = [p for p, _ in model.named_modules()]
+    known = set(paths)
+    taken = {r.layer for r in reports if r.layer in known}
+    for r in reports:
+        if not r.layer or r.layer in known:
+            continue
+        match = next((p for p in paths if p.endswith("." + r.layer) and p not in taken), None)
+        if match is not None:
+            r.layer = match
+            taken.add(match)
 
 
 def unseen_moe_layers(model: nn.Module, reports: list[RegionReport]) -> list[RegionReport]:
