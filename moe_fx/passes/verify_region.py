@@ -94,10 +94,15 @@ def _float_operand(n: fx.Node) -> tuple[fx.Node, float] | None:
     return (tensors[0], float(numbers[0])) if v is not None and v.dtype.is_floating_point else None
 
 
+def _in_order(region: Region) -> list[fx.Node]:
+    """The region's nodes in graph order (``Region.nodes`` is a set)."""
+    return [n for n in region.output.graph.nodes if n in region.nodes]
+
+
 def clamp_bounds(region: Region) -> list[float]:
     """Magnitudes of the finite bounds of every clamp of floating-point values in the region, sorted."""
     bounds: set[float] = set()
-    for n in region.nodes:
+    for n in _in_order(region):
         if op_name(n) not in _CLAMPS or not n.args or tensor_value(n.args[0]) is None:
             continue
         if not tensor_value(n.args[0]).dtype.is_floating_point:
@@ -110,7 +115,7 @@ def clamp_bounds(region: Region) -> list[float]:
 def _constants(region: Region, op: str) -> list[float]:
     """Distinct finite numbers ``op`` (``mul`` / ``add``) combines with floating-point tensors, in graph order."""
     out: list[float] = []
-    for n in region.nodes:
+    for n in _in_order(region):
         if op_name(n) in (op, f"i{op}"):
             pair = _float_operand(n)
             if pair is not None and math.isfinite(pair[1]) and pair[1] not in out:
@@ -120,7 +125,7 @@ def _constants(region: Region, op: str) -> list[float]:
 
 def _interleaved(region: Region) -> bool:
     """True if the region takes every other column (``h[..., ::2]`` / ``h[..., 1::2]``): GPT-OSS's gate/up rows."""
-    for n in region.nodes:
+    for n in _in_order(region):
         if op_name(n) == "getitem" and isinstance(n.args[1], tuple):
             last = n.args[1][-1] if n.args[1] else None
             if isinstance(last, slice) and last.step == 2:
