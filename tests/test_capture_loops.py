@@ -92,6 +92,20 @@ def test_captured_forward_reads_views_of_the_parameters():
     assert release_expert_loops(experts) == 1 and "forward" not in vars(experts)
 
 
+def test_training_runs_the_modules_own_forward():
+    """The op has no backward: with grad on and weights that require grad, the captured module falls back."""
+    experts = HitLoopExperts()
+    capture_expert_loops(experts)
+    hidden, ids, weights = _routing(6, 8)
+    spy = _OpSpy()
+    with spy:
+        experts(hidden, ids, weights).sum().backward()
+    assert spy.calls == [] and experts.gate_up_proj.grad is not None
+    with torch.no_grad(), spy:
+        experts(hidden, ids, weights)
+    assert len(spy.calls) == 1
+
+
 def test_near_miss_keeps_its_forward():
     """Step-3.7's clamp after the activation: no reading matches, the module keeps its own forward."""
     experts = HitLoopExperts(limit=1.0, clamp_after_act=True)

@@ -32,8 +32,12 @@ PROMPTS = {
 )
 @pytest.mark.parametrize("family", HF_FAMILIES)
 def test_hf_family_matches_eager(family, impl, dtype, prompts):
-    """Random tokens, a batch of one token, and very uneven expert loads, through one compiled model."""
-    model = tiny_hf_model(family, num_layers=2, experts_implementation=impl, dtype=dtype)
+    """Random tokens, a batch of one token, and very uneven expert loads, through one compiled model.
+
+    bf16 uses one layer: its MoE routing then sees bit-identical inputs in eager and compiled runs, so no
+    near-tie in a later layer's top-k can flip (a flipped expert is a correct but different answer)."""
+    layers = 2 if dtype == torch.float32 else 1
+    model = tiny_hf_model(family, num_layers=layers, experts_implementation=impl, dtype=dtype)
     torch._dynamo.reset()
     from helpers import capture_backend
     from moe_fx.api import enable_capture
@@ -46,7 +50,7 @@ def test_hf_family_matches_eager(family, impl, dtype, prompts):
         with torch.no_grad():
             want, got = logits(model(ids)), logits(compiled(ids))
         assert rel_err(got, want) < TOL[dtype], name
-    assert cap.count(OP) == 2 * cap.compiles
+    assert cap.count(OP) == layers * cap.compiles
 
 
 def _uneven_tokens(t: int, dtype: torch.dtype) -> torch.Tensor:

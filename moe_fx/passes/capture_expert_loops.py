@@ -414,11 +414,18 @@ def _captured_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     *args: object, **kwargs: object,
 ) -> torch.Tensor:
-    """The experts module's forward through ``moe_fx::experts``, on views of its own parameters."""
+    """The experts module's forward through ``moe_fx::experts``, on views of its own parameters.
+
+    Training (grad mode with inputs or weights that require grad) and calls outside the op's contract run
+    the module's own forward: the op has no backward.
+    """
     m: LoopExpertsMatch = self._moe_fx_loop
-    if hidden_states.dim() != 2 or top_k_index.dim() != 2 or args or kwargs:
-        return type(self).forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     w = m.weights(self)
+    training = torch.is_grad_enabled() and (
+        hidden_states.requires_grad or top_k_weights.requires_grad or any(t is not None and t.requires_grad for t in w.values())
+    )
+    if training or hidden_states.dim() != 2 or top_k_index.dim() != 2 or args or kwargs:
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     return torch.ops.moe_fx.experts(
         hidden_states, top_k_index, top_k_weights, w["w13"], w["w2"], m.spec.name, m.weights_on_input, None,
         None, self._moe_fx_kernel, w13_bias=w["w13_bias"], w2_bias=w["w2_bias"], **m.op_kwargs(),
