@@ -4,8 +4,11 @@ Step-3.7, DBRX; and explain listing every MoE layer with the right name."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from expecttest import TestCase
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_fx
@@ -74,6 +77,32 @@ def test_captured_loop_equals_its_own_forward(variant, dtype):
         got = experts(hidden, ids, weights)
     assert report.matched and report.form == "hit_loop" and report.verified.startswith("numerics")
     assert rel_err(got, want) < TOL[dtype]
+
+
+class TestCapturedGraph(TestCase):
+    def test_identity_experts_graph(self):
+        """LongCat-Flash-like experts (a loop with .item(), identity experts, transposed storage, biases): one
+        graph whose experts are one op on views of the module's parameters (w13 holds extra identity rows)."""
+        torch.manual_seed(0)
+        model = HitLoopMoE(identity_experts=2, item=True, transposed=True, bias=True)
+        with torch.no_grad():  # LongCat keeps gate_up rows for its identity experts too: give w13 E+Z rows
+            model.experts.gate_up_proj = torch.nn.Parameter(torch.randn(10, 32, 32) * 0.2)
+        x = torch.randn(6, 32)
+        with torch.no_grad():
+            want = model(x)
+        got, cap, reports = _compile_captured(model, x, torch.float32)
+        assert reports[0].matched and reports[0].details.endswith("2 identity experts")
+        assert cap.compiles == 1 and rel_err(got, want) < 1e-5
+        code = re.sub(r"\bl_self_modules_experts_parameters_(\w+?)_\b", r"experts.\1", cap.code)
+        lines = [ln.split(";  ")[0] for ln in code.splitlines()]
+        first = next(i for i, ln in enumerate(lines) if ".transpose(1, 2)" in ln)
+        last = next(i for i, ln in enumerate(lines) if "torch.ops.moe_fx.experts(" in ln)
+        self.assertExpectedInline("\n".join(lines[first : last + 2]), """\
+    w13 = experts.gate_up_proj.transpose(1, 2)
+    w2 = experts.down_proj.transpose(1, 2)
+    getitem_2 = w13[slice(None, 8, None)]
+    experts = torch.ops.moe_fx.experts(x, ids, weights_1, getitem_2, w2, 'silu', False, None, None, 'auto', w13_bias = experts.gate_up_proj_bias, w2_bias = experts.down_proj_bias, gated = True, gate_up_layout = 'halves', alpha = 1.0, limit = None, up_offset = 0.0, identity_experts = 2)
+    reshape_1 = experts.reshape((6, 32))""")
 
 
 def test_captured_forward_reads_views_of_the_parameters():
