@@ -95,7 +95,8 @@ def unseen_moe_layers(model: nn.Module, reports: list[RegionReport]) -> list[Reg
             continue
         out.append(RegionReport(
             layer=path, family=_family(cls),
-            reason=f"no experts region of this {cls} reached the pass: no stacked expert weights multiplied "
-                   "by routed tokens were found in the traced graph, and no capture step applies",
+            reason=f"the pass found no experts region of this {cls}: no pair of stacked expert weights feeding "
+                   "up -> activation -> down products in the traced graph (experts of another kind, such as "
+                   "attention heads or embedding rows), and no capture step applies",
         ))  # fmt: skip
     return out
