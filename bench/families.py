@@ -30,6 +30,10 @@ from moe_fx.passes.inventory import qualify_layer_names, unseen_moe_layers  # no
 from moe_fx.testing_families import TEXT_MOE_FAMILIES, tiny_family_model  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+try:  # transformers' strict configs raise this (not a ValueError) for settings a family rejects
+    from huggingface_hub.errors import StrictDataclassClassValidationError as _ConfigError
+except ImportError:  # pragma: no cover - older huggingface_hub
+    _ConfigError = ValueError
 
 
 def run_family(family: str, impl: str, dtype: torch.dtype, layers: int) -> dict:
@@ -71,7 +75,7 @@ def main() -> int:
     for family in args.families:
         try:
             row = run_family(family, args.impl, dtype, layers)
-        except (RuntimeError, ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
+        except (RuntimeError, ValueError, TypeError, AttributeError, KeyError, IndexError, _ConfigError) as exc:
             row = {"family": family, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         rows.append(row)
         if "error" in row:

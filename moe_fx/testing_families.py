@@ -23,6 +23,7 @@ Nothing is downloaded; weights are random (``torch.manual_seed``), every weight 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -85,22 +86,43 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
              "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
     "dots1": {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1},
     "hunyuan_v1_moe": {"head_dim": 8, "num_experts": 8, "moe_topk": 2},
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     "nemotron_h": {"moe_latent_size": None, "n_group": 1, "topk_group": 1},
-    "granitemoehybrid": {"mamba_d_head": 16, "layer_types": ["linear_attention", "attention"]},
-    "qwen4_exp": {"layer_types": ["linear_attention", "indexed_attention"], "indexer_n_heads": 2, "indexer_kv_heads": 1,
-                  "indexer_head_dim": 8, "indexer_budget": 8, "indexer_compress_ratio": 2},
+    "granitemoehybrid": {"mamba_d_head": 16},
+    "qwen4_exp": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 8,
+                  "indexer_compress_ratio": 2},
     "zaya": {"num_experts_per_tok": 1},
-    "llama4": {"num_experts_per_tok": 1, "no_rope_layers": [1, 1], "moe_layers": [0, 1]},
+    "llama4": {"num_experts_per_tok": 1},
     "longcat_flash": {"num_hidden_layers": 2},  # = 2 * num_layers: one layer of two sub-blocks
     "flint": {"mlp_only_layers": []},
     "deepseek_v2": {"num_experts_per_tok": 2},
     "mimo_v2_flash": {"head_dim": 24, "v_head_dim": 16, "num_key_value_heads": 2},  # sliding layers double kv heads
-    # Step-3.7 clamps after the activation on some layers (bound 7 in the real model): the first layer here.
-    "step3p7": {"swiglu_limits": [2.0, 0.0], "sliding_window": 64},
-    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 1},
+    "step3p7": {"sliding_window": 64},
+    "jamba": {"expert_layer_period": 1},
     "doge": {"is_moe": True, "num_experts": 16, "num_experts_per_tok": 4},
-    "deepseek_v4": {"mlp_layer_types": ["moe", "moe"], "num_key_value_heads": 1, "head_dim": 16},
+    "deepseek_v4": {"num_key_value_heads": 1, "head_dim": 16},
+}
+
+
+def _last_attention(n: int, other: str, attention: str) -> list[str]:
+    """``n`` layer types, the last one attention (hybrid models' caches need one attention layer)."""
+    return [other] * (n - 1) + [attention]
+
+
+#: Per-layer settings, as functions of the number of layers.
+_PER_LAYER: dict[str, Callable[[int], dict[str, Any]]] = {
+    "lfm2_moe": lambda n: {"layer_types": _last_attention(n, "conv", "full_attention")},
+    "granitemoehybrid": lambda n: {"layer_types": _last_attention(n, "linear_attention", "attention")},
+    "qwen4_exp": lambda n: {"layer_types": _last_attention(n, "linear_attention", "indexed_attention")},
+    "llama4": lambda n: {"no_rope_layers": [1] * n, "moe_layers": list(range(n))},
+    "deepseek_v4": lambda n: {"mlp_layer_types": ["moe"] * n},
+    # Step-3.7 clamps after the activation on some layers (bound 7 in the real model): the first layer here.
+    "step3p7": lambda n: {"swiglu_limits": [2.0] + [0.0] * (n - 1)},
+    "jamba": lambda n: {"attn_layer_period": 2, "attn_layer_offset": 1} if n > 1 else {"attn_layer_period": 1,
+                                                                                      "attn_layer_offset": 0},
+    # One block per layer: num_layers MoE blocks around one attention block.
+    "nemotron_h": lambda n: {"layers_block_type": (blocks := ["full_attention", "moe"] if n == 1 else
+                                                   ["moe", "full_attention"] + ["moe"] * (n - 1)),
+                             "num_hidden_layers": len(blocks)},
 }
 
 
@@ -146,9 +168,8 @@ def tiny_family_config(family: str, *, num_layers: int = 2, **overrides: Any):
         if key in base:
             kwargs[key] = 0 if key == "pad_token_id" else 1
     kwargs.update(FAMILY_OVERRIDES.get(family, {}))
-    if family == "nemotron_h":  # one block per layer: num_layers MoE blocks around one attention block
-        blocks = ["full_attention", "moe"] if num_layers == 1 else ["moe", "full_attention", "moe"] + ["moe"] * (num_layers - 2)
-        kwargs.update(layers_block_type=blocks, num_hidden_layers=len(blocks))
+    if family in _PER_LAYER:
+        kwargs.update(_PER_LAYER[family](num_layers))
     kwargs.update(overrides)
     kwargs["tie_word_embeddings"] = False
     cfg = cls(**kwargs)

@@ -73,13 +73,25 @@ def _weight_nodes(graph: fx.Graph, ndim: int) -> list[fx.Node]:
     return out
 
 
+def _is_moe_fx_op(node: fx.Node) -> bool:
+    """True for a call of a moe_fx op (experts already captured at module level or rewritten)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        target = target.overloadpacket
+    return isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name.startswith("moe_fx::")
+
+
 def _first_matmul(flow: DataFlow, weight: fx.Node, limit: int = 6) -> fx.Node | None:
-    """The first matrix product reached from ``weight`` through a few layout ops (transpose, index...)."""
+    """The first matrix product reached from ``weight`` through a few layout ops (transpose, index...).
+
+    A moe_fx op stops the search: weights it reads are experts already handled."""
     frontier, depth = [weight], 0
     while frontier and depth < limit:
         nxt = []
         for n in frontier:
             for u in n.users:
+                if _is_moe_fx_op(u):
+                    continue
                 if is_matmul(u):
                     return u
                 nxt.append(u)
