@@ -358,8 +358,7 @@ def match_loop_experts(module: nn.Module, config: MoEConfig | None = None) -> Lo
                 if isinstance(found, LoopExpertsMatch):
                     return found
                 best = min(best, found)
-    err, reason = best
-    return reason or "no reading of its parameters computes what the module computes"
+    return best[1] or "no reading of its parameters computes what the module computes"
 
 
 def _first_match(
