@@ -31,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from moe_fx.passes.find_experts import ExpertWeights, _first_matmul
 from moe_fx.passes.graph_utils import DataFlow, is_factory, is_matmul, node_value, op_name, tensor_value
 
-__all__ = ["Region", "extract_region", "sparse_support"]
+__all__ = ["Region", "expert_products", "extract_region", "sparse_support"]
 
 log = logging.getLogger("moe_fx.passes")
 
@@ -121,18 +121,22 @@ def _same(a: object, b: object) -> bool:
     return bool(statically_known_true(a == b))
 
 
-def _expert_products(flow: DataFlow, anchors: ExpertWeights) -> list[fx.Node]:
+def expert_products(flow: DataFlow, anchors: ExpertWeights) -> list[fx.Node]:
+    """The first matrix product each expert weight of ``anchors`` reaches."""
     mms = [_first_matmul(flow, w) for w in anchors.nodes]
     return [m for m in mms if m is not None]
 
 
-def _output_candidates(flow: DataFlow, anchors: ExpertWeights, fwd: set[fx.Node]) -> list[fx.Node]:
-    products = _expert_products(flow, anchors)
+def _output_candidates(
+    flow: DataFlow, anchors: ExpertWeights, fwd: set[fx.Node], before: fx.Node | None = None
+) -> list[fx.Node]:
+    products = expert_products(flow, anchors)
     if not products:
         return []
     start = max(flow.order[m] for m in products)
+    stop = flow.order[before] if before is not None else len(flow.order)
     out = []
-    for n in sorted((n for n in fwd if flow.order[n] >= start), key=flow.order.__getitem__):
+    for n in sorted((n for n in fwd if start <= flow.order[n] < stop), key=flow.order.__getitem__):
         v = tensor_value(n)
         if v is not None and v.dim() == 2 and v.dtype.is_floating_point and _same(v.shape[1], anchors.hidden):
             out.append(n)
@@ -442,10 +446,14 @@ def _constant_fill(node: fx.Node) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def extract_region(flow: DataFlow, anchors: ExpertWeights) -> Region | str:
-    """The experts region anchored on ``anchors``, or the reason no closed region was found."""
+def extract_region(flow: DataFlow, anchors: ExpertWeights, before: fx.Node | None = None) -> Region | str:
+    """The experts region anchored on ``anchors``, or the reason no closed region was found.
+
+    ``before``: the first expert product of the next MoE layer, if any; a region ends before it (this
+    keeps the reason of a layer left alone about that layer, not about the next one).
+    """
     fwd = flow.forward_closure(anchors.nodes)
-    candidates = _output_candidates(flow, anchors, fwd)
+    candidates = _output_candidates(flow, anchors, fwd, before)
     if not candidates:
         return f"no [T, {anchors.hidden}] output after the expert products"
     reasons = []
@@ -454,6 +462,15 @@ def extract_region(flow: DataFlow, anchors: ExpertWeights) -> Region | str:
             return _Builder(flow, anchors, fwd, cand).build()
         except _Reject as exc:
             log.debug("moe_fx: output candidate %s rejected: %s", cand.name, exc)
-            reasons.append(f"{cand.name}: {exc}")
-    # The most informative reason is usually the one of the last [T, H] candidate tried.
-    return reasons[-1]
+            reasons.append((cand, f"{cand.name}: {exc}"))
+    # The most informative reason is usually the one of the last [T, H] candidate tried inside the
+    # experts' own module (later candidates belong to the next layer's attention or router).
+    owner = _module_paths(next(iter(anchors.nodes[-1].users), anchors.nodes[-1]))[-1:]
+    inside = [r for c, r in reasons if owner and owner[0] in _module_paths(c)]
+    return (inside or [r for _, r in reasons])[-1]
+
+
+def _module_paths(node: fx.Node) -> list[str]:
+    """The paths of the modules around ``node`` (Dynamo's ``nn_module_stack``), outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [str(v[0]) if isinstance(v, tuple) else str(k) for k, v in stack.items()]

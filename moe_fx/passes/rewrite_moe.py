@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from moe_fx.ops import ExpertActivation
-from moe_fx.passes.extract_region import Region, extract_region
+from moe_fx.passes.extract_region import Region, expert_products, extract_region
 from moe_fx.passes.find_experts import ExpertWeights, find_expert_weights
 from moe_fx.passes.graph_utils import DataFlow, add_weight_buffer, fake_mode_of, tensor_value
 from moe_fx.passes.manager import PassContext
@@ -239,6 +239,17 @@ def _weights_freed(region: Region, ctx: PassContext) -> bool:
     return any(isinstance(v, torch.Tensor) and ep_weights_freed(v) for v in values)
 
 
+def _next_layer_start(flow: DataFlow, anchors: ExpertWeights, groups: list[ExpertWeights]) -> fx.Node | None:
+    """The earliest expert product of another group of expert weights after ``anchors``' products (the next
+    MoE layer), or None."""
+    own = expert_products(flow, anchors)
+    if not own:
+        return None
+    last = max(flow.order[m] for m in own)
+    later = [m for g in groups if g is not anchors for m in expert_products(flow, g) if flow.order[m] > last]
+    return min(later, key=flow.order.__getitem__, default=None)
+
+
 def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked) -> ProbeResult:
     """Structural and numerical checks; the ProbeResult says yes (with the semantics) or why not."""
     bad = check_ops(region)
@@ -274,8 +285,9 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         return 0
     count = 0
     flow = DataFlow(gm.graph)
-    for anchors in find_expert_weights(gm.graph, flow):
-        found = extract_region(flow, anchors)
+    groups = find_expert_weights(gm.graph, flow)
+    for anchors in groups:
+        found = extract_region(flow, anchors, _next_layer_start(flow, anchors, groups))
         region = found if isinstance(found, Region) else None
         if region is None and anchors.kind == "per_expert" and "expert" not in anchors.name.lower():
             # SwiGLU MLPs under a ModuleList that is not named as experts and that no routing feeds
