@@ -421,6 +421,8 @@ def sparse_support(flow: DataFlow, scores: fx.Node) -> fx.Node | None:
         return None
     if op_name(n) == "scatter_" and flow.mutators.get(base, []) != [n]:
         return None  # another in-place write into the constant tensor
+    if any(flow.mutators.get(step) for step in [n, *steps]):
+        return None  # an in-place write after the scatter (``scores[:, 0] = 1``) could make other entries non-zero
     fill = _constant_fill(base)
     if fill is None:
         return None
