@@ -181,8 +181,6 @@ def tiny_family_model(
     **overrides: Any,
 ) -> nn.Module:
     """A random tiny causal LM of ``family`` in eval mode; ``experts_implementation`` sets transformers' choice."""
-    import transformers
-
     cfg = tiny_family_config(family, **overrides)
     torch.manual_seed(seed)
     try:

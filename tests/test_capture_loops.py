@@ -152,7 +152,8 @@ def test_traceable_transformers_experts_are_left_to_the_graph_pass():
     grouped = tiny_family_model("mixtral", experts_implementation="grouped_mm")
     assert list(loop_experts_candidates(grouped)) == []
     eager = tiny_family_model("mixtral", experts_implementation="eager")
-    assert [n for n, _ in loop_experts_candidates(eager)] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    names = [n for n, _ in loop_experts_candidates(eager)]
+    assert names == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
 
 
 def _compile_captured(model, inputs, dtype):

@@ -36,7 +36,7 @@ def _short(code: str) -> str:
 
 
 def _slice(code: str, start: str, end: str = OP, after: int = 1) -> str:
-    """The lines of ``code`` from the first containing ``start`` to ``after`` lines past the first containing ``end``."""
+    """The lines of ``code`` from the first containing ``start`` to ``after`` lines past the first with ``end``."""
     lines = [ln.split(";  ")[0].rstrip() for ln in code.splitlines()]
     first = next(i for i, ln in enumerate(lines) if start in ln)
     last = next(i for i, ln in enumerate(lines) if end in ln and i >= first)

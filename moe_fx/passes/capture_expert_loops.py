@@ -420,9 +420,8 @@ def _captured_forward(
     """
     m: LoopExpertsMatch = self._moe_fx_loop
     w = m.weights(self)
-    training = torch.is_grad_enabled() and (
-        hidden_states.requires_grad or top_k_weights.requires_grad or any(t is not None and t.requires_grad for t in w.values())
-    )
+    tensors = [hidden_states, top_k_weights, *(t for t in w.values() if t is not None)]
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if training or hidden_states.dim() != 2 or top_k_index.dim() != 2 or args or kwargs:
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     return torch.ops.moe_fx.experts(

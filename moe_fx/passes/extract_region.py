@@ -313,8 +313,9 @@ class _Builder:
             if dense is None and self._reads_scores(found):
                 (scores,) = found["weights"]
                 raise _Reject(
-                    f"the experts read a dense {list(tensor_value(scores).shape)} score matrix ({scores.name}) that the "
-                    "graph does not prove zero outside the router's top-k ids; reducing it to a top-k could drop experts"
+                    f"the experts read a dense {list(tensor_value(scores).shape)} score matrix ({scores.name}) "
+                    "that the graph does not prove zero outside the router's top-k ids; reducing it to a "
+                    "top-k could drop experts"
                 ) from None
             if dense is None:
                 raise
@@ -417,7 +418,9 @@ def sparse_support(flow: DataFlow, scores: fx.Node) -> fx.Node | None:
         return None
     base, dim, ids = n.args[0], n.args[1], n.args[2]
     ids_v = tensor_value(ids)
-    if not isinstance(base, fx.Node) or dim not in (1, -1) or ids_v is None or ids_v.dim() != 2 or ids_v.dtype.is_floating_point:
+    if not isinstance(base, fx.Node) or dim not in (1, -1):
+        return None
+    if ids_v is None or ids_v.dim() != 2 or ids_v.dtype.is_floating_point:
         return None
     if op_name(n) == "scatter_" and flow.mutators.get(base, []) != [n]:
         return None  # another in-place write into the constant tensor

@@ -224,7 +224,8 @@ def _details(region: Region, spec: ExpertActivation | None) -> str:
     """What the op computes beyond plain SwiGLU, for reports: the activation variant, biases, dense scores."""
     parts = [] if spec is None or spec.is_plain else [spec.describe()]
     if region.biases:
-        parts.append("biases " + "+".join(k for k, b in (("w13", region.w13_bias), ("w2", region.w2_bias)) if b is not None))
+        named = (("w13", region.w13_bias), ("w2", region.w2_bias))
+        parts.append("biases " + "+".join(k for k, b in named if b is not None))
     if region.dense_scores:
         parts.append(f"dense [T, E] scores reduced to the router's top-{region.top_k}")
     return "; ".join(parts)
