@@ -104,6 +104,8 @@ MODELS = {
     "qwen3": ModelSpec("qwen3_moe", 128, 8, 2048, 768, 32, 4, 128),
     "olmoe": ModelSpec("olmoe", 64, 8, 2048, 1024, 16, 16, 128, norm_topk_prob=False),
     "mixtral": ModelSpec("mixtral", 8, 2, 4096, 14336, 32, 8, 128),
+    # GPT-OSS-20B's layer: biased experts, clamped interleaved SwiGLU with alpha, H = 2880 (Triton only)
+    "gpt_oss": ModelSpec("gpt_oss", 32, 4, 2880, 2880, 64, 8, 64),
 }
 SMOKE_MODELS = {
     name: dataclasses.replace(spec, experts=8, top_k=2, hidden=64, intermediate=32, heads=4, kv_heads=2, head_dim=16)
@@ -142,6 +144,12 @@ def build_config(spec: ModelSpec, layers: int, vocab: int):
         cfg = transformers.MixtralConfig(
             intermediate_size=spec.intermediate, num_local_experts=spec.experts, head_dim=spec.head_dim, **common
         )
+    elif spec.family == "gpt_oss":
+        cfg = transformers.GptOssConfig(
+            intermediate_size=spec.intermediate, num_local_experts=spec.experts, head_dim=spec.head_dim,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2),
+            **common,
+        )
     else:
         raise ValueError(f"unknown family {spec.family!r}")
     if spec.hidden // spec.heads != spec.head_dim and spec.family == "olmoe":
@@ -157,7 +165,9 @@ def build_model(spec: ModelSpec, layers: int, vocab: int, device: str, dtype, se
     torch.manual_seed(seed)
     cfg = build_config(spec, layers, vocab)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+        # GPT-OSS's attention sinks have no sdpa path: its eager attention, as its users run it
+        attn = "eager" if spec.family == "gpt_oss" else "sdpa"
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
     model.eval().requires_grad_(False)
     return model
 

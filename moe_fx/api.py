@@ -50,13 +50,15 @@ def compile(model: Callable, config: MoEConfig | None = None, **torch_compile_kw
 
 
 def _capture_modules(model: Callable, config: MoEConfig) -> list[RegionReport]:
-    """Module-level capture before tracing (FP8 checkpoint experts, whose forwards Dynamo cannot trace)."""
+    """Module-level capture before tracing: experts whose forwards Dynamo cannot trace as one graph
+    (FP8 checkpoint experts; loops over the experts a batch hits)."""
+    from moe_fx.passes.capture_expert_loops import capture_expert_loops
     from moe_fx.passes.match_fp8_experts import capture_fp8_experts
 
     module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
     if not isinstance(module, torch.nn.Module) or not config.enabled:
         return []
-    return capture_fp8_experts(module, config.kernel)
+    return capture_fp8_experts(module, config.kernel) + capture_expert_loops(module, config)
 
 
 @dataclass
@@ -180,6 +182,7 @@ def explain(model: Callable, *example_inputs: Any, config: MoEConfig | None = No
     import time
 
     from moe_fx.backend import make_backend
+    from moe_fx.passes.inventory import qualify_layer_names, unseen_moe_layers
 
     config = config or MoEConfig()
     enable_capture()
@@ -199,6 +202,10 @@ def explain(model: Callable, *example_inputs: Any, config: MoEConfig | None = No
 
     with torch.no_grad():
         torch.compile(model, backend=counting_backend)(*example_inputs, **example_kwargs)
+    module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
+    if isinstance(module, torch.nn.Module):
+        qualify_layer_names(module, sink)
+        sink += unseen_moe_layers(module, sink)
     report.regions = sink
     report.notes = _mode_notes(model)
     _fill_kernels(report.regions, config)

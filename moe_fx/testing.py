@@ -228,19 +228,20 @@ class TitanGroupedMoE(_RoutedBlock):
 
 
 #: Near-miss variants of :class:`DenseBmmMoE` that the pass must leave untouched (all but "ok").
-DENSE_VARIANTS = ("ok", "relu", "clamp", "no_weight", "up_first", "weights_reused", "bias")
+DENSE_VARIANTS = ("ok", "tanh", "clamp", "no_weight", "up_first", "weights_reused", "bias")
 #: Variants of :class:`DenseBmmMoE` that compute a supported MoE differently (matched).
-DENSE_MATCHING_VARIANTS = ("ok", "on_input")
+DENSE_MATCHING_VARIANTS = ("ok", "on_input", "relu")
 
 
 class DenseBmmMoE(_RoutedBlock):
     """Every token through every expert with ``bmm``, combined with a dense ``[T, E]`` weight matrix.
 
-    ``variant`` (one of :data:`DENSE_VARIANTS`) makes near misses: ``relu`` activation, a GPT-OSS-like
-    ``clamp`` before the activation, ``no_weight`` (routing weights only select), ``up_first`` (halves
-    of ``gate_up`` swapped), ``weights_reused`` (the expert weights also feed another output term),
-    ``bias`` (an extra per-expert bias after the down projection). ``on_input`` is a supported
-    variant: routing weights scale each expert's input (Llama 4 style) instead of its output.
+    ``variant`` (one of :data:`DENSE_VARIANTS`) makes near misses: a ``tanh`` activation (none the op
+    has), a ``clamp`` of the gate alone (the op's clamped SwiGLU also clamps up), ``no_weight`` (routing
+    weights only select), ``up_first`` (halves of ``gate_up`` swapped), ``weights_reused`` (the expert
+    weights also feed another output term), ``bias`` (an extra ``[E, 1, H]`` bias after the down
+    projection). ``on_input`` (routing weights scale each expert's input, Llama 4 style) and ``relu``
+    (a gated ReLU) are supported variants.
     """
 
     def __init__(
@@ -270,6 +271,8 @@ class DenseBmmMoE(_RoutedBlock):
             gate, up = up, gate
         if v == "relu":
             act = torch.relu(gate)
+        elif v == "tanh":
+            act = torch.tanh(gate)
         elif v == "clamp":
             act = F.silu(gate.clamp(max=1.0))
         else:

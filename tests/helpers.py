@@ -53,8 +53,10 @@ def run_captured(model, *inputs, config: MoEConfig | None = None, passes: bool =
 
 
 def logits(out):
-    """The logits of a transformers output, or the tensor itself."""
-    return out.logits if hasattr(out, "logits") else out
+    """The logits of a transformers output (its last hidden state for a model without a head), or the tensor."""
+    if hasattr(out, "logits"):
+        return out.logits
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -148,3 +148,17 @@ def test_split_ep_deepseek_shared_experts_between_dispatch_and_combine(fake_grou
     # Rank 1 keeps experts 4..7, compacted into the parameter's first rows.
     assert ep_weights_freed(experts.gate_up_proj) and ep_weights_freed(experts.down_proj)
     assert torch.equal(experts.gate_up_proj.detach()[:4], full[4:8])
+
+
+@pytest.mark.parametrize("fake_group", [(0, 2)], indirect=True)
+def test_split_ep_leaves_extended_forms_local(fake_group):
+    """GPT-OSS's experts (biases, clamped interleaved SwiGLU) are rewritten but not split: the expert-parallel
+    ops take none of those arguments, so splitting would drop them."""
+    from moe_fx.testing import tiny_hf_model
+
+    model = tiny_hf_model("gpt_oss", num_layers=1, num_experts=4)
+    gm = _capture(model, torch.randint(0, 128, (1, 6)), MoEConfig(ep_group="default", max_tokens_per_rank=8))
+    assert _ops(gm) == ["experts.default"]
+    node = next(n for n in gm.graph.nodes if n.target is torch.ops.moe_fx.experts.default)
+    assert node.kwargs["w13_bias"] is not None and node.kwargs["gate_up_layout"] == "interleaved"
+    assert not ep_weights_freed(model.model.layers[0].mlp.experts.gate_up_proj)

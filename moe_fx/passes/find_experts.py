@@ -3,8 +3,9 @@
 Two shapes of expert storage are recognised:
 
 * **stacked**: two 3-D weights ``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` (transformers 5.x, dense
-  ``bmm`` blocks), or their transposes ``[E, H, 2I]`` / ``[E, I, H]`` (torchtitan), where the product
-  with ``w13`` flows into the product with ``w2``;
+  ``bmm`` blocks), or their transposes ``[E, H, 2I]`` / ``[E, I, H]`` (torchtitan, GPT-OSS, Llama 4), where
+  the product with ``w13`` flows into the product with ``w2``; non-gated experts have ``w13`` ``[E, I, H]``
+  (Nemotron-H's ``up_proj``), told apart from its transpose by the width of the tokens that meet it;
 * **per_expert**: E SwiGLU experts as separate 2-D linears ``down(act(gate(x)) * up(x))`` under an
   ``nn.ModuleList`` (transformers 4.x, OLMoE), grouped by their module path.
 """
@@ -41,6 +42,7 @@ class ExpertWeights:
         num_experts, hidden, intermediate: E, H, I.
         w13, w2: the stacked weight nodes (stacked kind only).
         transposed: True when stacked weights are stored ``[E, H, 2I]`` / ``[E, I, H]``.
+        gated: True when ``w13`` holds gate and up rows (``2I``), False for one up projection (``I``).
         gate, up, down: per-expert weight nodes in expert order (per_expert kind only).
         name: a readable name (the w2 / first down weight node's name).
     """
@@ -53,6 +55,7 @@ class ExpertWeights:
     w13: fx.Node | None = None
     w2: fx.Node | None = None
     transposed: bool = False
+    gated: bool = True
     gate: list[fx.Node] = field(default_factory=list)
     up: list[fx.Node] = field(default_factory=list)
     down: list[fx.Node] = field(default_factory=list)
@@ -70,13 +73,25 @@ def _weight_nodes(graph: fx.Graph, ndim: int) -> list[fx.Node]:
     return out
 
 
+def _is_moe_fx_op(node: fx.Node) -> bool:
+    """True for a call of a moe_fx op (experts already captured at module level or rewritten)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        target = target.overloadpacket
+    return isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name.startswith("moe_fx::")
+
+
 def _first_matmul(flow: DataFlow, weight: fx.Node, limit: int = 6) -> fx.Node | None:
-    """The first matrix product reached from ``weight`` through a few layout ops (transpose, index...)."""
+    """The first matrix product reached from ``weight`` through a few layout ops (transpose, index...).
+
+    A moe_fx op stops the search: weights it reads are experts already handled."""
     frontier, depth = [weight], 0
     while frontier and depth < limit:
         nxt = []
         for n in frontier:
             for u in n.users:
+                if _is_moe_fx_op(u):
+                    continue
                 if is_matmul(u):
                     return u
                 nxt.append(u)
@@ -84,16 +99,40 @@ def _first_matmul(flow: DataFlow, weight: fx.Node, limit: int = 6) -> fx.Node | 
     return None
 
 
-def _stacked_orientation(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, int, int] | None:
-    """(transposed, H, I) if ``a`` / ``b`` have the shapes of w13 / w2 in one orientation, else None."""
+def _stacked_orientation(
+    a: torch.Tensor, b: torch.Tensor, width: int | None = None
+) -> tuple[bool, int, int, bool] | None:
+    """``(transposed, H, I, gated)`` if ``a`` / ``b`` have the shapes of w13 / w2 in one orientation, else None.
+
+    ``width`` is the contracted width of ``a``'s first product on the token side (H), when known: it tells
+    a non-gated ``[E, I, H]`` up projection from a transposed ``[E, H, I]`` one.
+    """
     if a.shape[0] != b.shape[0]:
         return None
     _, x, y = a.shape
     _, p, q = b.shape
     if x == 2 * q and y == p:
-        return False, p, q
+        return False, p, q, True
     if y == 2 * p and x == q:
-        return True, q, p
+        return True, q, p, True
+    if x == q and y == p and x != y and width in (x, y):
+        # Non-gated: a = [E, I, H] with b = [E, H, I], or transposed a = [E, H, I] with b = [E, I, H].
+        return (False, y, x, False) if width == y else (True, x, y, False)
+    return None
+
+
+def _token_width(flow: DataFlow, mm: fx.Node, weight: fx.Node) -> int | None:
+    """The contracted size on the token side of the product ``mm`` that ``weight`` reaches (H), or None."""
+    args = [a for a in mm.args if isinstance(a, fx.Node)]
+    if len(args) < 2 or op_name(mm) == "einsum":
+        return None
+    from_weight = [a is weight or weight in flow.backward_closure([a], limit=6) for a in args[:2]]
+    if from_weight == [False, True]:
+        v = tensor_value(args[0])
+        return None if v is None else int(v.shape[-1])  # tokens @ weight, linear(tokens, weight)
+    if from_weight == [True, False] and op_name(mm) != "linear":
+        v = tensor_value(args[1])
+        return None if v is None or v.dim() < 2 else int(v.shape[-2])  # weight @ tokens (batched_mm)
     return None
 
 
@@ -105,10 +144,11 @@ def _find_stacked(graph: fx.Graph, flow: DataFlow) -> list[ExpertWeights]:
     for a in weights:
         if first_mm[a] is None or a in used:
             continue
+        width = _token_width(flow, first_mm[a], a)
         shaped = [
             b for b in weights
             if b is not a and b not in used and first_mm[b] is not None
-            and _stacked_orientation(tensor_value(a), tensor_value(b)) is not None
+            and _stacked_orientation(tensor_value(a), tensor_value(b), width) is not None
         ]
         if not shaped:
             continue
@@ -117,10 +157,10 @@ def _find_stacked(graph: fx.Graph, flow: DataFlow) -> list[ExpertWeights]:
         # layers' weights are reachable too.
         partners = [b for b in shaped if first_mm[b] in reach]
         for b in sorted(partners, key=lambda b: flow.order[first_mm[b]]):
-            transposed, h, i = _stacked_orientation(tensor_value(a), tensor_value(b))
+            transposed, h, i, gated = _stacked_orientation(tensor_value(a), tensor_value(b), width)
             found.append(
                 ExpertWeights("stacked", [a, b], tensor_value(a).shape[0], h, i, w13=a, w2=b,
-                              transposed=transposed, name=b.name)
+                              transposed=transposed, gated=gated, name=b.name)
             )
             used.update((a, b))
             break

@@ -119,6 +119,20 @@ class DataFlow:
             out.extend(u for u in base.users if self.order[u] > pos)
         return out
 
+    def backward_closure(self, roots: Iterable[fx.Node], limit: int | None = None) -> set[fx.Node]:
+        """Every node ``roots`` depend on, at most ``limit`` steps back (roots excluded; no limit: all)."""
+        seen: set[fx.Node] = set()
+        frontier, depth = list(roots), 0
+        while frontier and (limit is None or depth < limit):
+            nxt = []
+            for n in frontier:
+                for i in self.deps(n):
+                    if i not in seen:
+                        seen.add(i)
+                        nxt.append(i)
+            frontier, depth = nxt, depth + 1
+        return seen
+
     def forward_closure(self, roots: Iterable[fx.Node]) -> set[fx.Node]:
         """Every node whose value depends on one of ``roots`` (roots excluded)."""
         seen: set[fx.Node] = set()

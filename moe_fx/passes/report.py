@@ -36,6 +36,8 @@ class RegionReport:
         probe_error: the largest relative error the check found (nan when none ran).
         warnings: what the user should know about a region beyond matched / not matched (weights
             that are copies, a request that cannot be honoured, ...).
+        details: what the op computes beyond plain SwiGLU (activation variant, biases, identity experts,
+            dense scores), empty for the plain form.
     """
 
     layer: str
@@ -69,6 +71,7 @@ class RegionReport:
             err = "" if math.isnan(self.probe_error) else f", err {self.probe_error:.1e}"
             return self.probe + err
         return "-"
+    details: str = ""
 
     def one_line(self) -> str:
         """A single log line describing the outcome."""
@@ -77,6 +80,7 @@ class RegionReport:
                 f"{self.layer}: matched {self.family or '-'}/{self.form} E={self.num_experts} K={self.top_k} "
                 f"H={self.hidden} I={self.intermediate} {self.dtype} act={self.activation}"
                 + (" weights_on_input" if self.weights_on_input else "")
+                + (f" [{self.details}]" if self.details else "")
                 + (f" kernel={self.kernel}" if self.kernel else "")
                 + f" verified: {self.verification()}"
             )

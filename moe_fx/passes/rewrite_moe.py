@@ -21,9 +21,10 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
+from moe_fx.ops import ExpertActivation
 from moe_fx.passes.autocast_guard import check_autocast
 from moe_fx.passes.expert_storage import PerExpertSync, share_storage, stack_per_expert
-from moe_fx.passes.extract_region import Region, extract_region
+from moe_fx.passes.extract_region import Region, expert_products, extract_region
 from moe_fx.passes.find_experts import ExpertWeights, find_expert_weights
 from moe_fx.passes.graph_utils import DataFlow, add_weight_buffer, fake_mode_of, tensor_value
 from moe_fx.passes.manager import PassContext
@@ -34,6 +35,7 @@ from moe_fx.passes.verify_region import (
     ProbeResult,
     activation_hypotheses,
     check_ops,
+    needs_numerics,
     probe_region,
     region_rows_per_token,
 )
@@ -43,20 +45,47 @@ __all__ = ["rewrite_moe_regions"]
 log = logging.getLogger("moe_fx.passes")
 
 
-def _module_of(node: fx.Node) -> tuple[str, str]:
-    """(module path, class name) of the innermost ``*Experts`` module around ``node``, else the innermost."""
+def _module_stack(node: fx.Node) -> list[tuple[str, str]]:
+    """``(module path, class name)`` of every module around ``node``, outermost first."""
     stack = node.meta.get("nn_module_stack") or {}
     entries = []
     for key, value in stack.items():
         path, cls = value if isinstance(value, tuple) else (key, value)
         name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
         entries.append((str(path), name))
+    return entries
+
+
+def _module_of(node: fx.Node) -> tuple[str, str]:
+    """(module path, class name) of the innermost ``*Experts`` module around ``node``, else the innermost."""
+    entries = _module_stack(node)
     if not entries:
         return "", ""
     for path, name in reversed(entries):
         if name.endswith("Experts"):
             return path, name
     return entries[-1]
+
+
+def _common_module(a: fx.Node, b: fx.Node) -> tuple[str, str]:
+    """The innermost module around both ``a`` and ``b`` (JetMoE keeps w13 and w2 in two sibling modules)."""
+    inner = ("", "")
+    for x, y in zip(_module_stack(a), _module_stack(b)):
+        if _clean_path(x[0]) != _clean_path(y[0]):
+            break
+        inner = x
+    return inner
+
+
+_FAMILY_SUFFIXES = ("Experts", "SparseMoeBlock", "SparseMoEBlock", "MoE", "Moe")
+
+
+def _family(cls: str) -> str:
+    """``GptOss`` from ``GptOssExperts``, ``JetMoe`` from ``JetMoeMoE``; ``""`` for other classes."""
+    for suffix in _FAMILY_SUFFIXES:
+        if cls.endswith(suffix) and len(cls) > len(suffix):
+            return cls[: -len(suffix)]
+    return ""
 
 
 def _clean_path(path: str) -> str:
@@ -136,17 +165,19 @@ def _insert_op(
             w2_node.meta["example_value"] = tensor_value(a.w2).transpose(1, 2)
         else:
             w13_node, w2_node = a.w13, a.w2
+        weights_node = _gather_scores(g, region) if region.dense_scores else region.weights
         kwargs = {"activation": probe.activation, "weights_on_input": probe.weights_on_input,
-                  "impl": ctx.config.kernel}
+                  "impl": ctx.config.kernel, **_variant_kwargs(region, probe.spec)}
         op = g.call_function(
             torch.ops.moe_fx.experts.default,
-            (region.hidden, region.ids, region.weights, w13_node, w2_node),
+            (region.hidden, region.ids, weights_node, w13_node, w2_node),
             kwargs,
         )
-    fake_args = [tensor_value(n) for n in (region.hidden, region.ids, region.weights, w13_node, w2_node)]
+    fake_args = [tensor_value(n) for n in (region.hidden, region.ids, weights_node, w13_node, w2_node)]
+    fake_kwargs = {k: tensor_value(v) if isinstance(v, fx.Node) else v for k, v in kwargs.items()}
     mode = fake_mode_of(fake_args)
     with mode if mode is not None else torch.no_grad():
-        op.meta["example_value"] = torch.ops.moe_fx.experts.default(*fake_args, **kwargs)
+        op.meta["example_value"] = torch.ops.moe_fx.experts.default(*fake_args, **fake_kwargs)
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if key in region.output.meta:
             op.meta[key] = region.output.meta[key]
@@ -161,6 +192,32 @@ def _insert_op(
     return op
 
 
+def _variant_kwargs(region: Region, spec: ExpertActivation | None) -> dict[str, object]:
+    """The op's keyword arguments beyond the plain SwiGLU ones: biases and the activation variant."""
+    out: dict[str, object] = {}
+    if region.w13_bias is not None:
+        out["w13_bias"] = region.w13_bias
+    if region.w2_bias is not None:
+        out["w2_bias"] = region.w2_bias
+    if spec is None:
+        return out
+    default = ExpertActivation(spec.name)
+    for name in ("gated", "gate_up_layout", "alpha", "limit", "up_offset"):
+        if getattr(spec, name) != getattr(default, name):
+            out[name] = getattr(spec, name)
+    return out
+
+
+def _gather_scores(g: fx.Graph, region: Region) -> fx.Node:
+    """``scores.gather(1, ids)``: the top-k routing weights of a dense ``[T, E]`` score matrix (Llama 4)."""
+    node = g.call_method("gather", (region.weights, 1, region.ids))
+    scores, ids = tensor_value(region.weights), tensor_value(region.ids)
+    mode = fake_mode_of([scores, ids])
+    with mode if mode is not None else torch.no_grad():
+        node.meta["example_value"] = scores.gather(1, ids)
+    return node
+
+
 def _param_path(node: fx.Node) -> str:
     """``experts.3.down_proj.weight`` from Dynamo's ``l_self_modules_experts_modules_3_..._weight_``."""
     if node.op == "get_attr":
@@ -172,19 +229,34 @@ def _param_path(node: fx.Node) -> str:
 def _report_for(anchors: ExpertWeights, region: Region | None) -> RegionReport:
     path, cls = _module_of(region.output) if region is not None else ("", "")
     if not cls.endswith("Experts"):
-        # No experts module around the output: name the region after its weights' owner.
-        wpath, wcls = _module_of(next(iter(anchors.nodes[-1].users), anchors.nodes[-1]))
-        if wcls.endswith("Experts") or not path:
+        # No experts module around the output: name the region after its weights' owner, or the
+        # module around both weights when each lives in its own (JetMoE's input_linear / output_linear).
+        owners = [next(iter(w.users), w) for w in (anchors.w13, anchors.w2) if w is not None]
+        owners = owners or [next(iter(anchors.nodes[-1].users), anchors.nodes[-1])]
+        split = len({_module_of(o)[0] for o in owners}) > 1
+        wpath, wcls = _common_module(*owners) if split else _module_of(owners[-1])
+        if wpath and (split or wcls.endswith("Experts")) or not path:
             path, cls = wpath, wcls
     if anchors.kind == "per_expert" and not cls.endswith("Experts"):
         path = re.sub(r"\.\d+\.[^.]+\.weight$", "", _param_path(anchors.down[0]))
         cls = ""
-    family = cls[: -len("Experts")] if cls.endswith("Experts") else ""
+    family = _family(cls)
     layer = _clean_path(path) or ".".join(_param_path(anchors.nodes[-1]).split(".")[:-1]) or _param_path(anchors.nodes[-1])
     return RegionReport(
         layer=layer, family=family, num_experts=anchors.num_experts,
         hidden=anchors.hidden, intermediate=anchors.intermediate,
     )
+
+
+def _details(region: Region, spec: ExpertActivation | None) -> str:
+    """What the op computes beyond plain SwiGLU, for reports: the activation variant, biases, dense scores."""
+    parts = [] if spec is None or spec.is_plain else [spec.describe()]
+    if region.biases:
+        named = (("w13", region.w13_bias), ("w2", region.w2_bias))
+        parts.append("biases " + "+".join(k for k, b in named if b is not None))
+    if region.dense_scores:
+        parts.append(f"dense [T, E] scores reduced to the router's top-{region.top_k}")
+    return "; ".join(parts)
 
 
 def _weights_freed(region: Region, ctx: PassContext) -> bool:
@@ -212,21 +284,40 @@ def _probe_plan(region: Region, ctx: PassContext, stacked) -> ProbePlan | str:
                       a.hidden, a.intermediate, budget, ctx.config.verify)
 
 
+def _next_layer_start(flow: DataFlow, anchors: ExpertWeights, groups: list[ExpertWeights]) -> fx.Node | None:
+    """The earliest expert product of another group of expert weights after ``anchors``' products (the next
+    MoE layer), or None."""
+    own = expert_products(flow, anchors)
+    if not own:
+        return None
+    last = max(flow.order[m] for m in own)
+    later = [m for g in groups if g is not anchors for m in expert_products(flow, g) if flow.order[m] > last]
+    return min(later, key=flow.order.__getitem__, default=None)
+
+
 def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked, plan: ProbePlan | str) -> ProbeResult:
     """Structural and numerical checks; the ProbeResult says yes (with the semantics) or why not.
 
     ``plan`` is the numerical check to run (:func:`_probe_plan`); a string (the reason there is none)
-    matches on structure alone, with the activation read from the graph and weights on the output.
+    matches on structure alone, with the activation read from the graph and weights on the output,
+    and only for the plain forms (:func:`needs_numerics`).
     """
     bad = check_ops(region) or check_autocast(region)
     if bad:
         return ProbeResult(False, reason=bad)
     acts = activation_hypotheses(region)
     if not acts:
-        return ProbeResult(False, reason="no gated activation (silu/gelu) inside the region")
+        return ProbeResult(False, reason="no activation (silu/gelu/relu) inside the region")
     if isinstance(plan, str):
-        return ProbeResult(True, acts[0], False, reason="structure")
-    return probe_region(region, flow, ctx.real_value, stacked, acts, plan)
+        why = needs_numerics(region, acts[0])
+        if why is not None:
+            return ProbeResult(False, reason=f"{why}, which was skipped ({plan})")
+        return ProbeResult(True, acts[0].name, False, reason="structure", spec=acts[0])
+    nodes = (region.w13_bias, region.w2_bias)
+    biases = tuple(None if b is None else ctx.real_value(b) for b in nodes)
+    if any(b is not None and not isinstance(v, torch.Tensor) for b, v in zip(nodes, biases, strict=True)):
+        return ProbeResult(False, reason="the real expert biases are not available to the pass")
+    return probe_region(region, flow, ctx.real_value, stacked, acts, plan, biases)
 
 
 def _record_verification(report: RegionReport, plan: ProbePlan | str, probe: ProbeResult) -> None:
@@ -249,13 +340,18 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         return 0
     count = 0
     flow = DataFlow(gm.graph)
-    found_anchors = find_expert_weights(gm.graph, flow)
-    for near_miss in per_expert_near_misses(gm.graph, (n for a in found_anchors for n in a.nodes)):
+    groups = find_expert_weights(gm.graph, flow)
+    for near_miss in per_expert_near_misses(gm.graph, (n for a in groups for n in a.nodes)):
         ctx.report.append(near_miss)
         log.info("moe_fx: left %s untouched: %s", near_miss.layer, near_miss.reason)
-    for anchors in found_anchors:
-        found = extract_region(flow, anchors)
+    for anchors in groups:
+        found = extract_region(flow, anchors, _next_layer_start(flow, anchors, groups))
         region = found if isinstance(found, Region) else None
+        if region is None and anchors.kind == "per_expert" and "expert" not in anchors.name.lower():
+            # SwiGLU MLPs under a ModuleList that is not named as experts and that no routing feeds
+            # (LongCat-Flash's two dense MLPs per layer): not an MoE layer, nothing to report.
+            log.debug("moe_fx: %s is not an MoE layer: %s", anchors.name, found)
+            continue
         report = _report_for(anchors, region)
         ctx.report.append(report)
         if region is None:
@@ -282,6 +378,7 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         _insert_op(gm, flow, region, probe, ctx, stacked, count, len(ctx.report) - 1)
         ctx.weight_sources[len(ctx.report) - 1] = _weight_sources(region, ctx)
         report.matched, report.activation, report.weights_on_input = True, probe.activation, probe.weights_on_input
+        report.details = _details(region, probe.spec)
         count += 1
         log.info("moe_fx: rewrote %s", report.one_line())
         flow = DataFlow(gm.graph)  # node positions changed

@@ -57,6 +57,8 @@ _EXPERTS = torch.ops.moe_fx.experts.default
 _EXPERTS_TARGETS = (torch.ops.moe_fx.experts.default, torch.ops.moe_fx.experts)
 _ARG_NAMES = [a.name for a in _EXPERTS._schema.arguments]
 _ARG_DEFAULTS = {a.name: a.default_value for a in _EXPERTS._schema.arguments if a.has_default_value()}
+#: Arguments of the extended contract (biases, activation variants, identity experts) masked_experts lacks.
+_VARIANT_ARGS = ("w13_bias", "w2_bias", "gated", "gate_up_layout", "alpha", "limit", "up_offset", "identity_experts")
 _LOCAL_ATTR = "_moe_fx_ep_local"
 _FP8 = torch.float8_e4m3fn
 
@@ -197,6 +199,10 @@ class _Rewriter:
                 f"moe_fx.split_ep: {num_experts} experts cannot be split evenly over {self.world} ranks "
                 f"(node {node.name}); expert parallelism needs E % world_size == 0"
             )
+        variants = [k for k in _VARIANT_ARGS if a.get(k, _ARG_DEFAULTS.get(k)) != _ARG_DEFAULTS.get(k)]
+        if variants:
+            # masked_experts computes plain gated experts: splitting would drop these arguments.
+            return f"the expert-parallel ops do not take {', '.join(variants)}; the node stays local"
         ids = _value(a["topk_ids"])
         top_k = int(ids.shape[1]) if isinstance(ids, torch.Tensor) else None
         if a["weights_on_input"] and top_k != 1:
