@@ -101,8 +101,8 @@ class TestCapturedGraph(TestCase):
     w13 = experts.gate_up_proj.transpose(1, 2)
     w2 = experts.down_proj.transpose(1, 2)
     t = w13[slice(None, 8, None)]
-    experts = torch.ops.moe_fx.experts(x, ids, weights_1, t, w2, 'silu', False, None, None, 'auto', w13_bias = experts.gate_up_proj_bias, w2_bias = experts.down_proj_bias, gated = True, gate_up_layout = 'halves', alpha = 1.0, limit = None, up_offset = 0.0, identity_experts = 2)
-    reshape_1 = experts.reshape((6, 32))""")
+    out = torch.ops.moe_fx.experts(x, ids, weights_1, t, w2, 'silu', False, None, None, 'auto', w13_bias = experts.gate_up_proj_bias, w2_bias = experts.down_proj_bias, gated = True, gate_up_layout = 'halves', alpha = 1.0, limit = None, up_offset = 0.0, identity_experts = 2)
+    reshape_1 = out.reshape((6, 32))""")
 
 
 def test_captured_forward_reads_views_of_the_parameters():
@@ -197,11 +197,47 @@ def test_eager_loop_families_compile_to_one_graph(family, dtype):
     assert rel_err(logits(got), want) < TOL[dtype]
 
 
-def test_dbrx_is_reported_with_the_reason():
-    model = tiny_family_model("dbrx", num_layers=1)
-    (report,) = capture_expert_loops(model)
-    assert report.layer == "transformer.blocks.0.ffn.experts" and not report.matched
-    assert "gate and up projections are separate parameters" in report.reason
+def test_dbrx_separate_gate_and_up_are_packed_into_one_copy_and_captured():
+    """DBRX keeps gate and up in two flat [E * I, H] parameters: capture gives them one storage (rows
+    interleaved, the parameters views of it), the op reads a view of that; equal to eager."""
+    model = tiny_family_model("dbrx", num_layers=2)
+    experts = [b.ffn.experts for b in model.transformer.blocks]
+    before = sum(p.numel() for p in model.parameters())
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = logits(model(ids))
+    try:
+        got, cap, reports = _compile_captured(model, ids, torch.float32)
+        assert [r.matched for r in reports] == [True, True], [r.reason for r in reports]
+        assert reports[0].details == "gated silu(interleaved)" and reports[0].probe_error < 1e-5
+        assert cap.count(OP) == 2 and rel_err(logits(got), want) < 1e-5
+        for ex in experts:
+            w1, v1 = ex.mlp.w1, ex.mlp.v1
+            assert w1.untyped_storage().data_ptr() == v1.untyped_storage().data_ptr()
+            assert v1.data_ptr() == w1.data_ptr() + w1.shape[1] * w1.element_size()
+        assert sum(p.numel() for p in model.parameters()) == before
+        # In-place edits reach the packed storage; a replaced parameter makes the module run its own loop.
+        with torch.no_grad():
+            experts[0].mlp.v1.mul_(1.5)
+            want = logits(model(ids))
+        got, cap, _ = _compile_captured(model, ids, torch.float32)
+        assert rel_err(logits(got), want) < 1e-5
+        state = {k: v.clone().contiguous() * (1.2 if ".mlp." in k else 1.0) for k, v in model.state_dict().items()}
+        model.load_state_dict(state, assign=True)
+        assert experts[0].mlp.w1.stride() == (32, 1)  # no longer interleaved with v1
+        release_expert_loops(model)
+        with torch.no_grad():
+            want = logits(model(ids))
+        for r in capture_expert_loops(model):  # packs again
+            assert r.matched
+        torch._dynamo.reset()
+        backend, cap = capture_backend()
+        with torch.no_grad():
+            experts[1].mlp.w1.data = experts[1].mlp.w1.detach().clone()  # replaced after packing: the loop runs
+            got = torch.compile(model, backend=backend)(ids)
+        assert cap.count(OP) == 1 and rel_err(logits(got), want) < 1e-5
+    finally:
+        release_expert_loops(model)
 
 
 @pytest.mark.parametrize(
@@ -212,7 +248,7 @@ def test_dbrx_is_reported_with_the_reason():
         ("llama4", None, {"model.layers.0.feed_forward.experts": True}),
         ("longcat_flash", None, {"model.layers.0.mlp.experts": True}),
         ("jetmoe", None, {"model.layers.0.mlp": True, "model.layers.0.self_attention.experts": False}),
-        ("dbrx", None, {"transformer.blocks.0.ffn.experts": False}),
+        ("dbrx", None, {"transformer.blocks.0.ffn.experts": True}),
         ("doge", None, {"model.layers.0.mlp": False}),
     ],
 )

@@ -1,4 +1,4 @@
-"""The expert forms of GPT-OSS, Llama 4, DeepSeek-V4, Nemotron-H, JetMoE and transformers' ``eager`` experts,
+"""The expert forms of GPT-OSS, Llama 4, DeepSeek-V4, Nemotron-H, JetMoE, DBRX and transformers' ``eager`` experts,
 compiled whole on a GPU: Inductor's code launches moe_fx's kernels (biases, clamped / alpha / ``up + 1``
 activations, interleaved gate/up, non-gated experts, dense scores reduced to top-k) and the logits equal
 eager.
@@ -30,6 +30,7 @@ FAMILIES = {
     "nemotron_h": "grouped_mm",
     "jetmoe": None,
     "mixtral": "eager",  # a loop over the experts hit: captured at module level
+    "dbrx": None,  # the same, with gate and up in separate flat parameters (packed into one storage)
 }
 
 

@@ -25,8 +25,12 @@ works on the module instead, before tracing, like :mod:`~moe_fx.passes.match_fp8
   one op. :func:`release_expert_loops` undoes it.
 
 A module that is captured computes exactly what the reference does; a module whose forward computes
-something the op cannot express (Step-3.7's clamp after the activation, DBRX's gate and up kept in
-two separate parameters) is reported and left alone.
+something the op cannot express (Step-3.7's clamp after the activation) is reported and left alone.
+DBRX keeps gate and up in two flat ``[E * I, H]`` parameters: capture moves them into one storage, rows
+interleaved (:func:`pack_split_gate_up`; the parameters become views of it, still one copy), so that the
+op's ``[E, 2I, H]`` weight is a view too. A parameter replaced later (``load_state_dict(assign=True)``,
+``.to()``) breaks that layout: the module then runs its own loop (right, slower) until the next
+``moe_fx.compile`` / ``explain`` packs it again.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ __all__ = [
     "loop_experts_candidates",
     "match_loop_experts",
     "release_expert_loops",
+    "pack_split_gate_up",
 ]
 
 log = logging.getLogger("moe_fx.passes")
@@ -83,6 +88,9 @@ class LoopExpertsMatch:
         spec: the activation.
         weights_on_input: routing weights scale the expert input (Llama 4 style) instead of the output.
         error: the largest relative error of the probe against the reference.
+        up: the up projection's parameter when gate (``w13``) and up are separate (DBRX).
+        batch_view: the module takes ``[B, S, H]`` and returns ``out.view(B, -1, H)`` (DBRX), also for
+            ``[T, H]`` inputs (``[T, 1, H]``).
     """
 
     w13: str
@@ -97,12 +105,25 @@ class LoopExpertsMatch:
     spec: ExpertActivation
     weights_on_input: bool
     error: float
+    up: str | None = None
+    batch_view: bool = False
 
-    def weights(self, module: nn.Module) -> dict[str, torch.Tensor | None]:
-        """The op's weight arguments as views of ``module``'s own parameters (no copy)."""
+    def weights(self, module: nn.Module, copy: bool = False) -> dict[str, torch.Tensor | None] | None:
+        """The op's weight arguments as views of ``module``'s own parameters (no copy).
+
+        With separate gate and up parameters (``up`` set; DBRX's flat ``[E * I, H]`` w1 / v1 / w2),
+        ``w13`` is the interleaved ``[E, 2I, H]`` view of the storage :func:`pack_split_gate_up` gave
+        them; None when they no longer lie that way (a parameter was replaced since), unless ``copy``
+        (the probe, before packing) allows building it.
+        """
         e = self.num_experts
         w13, w2 = module.get_parameter(self.w13), module.get_parameter(self.w2)
-        if self.transposed:
+        if self.up is not None:
+            w13 = _interleaved_view(w13, module.get_parameter(self.up), e, copy)
+            if w13 is None:
+                return None
+            w2 = w2.view(e, self.intermediate, self.hidden).transpose(1, 2)
+        elif self.transposed:
             w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
         b13 = None if self.w13_bias is None else module.get_parameter(self.w13_bias)
         b2 = None if self.w2_bias is None else module.get_parameter(self.w2_bias)
@@ -118,6 +139,43 @@ class LoopExpertsMatch:
         s = self.spec
         return {"gated": s.gated, "gate_up_layout": s.gate_up_layout, "alpha": s.alpha, "limit": s.limit,
                 "up_offset": s.up_offset, "identity_experts": self.identity_experts}
+
+
+def _interleaved_view(gate: torch.Tensor, up: torch.Tensor, e: int, copy: bool) -> torch.Tensor | None:
+    """``[E, 2I, H]`` with gate row i of an expert at 2i and up row i at 2i + 1, from flat ``[E * I, H]``
+    gate and up parameters: a view when they interleave in one storage, else a copy (``copy``) or None."""
+    rows, h = gate.shape
+    i = rows // e
+    packed = gate.stride() == (2 * h, 1) and up.stride() == (2 * h, 1)
+    if packed and not torch.compiler.is_compiling():
+        # Dynamo sees strides (and guards on them) but not storages: traced, the strides decide. What
+        # gives both parameters these strides is packing, or a load of a packed model's state dict (views
+        # of its one storage, interleaved the same way).
+        packed = (
+            up.untyped_storage().data_ptr() == gate.untyped_storage().data_ptr()
+            and up.storage_offset() == gate.storage_offset() + h
+        )
+    if packed:
+        return gate.as_strided((e, 2 * i, h), (2 * i * h, h, 1))
+    if not copy:
+        return None
+    return torch.stack([gate.view(e, i, h), up.view(e, i, h)], dim=2).reshape(e, 2 * i, h)
+
+
+def pack_split_gate_up(module: nn.Module, gate: str, up: str) -> bool:
+    """Give ``module``'s separate flat gate and up parameters one storage, rows interleaved, so that the
+    op's ``[E, 2I, H]`` weight is a view of them (one copy of the experts). True when it repacked."""
+    g, u = module.get_parameter(gate), module.get_parameter(up)
+    if _interleaved_view(g, u, 1, copy=False) is not None:
+        return False  # already one storage
+    with torch.no_grad():
+        storage = torch.stack([g.detach(), u.detach()], dim=1)  # [E * I, 2, H]
+    for name, rows in ((gate, storage[:, 0]), (up, storage[:, 1])):
+        owner, _, attr = name.rpartition(".")
+        old = module.get_parameter(name)
+        setattr(module.get_submodule(owner) if owner else module, attr,
+                nn.Parameter(rows, requires_grad=old.requires_grad))
+    return True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -186,6 +244,21 @@ class _Layout:
     intermediate: int
     gated: bool
     extra_rows: int  # w13 rows beyond E (LongCat-Flash keeps one per identity expert)
+    up: str | None = None  # the up projection when gate (w13) and up are separate flat [E * I, H] parameters
+
+
+def _split_layouts(module: nn.Module, params: dict[str, torch.Tensor]) -> list[_Layout]:
+    """Readings of three flat ``[E * I, H]`` parameters as gate, up and down (DBRX's w1, v1, w2)."""
+    e = getattr(module, "num_experts", None)
+    flat = {n: p for n, p in params.items() if p.dim() == 2 and p.dtype.is_floating_point}
+    out = []
+    if not isinstance(e, int) or e <= 0:
+        return out
+    for (ng, g), (nu, u), (nd, d) in itertools.permutations(flat.items(), 3):
+        rows, h = g.shape
+        if g.shape == u.shape == d.shape and rows % e == 0 and rows > e:
+            out.append(_Layout(ng, nd, False, e, h, rows // e, True, 0, nu))
+    return out
 
 
 def _layouts(params: dict[str, torch.Tensor]) -> list[_Layout]:
@@ -231,11 +304,12 @@ def _float_attr(module: nn.Module, words: tuple[str, ...]) -> list[float]:
 
 
 def _activation_names(module: nn.Module) -> list[str]:
-    for attr in _ACTIVATION_ATTRS:
-        fn = getattr(module, attr, None)
-        name = _ACTIVATION_CLASSES.get(type(fn).__name__) if fn is not None else None
-        if name is not None:
-            return [name]
+    for owner in (module, *module.children()):  # DBRX keeps it on the experts' ``mlp``
+        for attr in _ACTIVATION_ATTRS:
+            fn = getattr(owner, attr, None)
+            name = _ACTIVATION_CLASSES.get(type(fn).__name__) if fn is not None else None
+            if name is not None:
+                return [name]
     return list(ACTIVATIONS)
 
 
@@ -285,6 +359,7 @@ class _Probe:
     ids: torch.Tensor
     weights: torch.Tensor
     out: torch.Tensor | None = None
+    batch_view: bool = False  # the module returned [T, 1, H] (DBRX's view(batch, -1, H))
 
 
 def _run_module(module: nn.Module, probes: list[_Probe]) -> str | None:
@@ -294,10 +369,12 @@ def _run_module(module: nn.Module, probes: list[_Probe]) -> str | None:
             out = type(module).forward(module, p.hidden, p.ids, p.weights)
         except (RuntimeError, ValueError, TypeError, IndexError) as exc:
             return f"the module's forward failed on probe inputs: {str(exc).splitlines()[0][:200]}"
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(p.hidden.shape):
+        t, h = p.hidden.shape
+        p.batch_view = isinstance(out, torch.Tensor) and tuple(out.shape) == (t, 1, h)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) not in ((t, h), (t, 1, h)):
             got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             return f"the module returns {got} for hidden states {list(p.hidden.shape)}"
-        p.out = out
+        p.out = out.view(t, h)
     return None
 
 
@@ -338,7 +415,7 @@ def match_loop_experts(module: nn.Module, config: MoEConfig | None = None) -> Lo
     if config.verify == "never":
         return "a loop over hit experts is captured only after the numerical check, and verify='never'"
     params = _params(module)
-    layouts = _layouts(params)
+    layouts = _layouts(params) or _split_layouts(module, params)
     if not layouts:
         return _no_layout_reason(params)
     budget = config.verify_max_flops
@@ -346,6 +423,8 @@ def match_loop_experts(module: nn.Module, config: MoEConfig | None = None) -> Lo
     with torch.no_grad():
         for lay in layouts:
             specs = _specs(module, lay.gated)
+            if lay.up is not None:  # gate and up rows interleave once packed into one storage
+                specs = [sp for sp in specs if sp.gate_up_layout == "interleaved"]
             limits = sorted({s.limit for s in specs if s.limit is not None})
             extra = {lay.extra_rows} | {int(getattr(module, "zero_expert_num", 0) or 0)}
             for identity in sorted(extra, reverse=True):
@@ -371,8 +450,8 @@ def _first_match(
     best: tuple[float, str] = (math.inf, "")
     for b13, b2 in _bias_readings(params, lay):
         draft = LoopExpertsMatch(lay.w13, lay.w2, lay.transposed, b13, b2, lay.num_experts, lay.hidden,
-                                 lay.intermediate, identity, specs[0], False, math.nan)
-        w = draft.weights(module)
+                                 lay.intermediate, identity, specs[0], False, math.nan, lay.up)
+        w = draft.weights(module, copy=True)
         for spec in specs:
             for on_input in (False, True):
                 err = 0.0
@@ -388,7 +467,8 @@ def _first_match(
                         break
                 if err <= tol:
                     return LoopExpertsMatch(lay.w13, lay.w2, lay.transposed, b13, b2, lay.num_experts, lay.hidden,
-                                            lay.intermediate, identity, spec, on_input, err)
+                                            lay.intermediate, identity, spec, on_input, err, lay.up,
+                                            probes[0].batch_view)
                 if err < best[0]:
                     biases = "+".join(x for x in (b13, b2) if x) or "no biases"
                     best = (err, f"numerical check failed: relative error {err:.2e} > {tol:.0e} (best reading: "
@@ -420,14 +500,19 @@ def _captured_forward(
     """
     m: LoopExpertsMatch = self._moe_fx_loop
     w = m.weights(self)
+    if w is None:  # separate gate/up parameters replaced since packing (assign=True, .to()): as written
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     tensors = [hidden_states, top_k_weights, *(t for t in w.values() if t is not None)]
     training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    if training or hidden_states.dim() != 2 or top_k_index.dim() != 2 or args or kwargs:
+    flat = hidden_states.dim() == 2 or (m.batch_view and hidden_states.dim() == 3)
+    if training or not flat or top_k_index.dim() != 2 or args or kwargs:
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
-    return torch.ops.moe_fx.experts(
-        hidden_states, top_k_index, top_k_weights, w["w13"], w["w2"], m.spec.name, m.weights_on_input, None,
-        None, self._moe_fx_kernel, w13_bias=w["w13_bias"], w2_bias=w["w2_bias"], **m.op_kwargs(),
+    out = torch.ops.moe_fx.experts(
+        hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, m.hidden), top_k_index, top_k_weights, w["w13"], w["w2"], m.spec.name,
+        m.weights_on_input, None, None, self._moe_fx_kernel, w13_bias=w["w13_bias"], w2_bias=w["w2_bias"],
+        **m.op_kwargs(),
     )
+    return out.view(hidden_states.shape[0], -1, m.hidden) if m.batch_view else out
 
 
 def _family(model: nn.Module, module: nn.Module) -> str:
@@ -454,6 +539,10 @@ def capture_expert_loops(model: nn.Module, config: MoEConfig | None = None) -> l
     reports = []
     for name, module in loop_experts_candidates(model):
         found = module._moe_fx_loop if _captured(module) else match_loop_experts(module, config)
+        if not isinstance(found, str) and found.up is not None:
+            # Packed once; again after a parameter was replaced (load_state_dict(assign=True), .to()),
+            # until when the module runs its own loop.
+            pack_split_gate_up(module, found.w13, found.up)
         report = RegionReport(layer=name or type(module).__name__, form="hit_loop", family=_family(model, module))
         reports.append(report)
         if isinstance(found, str):
@@ -468,7 +557,8 @@ def capture_expert_loops(model: nn.Module, config: MoEConfig | None = None) -> l
         report.intermediate, report.top_k = found.intermediate, _top_k(module, found.num_experts)
         report.dtype, report.device = str(w13.dtype).replace("torch.", ""), w13.device.type
         report.activation, report.weights_on_input = found.spec.name, found.weights_on_input
-        report.verified, report.details = f"numerics (rel err {found.error:.1e})", _details(found)
+        report.verified, report.details = "numerics", _details(found)
+        report.probe, report.probe_error = "the module's own forward on random routed tokens", found.error
         log.info("moe_fx: experts loop %s -> moe_fx::experts: %s", report.layer, report.one_line())
     return reports
 
