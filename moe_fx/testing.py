@@ -27,6 +27,7 @@ __all__ = [
     "LoopMoE",
     "SwiGLUExpert",
     "TitanGroupedMoE",
+    "randomise_weights",
     "tiny_hf_config",
     "tiny_hf_model",
 ]
@@ -136,17 +137,29 @@ def tiny_hf_model(family: str, *, dtype: torch.dtype = torch.float32, seed: int 
     cfg = tiny_hf_config(family, **kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
+    randomise_weights(model)
+    return model.to(dtype).eval()
+
+
+def randomise_weights(
+    model: nn.Module, *, wide: tuple[str, ...] = ("gate",), biased: tuple[str, ...] = ("experts",)
+) -> None:
+    """Make every weight of a transformers model random and non-zero, in place.
+
+    transformers initialises some routers, experts and biases with zeros or leaves them empty. Matrices
+    get std 0.2 when 3-D or named with one of ``wide`` (routers, gates), else 0.05; 1-D biases named with
+    one of ``biased`` get std 0.2 (GPT-OSS expert biases start at zero); DeepSeek-V3's selection-only
+    correction bias gets U(0, 0.1).
+    """
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.rand_like(buf) * 0.1)
         for name, p in model.named_parameters():
-            # transformers initialises some routers and experts with zeros/empty; make every weight random.
             if p.dim() >= 2:
-                p.normal_(0.0, 0.2 if p.dim() == 3 or "gate" in name else 0.05)
-            elif name.endswith("bias") and "experts" in name:
-                p.normal_(0.0, 0.2)  # GPT-OSS expert biases start at zero
-    return model.to(dtype).eval()
+                p.normal_(0.0, 0.2 if p.dim() == 3 or any(w in name for w in wide) else 0.05)
+            elif name.endswith("bias") and any(w in name for w in biased):
+                p.normal_(0.0, 0.2)
 
 
 class SwiGLUExpert(nn.Module):

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_fx.testing import randomise_weights
+
 __all__ = [
     "FAMILY_OVERRIDES",
     "TEXT_MOE_FAMILIES",
@@ -221,15 +223,7 @@ def _text_model_class(family: str) -> type[nn.Module]:
 
 def _randomise(model: nn.Module) -> None:
     """Every weight random and non-zero (transformers leaves some routers, biases and experts at zero)."""
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.rand_like(buf) * 0.1)
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2 if p.dim() == 3 or "gate" in name or "router" in name else 0.05)
-            elif name.endswith("bias") and ("expert" in name or "router" in name):
-                p.normal_(0.0, 0.2)
+    randomise_weights(model, wide=("gate", "router"), biased=("expert", "router"))
 
 
 # ----------------------------------------------------------------------------------------------------------

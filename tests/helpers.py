@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_fx.api import enable_capture
 from moe_fx.backend import make_backend
@@ -26,6 +27,19 @@ class Captured:
 
     def count(self, needle: str) -> int:
         return self.code.count(needle)
+
+
+class OpSpy(TorchDispatchMode):
+    """Records ``(args, kwargs)`` of every ``moe_fx::experts`` call made while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.moe_fx.experts.default:
+            self.calls.append((args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
 
 
 def capture_backend(config: MoEConfig | None = None, *, passes: bool = True):

@@ -9,10 +9,9 @@ import re
 import pytest
 import torch
 from expecttest import TestCase
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_fx
-from helpers import capture_backend, logits, rel_err
+from helpers import OpSpy, capture_backend, logits, rel_err
 from moe_fx.api import enable_capture
 from moe_fx.ops import ExpertActivation
 from moe_fx.passes.capture_expert_loops import (
@@ -25,19 +24,6 @@ from moe_fx.testing_families import HitLoopExperts, HitLoopMoE, tiny_family_mode
 
 OP = "torch.ops.moe_fx.experts("  # the captured forward calls the op packet; Dynamo records it as such
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
-
-
-class _OpSpy(TorchDispatchMode):
-    """Records the arguments of every moe_fx.experts call."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.moe_fx.experts.default:
-            self.calls.append((args, kwargs or {}))
-        return func(*args, **(kwargs or {}))
 
 
 def _routing(t: int, slots: int, k: int = 2, dtype=torch.float32, seed: int = 0):
@@ -109,7 +95,7 @@ def test_captured_forward_reads_views_of_the_parameters():
     """The op gets the module's own storage (a transposed view, never a copy), biases included."""
     experts = HitLoopExperts(**VARIANTS["gpt_oss"][0])
     capture_expert_loops(experts)
-    spy = _OpSpy()
+    spy = OpSpy()
     with torch.no_grad(), spy:
         experts(*_routing(5, 8))
     ((args, kwargs),) = spy.calls
@@ -126,7 +112,7 @@ def test_training_runs_the_modules_own_forward():
     experts = HitLoopExperts()
     capture_expert_loops(experts)
     hidden, ids, weights = _routing(6, 8)
-    spy = _OpSpy()
+    spy = OpSpy()
     with spy:
         experts(hidden, ids, weights).sum().backward()
     assert spy.calls == [] and experts.gate_up_proj.grad is not None

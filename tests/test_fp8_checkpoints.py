@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("transformers")
 
+from helpers import OpSpy  # noqa: E402
 from moe_fx.passes.match_fp8_experts import capture_fp8_experts, match_fp8_experts, release_fp8_experts  # noqa: E402
 from moe_fx.testing_fp8 import dequantized_copy, is_fp8_experts, tiny_fp8_hf_model  # noqa: E402
 
@@ -19,19 +19,6 @@ def fp8_model():
 
 def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
-
-
-class _OpSpy(TorchDispatchMode):
-    """Records the tensors each moe_fx.experts call receives."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.moe_fx.experts.default:
-            self.calls.append(args)
-        return func(*args, **(kwargs or {}))
 
 
 def test_tiny_fp8_model_has_transformers_fp8_experts(fp8_model):
@@ -84,7 +71,7 @@ def test_capture_uses_fp8_weights_as_stored_and_matches_dequantized_eager(fp8_mo
         reports = capture_fp8_experts(fp8_model)
         assert [r.matched for r in reports] == [True, True]
         assert reports[0].layer == "model.layers.0.mlp.experts" and reports[0].fp8 and reports[0].dtype == "bfloat16"
-        spy = _OpSpy()
+        spy = OpSpy()
         with torch.no_grad():
             want = oracle(tokens).logits
             with spy:
@@ -92,7 +79,8 @@ def test_capture_uses_fp8_weights_as_stored_and_matches_dequantized_eager(fp8_mo
         # One op call per layer, handed the module's own fp8 parameters and scales (same storage).
         assert len(spy.calls) == 2
         e = fp8_model.model.layers[0].mlp.experts
-        w13, w2, s13, s2 = spy.calls[0][3], spy.calls[0][4], spy.calls[0][7], spy.calls[0][8]
+        args = spy.calls[0][0]
+        w13, w2, s13, s2 = args[3], args[4], args[7], args[8]
         assert w13.dtype == torch.float8_e4m3fn and w13.data_ptr() == e.gate_up_proj.data_ptr()
         assert w2.data_ptr() == e.down_proj.data_ptr()
         assert s13.data_ptr() == e.gate_up_proj_scale_inv.data_ptr()
