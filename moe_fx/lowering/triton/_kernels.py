@@ -337,10 +337,12 @@ def activation_kernel(
     ``bias [G, N1]`` is added to x first; HAS_LIMIT clamps gate <= limit, |up| <= limit (|h| <= limit).
     With QUANT: fp8 output with one scale per 1xBLOCK_N group (BLOCK_N = 128), written through ys's strides.
     """
-    if not INTERP:  # Inductor passes Python floats as fp64: keep the math (and the fp8 conversion) in fp32
-        alpha = alpha.to(tl.float32)
-        limit = limit.to(tl.float32)
-        up_offset = up_offset.to(tl.float32)
+    if not INTERP:  # Inductor passes Python floats as fp64: keep the math (and the fp8 conversion) in fp32.
+        # tl.cast, not .to: torch 2.11's analysis of which buffers a kernel writes compiles it with the
+        # floats as Python constants, which have no .to (the analysis then assumes every buffer written).
+        alpha = tl.cast(alpha, tl.float32)
+        limit = tl.cast(limit, tl.float32)
+        up_offset = tl.cast(up_offset, tl.float32)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
