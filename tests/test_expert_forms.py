@@ -14,7 +14,8 @@ import pytest
 import torch
 from expecttest import TestCase
 
-from helpers import logits, rel_err, run_captured
+from helpers import capture_backend, logits, rel_err, run_captured
+from moe_fx.api import enable_capture
 from moe_fx.config import MoEConfig
 from moe_fx.testing import tiny_hf_model
 from moe_fx.testing_families import ClampedSwiGLUMoE, DenseScoresMoE, JetSortMoE, NonGatedMoE, tiny_family_model
@@ -240,3 +241,24 @@ def test_clamped_form_needs_the_numerical_check():
     assert cap.count(OP) == 0 and "needs the numerical check" in cap.reports[0].reason
     _, cap = run_captured(model, x)
     assert cap.count(OP) == 1 and cap.reports[0].verified.startswith("numerics")
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_gpt_oss_dynamic_floats_are_specialised(impl):
+    """With dynamic=True Dynamo makes GPT-OSS's alpha and limit graph inputs (run-time floats): the region
+    is still rewritten, on their traced values, and the graph is guarded on them (a new limit recompiles
+    and is probed again)."""
+    model = tiny_family_model("gpt_oss", num_layers=1, experts_implementation=impl)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    experts = model.model.layers[0].mlp.experts
+    torch._dynamo.reset()
+    enable_capture()
+    backend, cap = capture_backend()
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        assert rel_err(logits(compiled(ids)), logits(model(ids))) < 1e-5
+        assert cap.compiles == 1 and cap.reports[0].matched, cap.reports[0].reason
+        assert "limit=7" in cap.reports[0].details
+        experts.limit = 0.5
+        assert rel_err(logits(compiled(ids)), logits(model(ids))) < 1e-5
+    assert cap.compiles == 2 and cap.reports[-1].matched and "limit=0.5" in cap.reports[-1].details

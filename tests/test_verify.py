@@ -103,10 +103,10 @@ class _ScaledExperts(GatherBmmMoE):
         return (y * weights.reshape(-1, 1)).view(x.shape[0], self.top_k, x.shape[1]).sum(dim=1)
 
 
-def test_region_reading_a_run_time_scalar_is_left_untouched():
-    """With dynamic=True Dynamo makes a float attribute a graph input: it can change between calls
-    without a recompile, and the op has no argument for it. At 1.0 the region equals SwiGLU, but
-    rewriting it would ignore a later ``scale = 2``."""
+def test_region_reading_a_run_time_scalar_is_specialised_on_its_value():
+    """With dynamic=True Dynamo makes a float attribute a graph input, which can change between calls.
+    At 1.0 the region equals SwiGLU: it is rewritten with the graph guarded on the value, so a later
+    ``scale = 2`` recompiles (and that region, SwiGLU times 2, is left as written)."""
     model = _ScaledExperts()
     x = _x(6)
     torch._dynamo.reset()
@@ -117,11 +117,13 @@ def test_region_reading_a_run_time_scalar_is_left_untouched():
     backend, cap = capture_backend()
     compiled = torch.compile(model, backend=backend, dynamic=True)
     with torch.no_grad():
-        compiled(x)
+        assert rel_err(compiled(x), model(x)) < 1e-5
+        assert cap.compiles == 1 and cap.reports[0].matched, cap.reports[0].reason
         model.scale = 2.0
         got = compiled(x)
         assert rel_err(got, model(x)) < 1e-6
-    assert not cap.reports[0].matched and "run-time scalar" in cap.reports[0].reason
+    assert cap.compiles == 2, "the new value must fail the guard and recompile"
+    assert not cap.reports[1].matched and "numerical check failed" in cap.reports[1].reason
 
 
 def test_issue_sizes_get_a_small_reduced_probe():

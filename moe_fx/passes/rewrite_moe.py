@@ -38,6 +38,7 @@ from moe_fx.passes.verify_region import (
     needs_numerics,
     probe_region,
     region_rows_per_token,
+    specialize_scalars,
 )
 
 __all__ = ["rewrite_moe_regions"]
@@ -372,6 +373,7 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
             report.reason = probe.reason
             log.info("moe_fx: left %s untouched: %s", report.layer, report.reason)
             continue
+        specialize_scalars(region)  # the op's arguments take the traced values of model floats
         warning = _keep_weights_in_step(region, ctx, stacked)
         if warning:
             report.warnings.append(warning)

@@ -44,6 +44,8 @@ __all__ = [
     "check_ops",
     "clamp_bounds",
     "needs_numerics",
+    "scalar_hint",
+    "specialize_scalars",
     "probe_region",
     "region_rows_per_token",
 ]
@@ -100,10 +102,42 @@ def check_ops(region: Region) -> str | None:
     return None
 
 
+def scalar_hint(a: object) -> float | int | None:
+    """``a`` as a Python number: a literal, or a node computing a backed SymFloat / SymInt / SymBool
+    (a model float Dynamo made an input under ``dynamic=True``) at the value it was traced with; else None."""
+    if isinstance(a, bool):
+        return None
+    if isinstance(a, (int, float)):
+        return a
+    if not isinstance(a, fx.Node):
+        return None
+    v = node_value(a)
+    if isinstance(v, (torch.SymFloat, torch.SymInt, torch.SymBool)):
+        hint = v.node.hint
+        return None if hint is None or isinstance(hint, bool) else hint
+    return None
+
+
+def specialize_scalars(region: Region) -> list[fx.Node]:
+    """Guard the graph on the value of every run-time float scalar the region reads or computes (a rewrite
+    bakes them into the op's arguments: another value must recompile); returns those nodes."""
+    from torch.fx.experimental.symbolic_shapes import guard_float
+
+    out = []
+    for n in sorted({*region.nodes, *(a for m in region.nodes for a in m.all_input_nodes)}, key=lambda n: n.name):
+        v = node_value(n)
+        if isinstance(v, torch.SymFloat) and v.node.hint is not None:
+            guard_float(v)
+            out.append(n)
+    return out
+
+
 def _float_operand(n: fx.Node) -> tuple[fx.Node, float] | None:
-    """``(tensor, constant)`` if ``n`` combines one floating-point tensor with one number, else None."""
-    tensors = [a for a in n.args if isinstance(a, fx.Node)]
-    numbers = [a for a in n.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    """``(tensor, constant)`` if ``n`` combines one floating-point tensor with one number (a literal or a
+    run-time scalar at its traced value, :func:`scalar_hint`), else None."""
+    tensors = [a for a in n.args if isinstance(a, fx.Node) and isinstance(node_value(a), torch.Tensor)]
+    numbers = [scalar_hint(a) for a in n.args if not (isinstance(a, fx.Node) and isinstance(node_value(a), torch.Tensor))]
+    numbers = [x for x in numbers if x is not None]
     if len(tensors) != 1 or len(numbers) != 1 or len(n.args) != 2:
         return None
     v = tensor_value(tensors[0])
@@ -123,8 +157,8 @@ def clamp_bounds(region: Region) -> list[float]:
             continue
         if not tensor_value(n.args[0]).dtype.is_floating_point:
             continue
-        values = [*n.args[1:3], n.kwargs.get("min"), n.kwargs.get("max")]
-        bounds |= {abs(float(v)) for v in values if isinstance(v, (int, float)) and math.isfinite(v)}
+        values = [scalar_hint(v) for v in (*n.args[1:3], n.kwargs.get("min"), n.kwargs.get("max"))]
+        bounds |= {abs(float(v)) for v in values if v is not None and math.isfinite(v)}
     return sorted(bounds)
 
 
@@ -268,9 +302,12 @@ def _extra_args(
             if v is None:
                 return f"no concrete value known for {node.name} ({sym})"
         elif isinstance(traced, (torch.SymFloat, torch.SymBool)):
-            # A Python float of the model that Dynamo made a graph input (dynamic=True): it may change
-            # between calls without a recompile, and the op has no argument for it.
-            return f"the region reads {node.name}, a run-time scalar ({traced}) moe_fx::experts has no argument for"
+            # A Python float of the model that Dynamo made a graph input (dynamic=True, e.g. GPT-OSS's
+            # alpha and limit): probed at its value; a rewrite specialises the graph on it
+            # (specialize_scalars: a guard, so another value recompiles).
+            v = scalar_hint(node)
+            if v is None:
+                return f"the region reads {node.name}, a run-time scalar ({traced}) with no known value"
         elif v is None:
             v = traced
         args.append(v)
