@@ -45,7 +45,8 @@ SHAPES = {  # name: (transformers family, E, K, H, I)
     "qwen3": ("qwen3_moe", 128, 8, 2048, 768),
     "dsv3": ("deepseek_v3", 32, 8, 7168, 2048),
     # GPT-OSS-sized (E=32, K=4, H=2880, I=2880): biases, interleaved gate/up, clamped SwiGLU with alpha
-    # and up + 1 (transformers runs it in an eager loop over the experts hit: its hf_eager row only)
+    # and up + 1 (timed against transformers' eager loop only: its grouped_mm path transposes the
+    # weights inside the model's experts module, compared whole in bench/e2e_model.py)
     "gpt_oss": ("gpt_oss", 32, 4, 2880, 2880),
 }
 #: Per family, the op's extra arguments (activation spec; biases are made per shape) and the transformers
