@@ -301,7 +301,10 @@ def _extra_args(
                 return f"the probe cannot be resized to T={plan.tokens}: {exc}"
             if v is None:
                 return f"no concrete value known for {node.name} ({sym})"
-        elif isinstance(traced, (torch.SymFloat, torch.SymBool)):
+        elif isinstance(traced, torch.SymBool):
+            # specialize_scalars guards floats only: a run-time flag could change without a recompile
+            return f"the region reads {node.name}, a run-time flag ({traced}) moe_fx::experts has no argument for"
+        elif isinstance(traced, torch.SymFloat):
             # A Python float of the model that Dynamo made a graph input (dynamic=True, e.g. GPT-OSS's
             # alpha and limit): probed at its value; a rewrite specialises the graph on it
             # (specialize_scalars: a guard, so another value recompiles).
