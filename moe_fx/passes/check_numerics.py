@@ -105,7 +105,8 @@ class NumericsResult:
 
 @contextlib.contextmanager
 def exact_float32() -> Iterator[None]:
-    """float32 products computed in float32 (no TF32), as the tight bound assumes."""
+    """float32 products computed in float32, as the tight bound assumes: no TF32, no ambient autocast (a region
+    whose products autocast would recast is refused before any probe; see :mod:`autocast_guard`)."""
     old = torch.get_float32_matmul_precision()
     cuda = torch.backends.cuda.matmul.allow_tf32
     cudnn = torch.backends.cudnn.allow_tf32
@@ -113,7 +114,10 @@ def exact_float32() -> Iterator[None]:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     try:
-        yield
+        with contextlib.ExitStack() as stack:
+            for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+                stack.enter_context(torch.autocast(device, enabled=False))
+            yield
     finally:
         torch.set_float32_matmul_precision(old)
         torch.backends.cuda.matmul.allow_tf32 = cuda

@@ -269,7 +269,7 @@ def _data_dependent(n: object, axis: int = 0) -> bool:
     """True if ``n``'s size along ``axis`` depends on the data (an unbacked size, or a recorder's mark)."""
     if not isinstance(n, fx.Node):
         return False
-    if n.meta.get(DATA_DEPENDENT_ROWS):
+    if axis == 0 and n.meta.get(DATA_DEPENDENT_ROWS):
         return True
     shape = _shape(n)
     if shape is None or axis >= len(shape):
@@ -396,8 +396,10 @@ class _Reader:
         """Refuse a literal-bounded slice of rows whose number is data-dependent (a capacity)."""
         name = op_name(n)
         src = n.args[0] if n.args else None
-        if name == "getitem" and isinstance(src, fx.Node):
-            for axis, item in enumerate(i for i in _index_items(n.args[1]) if i is not None and i is not Ellipsis):
+        shape = _shape(src)
+        if name == "getitem" and isinstance(src, fx.Node) and shape is not None:
+            items = [i for i in _expand_ellipsis(_index_items(n.args[1]), len(shape)) if i is not None]
+            for axis, item in enumerate(items):
                 if _literal_bound(item) and _data_dependent(src, axis):
                     raise _NearMiss(self.capacity_reason(n, src, item))
         if name in ("narrow", "slice") and isinstance(src, fx.Node):
@@ -1068,6 +1070,8 @@ class _Reader:
             raise self.refuse(n, "a clamp bound with no known value (a tensor, or a run-time value with no hint)")
         lo = None if lo is None or lo == -math.inf else float(lo)
         hi = None if hi is None or hi == math.inf else float(hi)
+        if lo is None and hi is None and isinstance(x, _Data):
+            return x, self.layout_label(x)  # clamp(max=inf): no bound at all
         if not isinstance(x, _Data) or x.stage not in ("gate", "up") or x.limit is not None or x.of or x.offset:
             raise self.refuse(n, f"clamps {_words(x)} (moe_fx::experts clamps only the gate and up halves before "
                                  "the activation)")

@@ -283,8 +283,6 @@ def probe_region(
             return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         return out.float() if out.dtype in _LOW_PRECISION else out
 
-    # The region runs under the ambient autocast state, as the model does (the reference ignores it; a region
-    # whose products autocast recasts is refused before the probe: check_autocast).
     result: NumericsResult = check_cases(run, ops.__getitem__, sem, cases, where)
     if not result.ok:
         return ProbeResult(False, reading.spec.name, reading.weights_on_input, result.error, result.reason)
