@@ -104,15 +104,23 @@ class NumericsResult:
 
 
 @contextlib.contextmanager
-def exact_float32() -> Iterator[None]:
+def exact_float32(single_thread: bool = False) -> Iterator[None]:
     """float32 products computed in float32, as the tight bound assumes: no TF32, no ambient autocast (a region
-    whose products autocast would recast is refused before any probe; see :mod:`autocast_guard`)."""
+    whose products autocast would recast is refused before any probe; see :mod:`autocast_guard`).
+
+    ``single_thread``: one CPU thread meanwhile. A probe's tensors are tiny; intra-op threads only add fork-join
+    latency, which on a loaded machine costs milliseconds per op (measured: 0.3 s of probe per layer with two
+    threads, 20 ms with one, on a shared 2-core machine).
+    """
     old = torch.get_float32_matmul_precision()
     cuda = torch.backends.cuda.matmul.allow_tf32
     cudnn = torch.backends.cudnn.allow_tf32
+    threads = torch.get_num_threads()
     torch.set_float32_matmul_precision("highest")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    if single_thread:
+        torch.set_num_threads(1)
     try:
         with contextlib.ExitStack() as stack:
             for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
@@ -122,6 +130,8 @@ def exact_float32() -> Iterator[None]:
         torch.set_float32_matmul_precision(old)
         torch.backends.cuda.matmul.allow_tf32 = cuda
         torch.backends.cudnn.allow_tf32 = cudnn
+        if single_thread:
+            torch.set_num_threads(threads)
 
 
 def large_tokens(num_experts: int, top_k: int) -> int:
@@ -229,6 +239,18 @@ def _worst_expert(errors: list[tuple[torch.Tensor, torch.Tensor]], tol: float) -
     return (e, m) if m > tol else None
 
 
+#: Below this many flops per case a CPU probe runs on one thread (:func:`exact_float32`).
+SINGLE_THREAD_FLOPS = 5e7
+
+
+def _small_on_cpu(cases: Sequence[ProbeCase], op_weights: Callable[[str], OpWeights]) -> bool:
+    if not cases or cases[0].hidden.device.type != "cpu":
+        return False
+    op = op_weights(cases[0].weights)
+    per_row = 2 * (op.w13[0].numel() + op.w2[0].numel())
+    return max(c.ids.numel() for c in cases) * per_row < SINGLE_THREAD_FLOPS
+
+
 def check_cases(
     run: Callable[[ProbeCase], torch.Tensor | str], op_weights: Callable[[str], OpWeights], sem: Semantics,
     cases: Sequence[ProbeCase], where: str = "",
@@ -241,7 +263,7 @@ def check_cases(
     """
     worst, worst_case = 0.0, None
     errors: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    with torch.no_grad(), exact_float32():
+    with torch.no_grad(), exact_float32(single_thread=_small_on_cpu(cases, op_weights)):
         for case in cases:
             got = run(case)
             if isinstance(got, str):
