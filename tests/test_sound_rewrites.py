@@ -13,7 +13,9 @@ from torch import nn
 import moe_fx
 from helpers import capture_backend, rel_err, run_captured
 from moe_fx.api import enable_capture
+from moe_fx.passes.capture_expert_loops import capture_expert_loops
 from moe_fx.testing import SwiGLUExpert
+from moe_fx.testing_families import HitLoopExperts
 
 OP = "torch.ops.moe_fx.experts.default("
 
@@ -196,3 +198,57 @@ def test_capacity_slice_on_routed_rows_is_refused(dynamic):
     assert cap.count(OP) == 0 and not any(r.matched for r in cap.reports), [r.one_line() for r in cap.reports]
     symbolic = [r for r in cap.reports if r.form == "expert_loop"]  # (a static T=2 = K is not cut as a region)
     assert symbolic and all("with a literal bound" in r.reason and "capacity" in r.reason for r in symbolic)
+
+
+class MaskedHitLoopExperts(HitLoopExperts):
+    """A loop over the experts hit (captured at module level) whose experts zero activations above 30."""
+
+    def _gate(self, h):
+        return super()._gate(h.masked_fill(h > 30, 0))
+
+
+class CappedHitLoopExperts(HitLoopExperts):
+    """A loop over the experts hit that keeps each expert's first 4 routed slots."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            e = expert_idx[0]
+            slot, tok = torch.where(mask[e])
+            slot, tok = slot[:4], tok[:4]
+            y = self._linear(self._gate(self._linear(hidden_states[tok], self.gate_up_proj[e])), self.down_proj[e])
+            out.index_add_(0, tok, y * top_k_weights[tok, slot, None])
+        return out
+
+
+@pytest.mark.parametrize("make, why", [(MaskedHitLoopExperts, "unsupported op 'gt'"),
+                                       (CappedHitLoopExperts, "with a literal bound")], ids=["float_mask", "capacity"])
+def test_captured_loops_are_read_not_probed(make, why):
+    """The capture step records the loop's forward and reads it like a region: a float mask inside a loop expert
+    (the probe's scales never crossed 30, so it was captured and wrong at x40) and a capacity are refused."""
+    torch.manual_seed(0)
+    experts = make()
+    (report,) = capture_expert_loops(experts)
+    assert not report.matched and why in report.reason, report.reason
+    assert "forward" not in vars(experts)
+
+
+class ShiftedTokensMoE(StackedMoE):
+    """Plumbing the structure does not model: every routed row reads the next token's hidden state."""
+
+    def forward(self, x):
+        probs = F.softmax(x @ self.router.t(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        flat = ids.reshape(-1)
+        rows = (torch.arange(x.shape[0] * self.top_k) // self.top_k + 1) % x.shape[0]
+        h = torch.bmm(self.w13[flat], x[rows].unsqueeze(-1)).squeeze(-1)
+        g, u = h.chunk(2, dim=-1)
+        y = torch.bmm(self.w2[flat], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1) * weights.reshape(-1, 1)
+        return y.view(x.shape[0], self.top_k, x.shape[1]).sum(dim=1)
+
+
+def test_plumbing_is_checked_by_the_probe():
+    """Which row meets which token is plumbing: the structure reads the form, the probe catches the wrong rows."""
+    model = ShiftedTokensMoE()
+    _left_as_written(model, _x(6), "numerical check failed")

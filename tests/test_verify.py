@@ -192,7 +192,7 @@ def test_verify_never_is_an_explicit_unverified_rewrite():
     _, cap = run_captured(GatherBmmMoE(act="sigmoid"), x, config=MoEConfig(verify="never"))
     assert not cap.reports[0].matched and "sigmoid of the gate" in cap.reports[0].reason
     verified = str(moe_fx.explain(GatherBmmMoE(), x))
-    assert "T=6 x3, err" in verified and "UNVERIFIED" not in verified
+    assert "T=6 x3, real and random weights, err" in verified and "UNVERIFIED" not in verified
 
 
 class _CapacityMoE(GatherBmmMoE):

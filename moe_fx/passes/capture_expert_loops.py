@@ -98,6 +98,7 @@ class LoopExpertsMatch:
         up: the up projection's parameter when gate (``w13``) and up are separate (DBRX).
         batch_view: the module takes ``[B, S, H]`` and returns ``out.view(B, -1, H)`` (DBRX), also for
             ``[T, H]`` inputs (``[T, 1, H]``).
+        probe: what the numerical check ran, for reports.
     """
 
     w13: str
@@ -114,6 +115,7 @@ class LoopExpertsMatch:
     error: float
     up: str | None = None
     batch_view: bool = False
+    probe: str = ""
 
     def weights(self, module: nn.Module, copy: bool = False) -> dict[str, torch.Tensor | None] | None:
         """The op's weight arguments as views of ``module``'s own parameters (no copy).
@@ -382,9 +384,10 @@ def _random_params(module: nn.Module, m: LoopExpertsMatch, gen: torch.Generator)
     return out
 
 
-def _check_module(module: nn.Module, m: LoopExpertsMatch, config: MoEConfig) -> NumericsResult:
+def _check_module(module: nn.Module, m: LoopExpertsMatch, config: MoEConfig) -> tuple[NumericsResult, str]:
     """The module's own forward in float32 against the reference for ``m`` (:mod:`check_numerics`), with its real
-    weights and with random ones of the same shapes, on routing that reaches every expert, also at a large T."""
+    weights and with random ones of the same shapes, on routing that reaches every expert, also at a large T;
+    returns the result and what ran."""
     slots = m.num_experts + m.identity_experts
     k = _top_k(module, slots)
     gen = torch.Generator().manual_seed(1234)
@@ -409,8 +412,10 @@ def _check_module(module: nn.Module, m: LoopExpertsMatch, config: MoEConfig) -> 
             return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         return out.reshape(case.hidden.shape) if isinstance(out, torch.Tensor) else type(out).__name__
 
-    return check_cases(run, ops.__getitem__, Semantics(m.spec, m.weights_on_input, m.identity_experts), cases,
-                       f" ({plan.describe()}, the module's forward in float32)")
+    ran = f"the module's forward in float32: {plan.describe()}, real and random weights, T={big[0].shape[0]} x{len(big)}"
+    result = check_cases(run, ops.__getitem__, Semantics(m.spec, m.weights_on_input, m.identity_experts), cases,
+                         f" ({ran})")
+    return result, ran
 
 
 def _param_name(node: fx.Node | None) -> str | None:
@@ -446,9 +451,9 @@ def match_loop_experts(module: nn.Module, config: MoEConfig | None = None) -> Lo
                 m = LoopExpertsMatch(lay.w13, lay.w2, lay.transposed, _param_name(reading.w13_bias),
                                      _param_name(reading.w2_bias), lay.num_experts, lay.hidden, lay.intermediate,
                                      identity, spec, reading.weights_on_input, math.nan, lay.up, batch_view)
-                result = _check_module(module, m, config)
+                result, ran = _check_module(module, m, config)
                 if result.ok:
-                    return dataclasses.replace(m, error=result.error)
+                    return dataclasses.replace(m, error=result.error, probe=ran)
                 reasons.append((0, result.reason))
     return min(reasons, key=lambda r: r[0])[1]
 
@@ -535,7 +540,7 @@ def capture_expert_loops(model: nn.Module, config: MoEConfig | None = None) -> l
         report.dtype, report.device = str(w13.dtype).replace("torch.", ""), w13.device.type
         report.activation, report.weights_on_input = found.spec.name, found.weights_on_input
         report.verified, report.details = "numerics", _details(found)
-        report.probe, report.probe_error = "the module's own forward on random routed tokens", found.error
+        report.probe, report.probe_error = found.probe, found.error
         log.info("moe_fx: experts loop %s -> moe_fx::experts: %s", report.layer, report.one_line())
     return reports
 

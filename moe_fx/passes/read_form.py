@@ -319,6 +319,9 @@ class _Reader:
         self.label: dict[fx.Node, str] = {}
         self.uses: dict[fx.Node, list] = {n: [] for n, w in boundary.weights_of.items() if w.role != "bias"}
         self._src = itertools.count(1)
+        self.inputs = {boundary.hidden, boundary.weights, *boundary.weights_of}
+        if boundary.ids is not None:
+            self.inputs.add(boundary.ids)
         self.val[boundary.hidden] = _Data("x", -1, self.new())
         if boundary.ids is not None:
             self.val[boundary.ids] = PLUMB
@@ -371,6 +374,8 @@ class _Reader:
             result, label = PLUMB, "routing plumbing"
         else:
             result, label = self.dispatch(n, name)
+        if base is not None and base in self.inputs:
+            raise _NearMiss(f"{n.name} ({name}) writes into the region's input {base.name}")
         if base is not None and base in self.val:
             self.check_mutation(n, base, result)
             self.val[base] = result

@@ -317,7 +317,7 @@ def _record_verification(report: RegionReport, plan: ProbePlan | str, probe: Pro
                                    "something else than moe_fx::experts, the compiled model is wrong")
         return
     if probe.ok or not math.isnan(probe.error):  # the probe ran (a failed structural check runs none)
-        report.probe, report.probe_error = plan.describe(), probe.error
+        report.probe, report.probe_error = probe.probe or plan.describe(), probe.error
     if probe.ok:
         report.verified = "numerics"
 

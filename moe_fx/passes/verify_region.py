@@ -106,10 +106,15 @@ def _grouped_mm_float(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | Non
     return out
 
 
-def _upcast(gm: fx.GraphModule) -> None:
+#: Ops through which an expert weight is still the whole weight (a view): its float32 cast goes after them.
+_WEIGHT_VIEWS = frozenset({"transpose", "t", "permute", "view", "reshape", "unsqueeze", "squeeze", "expand", "T", "mT"})
+
+
+def _upcast(gm: fx.GraphModule, weights: list[fx.Node]) -> None:
     """Make a low-precision region subgraph compute in float32: its dtype constants and casts
-    (``.to(torch.bfloat16)``, ``.half()``, ``dtype=`` of factories) name float32, and ``torch._grouped_mm``
-    (bf16 only on CPU) runs per group (:func:`_grouped_mm_float`)."""
+    (``.to(torch.bfloat16)``, ``.half()``, ``dtype=`` of factories) name float32, ``torch._grouped_mm``
+    (bf16 only on CPU) runs per group (:func:`_grouped_mm_float`), and the expert weights (placeholders
+    ``weights``, given in their own dtype) are cast where they are used (:func:`_cast_weights_late`)."""
 
     def fp32(a: object) -> object:
         return torch.float32 if isinstance(a, torch.dtype) and a in _LOW_PRECISION else a
@@ -121,7 +126,32 @@ def _upcast(gm: fx.GraphModule) -> None:
             n.target = "float"
         if n.op == "call_function" and n.target is torch._grouped_mm:
             n.target = _grouped_mm_float
+    _cast_weights_late(gm, weights)
     gm.recompile()
+
+
+def _cast_weights_late(gm: fx.GraphModule, weights: list[fx.Node]) -> None:
+    """A float32 cast of each expert weight where it is consumed, after its views and its row or expert selection
+    (``w13[ids]``: only the rows a run gathers are copied), never of the whole stack before (which would double the
+    experts' memory on a large model). The per-group product (:func:`_grouped_mm_float`) casts group by group."""
+    g = gm.graph
+    frontier = list(weights)
+    while frontier:
+        n = frontier.pop()
+        for u in list(n.users):
+            name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "")
+            if name in _WEIGHT_VIEWS:
+                frontier.append(u)
+            elif u.target is _grouped_mm_float:
+                continue
+            elif name in ("getitem", "index_select"):
+                with g.inserting_after(u):
+                    cast = g.call_method("float", (u,))
+                u.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+            else:
+                with g.inserting_before(u):
+                    cast = g.call_method("float", (n,))
+                u.replace_input_with(n, cast)
 
 
 def _extra_args(
@@ -199,6 +229,7 @@ class ProbeResult:
     error: float = float("nan")
     reason: str = ""
     spec: ExpertActivation | None = None
+    probe: str = ""  # what the numerical check ran, for reports ("T=14 x3, real and random weights")
 
 
 def _routing_args(region: Region, ids: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
@@ -239,17 +270,18 @@ def probe_region(
     bad = _resize(gm, region, plan)
     if bad is not None:
         return ProbeResult(False, reason=f"no numerical check possible{where}: {bad}")
-    if tensor_value(region.hidden).dtype in _LOW_PRECISION:
-        _upcast(gm)
     n_routing = 1 if region.dense_scores else 2  # [T, E] scores, or top-k ids and weights
     weight_nodes = [*region.anchors.nodes, *region.biases]
+    if tensor_value(region.hidden).dtype in _LOW_PRECISION:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        _upcast(gm, placeholders[1 + n_routing : 1 + n_routing + len(weight_nodes)])
     real = {}
     for node in weight_nodes:
         v = real_value(node)
         if not isinstance(v, torch.Tensor):
             return ProbeResult(False, reason=f"no numerical check possible: the real value of {node.name} is not "
                                              "available to the pass")
-        real[node] = v.float() if v.dtype in _LOW_PRECISION else v
+        real[node] = v  # in its own dtype: the subgraph casts what a run reads (_cast_weights_late)
     extra_nodes = inputs[1 + n_routing + len(weight_nodes):]
     device = next(iter(real.values())).device
     gen = torch.Generator().manual_seed(1234)
@@ -260,11 +292,13 @@ def probe_region(
     e, k, h = region.anchors.num_experts, region.top_k, region.anchors.hidden
     routing = probe_routing(plan.tokens, plan.runs, e, k, gen)
     cases = make_cases(routing, h, clamps, gen, device=device)
+    ran = f"{plan.describe()}, real and random weights"
     if isinstance(region.num_tokens, torch.SymInt) and region.num_tokens.node.hint is not None:
         big = large_tokens(e, k)
         if big > plan.tokens:
             cases += make_cases(probe_routing(big, LARGE_T_RUNS, e, k, gen), h, {"random": clamps["random"]}, gen,
                                 device=device)
+            ran += f", T={big} x{LARGE_T_RUNS}"
     extras: dict[int, list[object] | str] = {}
 
     def run(case: ProbeCase) -> torch.Tensor | str:
@@ -277,16 +311,16 @@ def probe_region(
         ws = sets[case.weights]
         args = [case.hidden, *_routing_args(region, ids, case.routing), *(ws[n] for n in weight_nodes), *extras[t]]
         try:
-            # The Interpreter, unlike gm(...), does not print the traceback of an expected failure.
-            out = fx.Interpreter(gm).run(*args)
+            out = gm.forward(*args)  # not gm(...): that prints the traceback of an expected failure
+
         except (RuntimeError, ValueError, TypeError, IndexError) as exc:
             return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         return out.float() if out.dtype in _LOW_PRECISION else out
 
     result: NumericsResult = check_cases(run, ops.__getitem__, sem, cases, where)
     if not result.ok:
-        return ProbeResult(False, reading.spec.name, reading.weights_on_input, result.error, result.reason)
-    return ProbeResult(True, reading.spec.name, reading.weights_on_input, result.error, spec=reading.spec)
+        return ProbeResult(False, reading.spec.name, reading.weights_on_input, result.error, result.reason, probe=ran)
+    return ProbeResult(True, reading.spec.name, reading.weights_on_input, result.error, spec=reading.spec, probe=ran)
 
 
 def _op_weights(region: Region, ws: dict[fx.Node, torch.Tensor],
