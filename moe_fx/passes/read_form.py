@@ -242,10 +242,8 @@ def _one(a: object) -> bool:
     return _eq(a, 1)
 
 
-def _shape(n: object, i: int | None = None) -> tuple | None:
+def _shape(n: object) -> tuple | None:
     v = node_value(n) if isinstance(n, fx.Node) else None
-    if i is not None and isinstance(v, (tuple, list)):
-        v = v[i]
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
@@ -460,9 +458,7 @@ class _Reader:
         out = tensor_value(n)
         if isinstance(x, _Data) and out is not None and not out.dtype.is_floating_point:
             raise self.refuse(n, f"casts {_words(x)} to {out.dtype}")
-        if isinstance(x, _Data) and op_name(n) == "type_as" and isinstance(self.value(n.args[1]), _Data):
-            pass  # dtype of another stage: a cast
-        return x, self.layout_label(x)
+        return x, self.layout_label(x)  # rounding only (the check runs in float32)
 
     def layout_label(self, v: object) -> str:
         if isinstance(v, _Weight):
@@ -670,21 +666,6 @@ class _Reader:
         return _Data(which, feat, self.new(), chain=("h1", x.src), sel13=x.sel13, on_input=x.on_input, grid=x.grid,
                      b13=x.b13, gated=True, layout=layout)
 
-    def op_chunk(self, n: fx.Node) -> tuple[object, str]:
-        x = self.value(n.args[0])
-        shape = _shape(n.args[0])
-        if not isinstance(x, _Data) or shape is None:
-            raise _NearMiss(self.unsupported(n, op_name(n)))
-        dim = _norm_dim(_arg(n, 2, "dim", 0), len(shape))
-        parts = node_value(n)
-        if dim == _pos(x.feat, len(shape)):
-            chunks = _arg(n, 1, "chunks")
-            if chunks != 2 or x.stage != "h1" or not x.gated or len(parts) != 2:
-                raise self.refuse(n, f"splits the feature axis of {_words(x)} into {len(parts)} parts")
-            return _Tuple((self.split_half(x, "gate", "halves", x.feat),
-                           self.split_half(x, "up", "halves", x.feat))), "gate/up split"
-        return _Tuple(tuple(dataclasses.replace(x, src=self.new()) for _ in parts)), self.layout_label(x)
-
     def op_split(self, n: fx.Node) -> tuple[object, str]:
         x = self.value(n.args[0])
         shape = _shape(n.args[0])
@@ -698,10 +679,12 @@ class _Reader:
                 raise self.refuse(n, f"splits the feature axis of {_words(x)} into {len(parts)} parts")
             return _Tuple((self.split_half(x, "gate", "halves", x.feat),
                            self.split_half(x, "up", "halves", x.feat))), "gate/up split"
-        if _data_dependent(n.args[0], dim) and any(isinstance(s, int) for s in _index_items(_arg(n, 1, "split_size"))):
+        sizes = _arg(n, 1, "split_size")
+        if op_name(n) != "chunk" and _data_dependent(n.args[0], dim) and any(isinstance(s, int) for s in _index_items(sizes)):
             raise _NearMiss(self.capacity_reason(n, n.args[0], None))
         return _Tuple(tuple(dataclasses.replace(x, src=self.new()) for _ in parts)), self.layout_label(x)
 
+    op_chunk = op_split  # chunk(h, 2, dim=-1): the halves; the same rules
     op_split_with_sizes = op_split
     op_tensor_split = op_split
 
@@ -1038,8 +1021,6 @@ class _Reader:
         if not isinstance(x, _Data) or x.stage != "gate" or x.of:
             raise self.refuse(n, f"applies {name} to {_words(x)}" + (" (a second activation)" if isinstance(x, _Data)
                                                                       and x.stage in ("act", "mid") else ""))
-        if n.kwargs.get("inplace"):
-            pass  # same value
         return _act(self, x, name, 1.0), "activation"
 
     def op_sigmoid(self, n: fx.Node) -> tuple[object, str]:
