@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import capture_backend, rel_err, run_captured
 from torch import nn
 
 import moe_fx
-from helpers import capture_backend, rel_err, run_captured
 from moe_fx.api import enable_capture
 from moe_fx.passes.capture_expert_loops import capture_expert_loops
 from moe_fx.testing import SwiGLUExpert

@@ -69,6 +69,7 @@ def test_over_budget_region_is_verified_on_a_reduced_probe(act, dynamic):
     (r,) = cap.reports
     assert r.matched and cap.count(OP) == 1
     assert r.verified == "numerics" and r.probe.startswith("reduced T="), r.probe
+    assert ("T=64 x2" in r.probe) == dynamic, "a symbolic T is also checked well above the traced one"
     assert r.probe_error < 1e-4
     with torch.no_grad():
         assert rel_err(got, model(x)) < 1e-5

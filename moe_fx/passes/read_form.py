@@ -57,7 +57,6 @@ DATA_DEPENDENT_ROWS = "moe_fx_data_dependent_rows"
 
 _CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone", "detach",
                     "alias", "_to_copy"})
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SHAPE_READS = frozenset({"size", "sym_size", "sym_size.int", "dim", "numel", "sym_numel", "sym_stride", "stride",
                           "sym_storage_offset", "is_contiguous"})
 _PRODUCTS = frozenset({"linear", "matmul", "mm", "bmm", "_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
@@ -424,11 +423,11 @@ class _Reader:
         for u in base.users:
             if u is n or self.order.get(u, math.inf) >= pos:
                 continue
-            if op_name(u) in ("view", "reshape", "getitem", "transpose", "permute", "unsqueeze", "squeeze", "t",
-                              "expand", "narrow", "chunk", "split", "flatten", "as_strided", "unflatten"):
-                if any(self.order.get(r, -1) > pos for r in u.users):
-                    raise _NearMiss(f"{n.name} writes in place into {base.name} while a view of it ({u.name}) is "
-                                    "read later: the view would see the write")
+            view = op_name(u) in ("view", "reshape", "getitem", "transpose", "permute", "unsqueeze", "squeeze", "t",
+                                  "expand", "narrow", "chunk", "split", "flatten", "as_strided", "unflatten")
+            if view and any(self.order.get(r, -1) > pos for r in u.users):
+                raise _NearMiss(f"{n.name} writes in place into {base.name} while a view of it ({u.name}) is "
+                                "read later: the view would see the write")
 
     # -- dispatch on data-carrying ops
 
@@ -833,12 +832,10 @@ class _Reader:
                 return self.product(n, d, dataclasses.replace(w, axes=(w.axes[1], w.axes[0])), feat=-1, grid=False)
             raise self.refuse(n, f"applies {_words(w)} to {_words(d)} the wrong way round")
         a, b = vals
-        if isinstance(a, _Data) and isinstance(b, _Weight):
-            if a.feat == -1 and len(b.axes) >= 2 and b.axes[-2] == "i" and b.axes[-1] == "o":
-                return self.product(n, a, b, feat=-1, grid="e" in b.axes)
-        elif isinstance(a, _Weight) and isinstance(b, _Data):
-            if b.feat == -2 and len(a.axes) >= 2 and a.axes[-1] == "i" and a.axes[-2] == "o":
-                return self.product(n, b, a, feat=-2, grid="e" in a.axes)
+        if isinstance(a, _Data) and isinstance(b, _Weight) and a.feat == -1 and b.axes[-2:] == ("i", "o"):
+            return self.product(n, a, b, feat=-1, grid="e" in b.axes)  # rows @ W
+        if isinstance(a, _Weight) and isinstance(b, _Data) and b.feat == -2 and a.axes[-2:] == ("o", "i"):
+            return self.product(n, b, a, feat=-2, grid="e" in a.axes)  # W @ rows[..., None]
         raise self.refuse(n, f"multiplies {_words(a)} by {_words(b)}, which is not an expert product (a product "
                              "over the wrong axis or of two activations)")
 

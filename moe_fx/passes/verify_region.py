@@ -12,7 +12,6 @@ count has its literals resized there.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -147,7 +146,7 @@ def _cast_weights_late(gm: fx.GraphModule, weights: list[fx.Node]) -> None:
             elif name in ("getitem", "index_select"):
                 with g.inserting_after(u):
                     cast = g.call_method("float", (u,))
-                u.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+                u.replace_all_uses_with(cast, delete_user_cb=lambda user, cast=cast: user is not cast)
             else:
                 with g.inserting_before(u):
                     cast = g.call_method("float", (n,))

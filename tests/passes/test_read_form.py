@@ -157,8 +157,8 @@ NEAR_MISSES = {
     "no_weight": (dict(weight=False), "adds the expert output to the output without a routing weight"),
     "weights_twice": (dict(on_input=True, y_hook=None, combine=lambda y, ids: y.view(-1, K, H).sum(1) * 1.0),
                       None),
-    "sum_over_hidden": (dict(combine=lambda y, ids: y.view(-1, K, H).sum(dim=2)), "sums the expert output over its "
-                                                                                  "feature axis"),
+    "sum_over_hidden": (dict(combine=lambda y, ids: y.view(-1, K, H).sum(dim=2)),
+                        "sums the expert output over its feature axis"),
     "bias_after_weight": (dict(y_hook=None, combine=lambda y, ids: (y + P["b2"][ids.reshape(-1)]).view(-1, K, H).sum(1)),
                           "after the routing weight"),
     "capacity": (dict(combine=_capacity), "with a literal bound"),
