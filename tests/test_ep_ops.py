@@ -18,7 +18,8 @@ import moe_fx  # noqa: F401
 from moe_fx.config import MoEConfig
 from moe_fx.lowering.prepare_finalize.torch_dist import receive_slots
 from moe_fx.ops import experts_reference
-from moe_fx.ops.ep import ep_group_name, masked_experts_reference
+from moe_fx.ops.ep import ep_group_name
+from moe_fx.ops.masked_experts import masked_experts_reference
 
 ops = torch.ops.moe_fx
 

@@ -1,4 +1,10 @@
-"""Expert-parallel dispatch/combine on ``torch.distributed.all_to_all_single`` (gloo on CPU, NCCL on GPU).
+"""Expert-parallel dispatch/combine on ``torch.distributed.all_to_all_single``, counts read on the host.
+
+The *synced* torch.distributed backend: it sends only the rows each rank needs, at the price of one
+host synchronisation per op (the split sizes). That costs nothing on CPU (gloo), where it is the
+default; on a GPU it stalls the host and cannot be captured in a CUDA graph, so there
+:mod:`.torch_dist_fixed` (a fixed-size exchange, counts in the data) is taken instead unless this
+one is requested (``backend="torch_dist"``).
 
 Same masked layout and op interface as DeepEP's low-latency path (see :mod:`moe_fx.ops.ep`):
 
@@ -22,8 +28,9 @@ combine
     swapped (the sender recomputes its own from ``topk_ids``, no count exchange), multiplied by their
     routing weights in fp32 and summed per token with ``index_add_``.
 
-With one rank no collective runs. Counts are read on the host (one sync per dispatch and combine),
-acceptable for this fallback; DeepEP's path has none.
+With one rank no collective runs. Counts are read on the host (one sync per dispatch and combine).
+Ids out of range and a token naming one expert twice are errors here, raised on every rank together
+(the flags travel with the counts).
 """
 
 from __future__ import annotations
@@ -193,8 +200,10 @@ def combine(
     expert_out: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    src_info: torch.Tensor,
     layout_range: torch.Tensor,
     num_experts: int,
+    max_tokens_per_rank: int,
     group: dist.ProcessGroup,
 ) -> torch.Tensor:
     """``moe_fx::ep_combine`` over all_to_all_single: ``[T, H]`` in ``expert_out.dtype``.
