@@ -22,7 +22,9 @@ with the least load that has a free slot and no copy of it yet; copies that are 
 keep their slot), moves the weights that change rank with one ``all_to_all_single`` per weight
 tensor, rewrites the maps in place and zeroes the counts. Everything the compiled graphs read keeps
 its storage, so nothing recompiles and CUDA graphs stay valid. No model-specific code: a layer is
-whatever ``split_ep`` split, named by its module path.
+whatever ``split_ep`` split, named by its module path. A layer's state is attached to one of its
+model weights (a recompile for another shape finds it there, so every graph of a layer shares one
+placement; a second model gets its own).
 
 Weights: a layer whose weights ``split_ep`` may compact (Dynamo-lifted parameters) keeps its ``P``
 physical experts in the first ``P`` rows of those parameters (no extra memory); other weights (fp8
@@ -34,13 +36,15 @@ from __future__ import annotations
 
 import heapq
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["EPLBLayer", "IntervalTrigger", "layers_of", "place_experts", "rank_loads", "rebalance", "register_layer"]
+__all__ = ["EPLBLayer", "IntervalTrigger", "attach_layer", "layer_of", "layers_of", "place_experts", "rank_loads",
+           "rebalance"]
 
 log = logging.getLogger("moe_fx.passes")
 
@@ -221,27 +225,35 @@ class EPLBLayer:
         return len(moves)
 
 
-#: group name -> {layer key: layer}, in the order layers were registered (the same on every rank).
-_LAYERS: dict[str, dict[str, EPLBLayer]] = {}
+#: group name -> the group's layers (weak: a layer lives as long as the model weight it is attached
+#: to), in the order they were first compiled, which is the same on every rank.
+_LAYERS: dict[str, list[weakref.ref]] = {}
 #: group name -> calls of compiled graphs with EPLB layers of the group (for ``eplb_interval``).
 _CALLS: dict[str, int] = {}
+_ATTR = "_moe_fx_eplb"
 
 
-def register_layer(layer: EPLBLayer) -> EPLBLayer:
-    """Keep ``layer`` for :func:`rebalance`; an existing layer of that key is returned instead (a recompile)."""
-    layers = _LAYERS.setdefault(layer.group_name, {})
-    return layers.setdefault(layer.key, layer)
+def layer_of(anchor: torch.Tensor) -> EPLBLayer | None:
+    """The layer attached to a model weight by :func:`attach_layer` (a recompile finds it again), or None."""
+    return getattr(anchor, _ATTR, None)
 
 
-def find_layer(group_name: str, key: str) -> EPLBLayer | None:
-    """The registered layer ``key`` of the group, or None."""
-    return _LAYERS.get(group_name, {}).get(key)
+def attach_layer(anchor: torch.Tensor, layer: EPLBLayer) -> EPLBLayer:
+    """Attach ``layer`` to the model weight ``anchor`` (which keeps it alive) and register it for :func:`rebalance`."""
+    setattr(anchor, _ATTR, layer)
+    _LAYERS.setdefault(layer.group_name, []).append(weakref.ref(layer))
+    return layer
 
 
 def layers_of(group_name: str | None = None) -> list[EPLBLayer]:
-    """The registered EPLB layers (of one group, or of all), in registration order."""
+    """The live EPLB layers (of one group, or of all), in the order they were first compiled."""
     groups = [group_name] if group_name is not None else list(_LAYERS)
-    return [layer for g in groups for layer in _LAYERS.get(g, {}).values()]
+    out = []
+    for g in groups:
+        refs = [r for r in _LAYERS.get(g, []) if r() is not None]
+        _LAYERS[g] = refs
+        out += [r() for r in refs]
+    return out
 
 
 def rebalance(group: object = None) -> dict[str, dict]:
@@ -256,7 +268,7 @@ def rebalance(group: object = None) -> dict[str, dict]:
     report: dict[str, dict] = {}
     for name in names:
         pg = resolve_ep_group(name)
-        layers = list(_LAYERS.get(name, {}).values())
+        layers = layers_of(name)
         if not layers:
             continue
         loads = torch.stack([layer.load[: layer.num_experts] for layer in layers])
@@ -295,12 +307,13 @@ class IntervalTrigger:
             rebalance(self.group_name)
 
 
-def check_fits(layer: EPLBLayer, num_experts: int, world: int, slots: int) -> None:
-    """A layer found again by key (a recompile) must have the same sizes."""
-    if (layer.num_experts, layer.world, layer.slots) != (num_experts, world, slots):
+def check_fits(layer: EPLBLayer, group_name: str, num_experts: int, world: int, slots: int) -> None:
+    """A layer found again (a recompile) must have the same group and sizes."""
+    if (layer.group_name, layer.num_experts, layer.world, layer.slots) != (group_name, num_experts, world, slots):
         raise ValueError(
-            f"moe_fx EPLB: layer {layer.key} was compiled with E={layer.num_experts}, world={layer.world}, "
-            f"{layer.slots} slots per rank; this compilation wants {num_experts}, {world}, {slots}"
+            f"moe_fx EPLB: layer {layer.key} was compiled for group {layer.group_name} with E={layer.num_experts}, "
+            f"world={layer.world}, {layer.slots} slots per rank; this compilation wants {group_name}, {num_experts}, "
+            f"{world}, {slots}. Recompile from a freshly loaded model."
         )
 
 

@@ -309,16 +309,36 @@ class _Rewriter:
 
     # ---- the rewrite --------------------------------------------------------------------------
 
-    def eplb_layer(self, node: fx.Node, num_experts: int, device: torch.device) -> eplb.EPLBLayer:
-        """The EPLB state of ``node``'s layer: found again (a recompile) or made and registered."""
+    def anchor(self, node: fx.Node, a: dict) -> torch.Tensor | None:
+        """A model weight of ``node``'s layer that outlives this graph (its EPLB state is attached to it)."""
+        for name in _WEIGHTS:
+            arg = a[name]
+            if isinstance(arg, fx.Node) and arg.op == "placeholder":
+                real = _real_value(self.ctx, self.gm, arg)
+                if real is not None:
+                    return real
+        # weights an earlier pass made (fp8 buffers): the model's own weights they came from
+        report_index = node.meta.get("moe_fx", {}).get("report_index")
+        sources = getattr(self.ctx, "weight_sources", {}).get(report_index)
+        if sources and sources[0]:
+            ref = sources[0][0]
+            real = self.ctx.example_inputs[ref] if isinstance(ref, int) else ref
+            return real if isinstance(real, torch.Tensor) else None
+        return None
+
+    def eplb_layer(self, node: fx.Node, a: dict, num_experts: int, device: torch.device) -> eplb.EPLBLayer | None:
+        """The EPLB state of ``node``'s layer: found again (a recompile) or made; None when it has no anchor."""
         key = _layer_key(node, self.layer_names)
+        anchor = self.anchor(node, a)
+        if anchor is None:
+            log.warning("split_ep: %s gets no EPLB: none of its weights is a model tensor that outlives the graph", key)
+            return None
         slots = eplb.slots_per_rank(num_experts, self.world, self.redundant)
-        layer = eplb.find_layer(self.group_name, key)
+        layer = eplb.layer_of(anchor)
         if layer is None:
-            layer = eplb.register_layer(
-                eplb.EPLBLayer.create(key, self.group_name, num_experts, self.world, slots, device)
-            )
-        eplb.check_fits(layer, num_experts, self.world, slots)
+            layer = eplb.attach_layer(anchor, eplb.EPLBLayer.create(key, self.group_name, num_experts, self.world,
+                                                                   slots, device))
+        eplb.check_fits(layer, self.group_name, num_experts, self.world, slots)
         return layer
 
     def map_to_physical(self, ids: fx.Node, num_experts: int, top_k: int, layer: eplb.EPLBLayer,
@@ -359,7 +379,7 @@ class _Rewriter:
         use_fp8 = w13_dtype == _FP8 and hidden_v.dtype == torch.bfloat16 and h % _FP8_BLOCK == 0
         n_identity = int(a["identity_experts"])
         on_input = bool(a["weights_on_input"])
-        layer = self.eplb_layer(node, num_experts, hidden_v.device) if self.eplb else None
+        layer = self.eplb_layer(node, a, num_experts, hidden_v.device) if self.eplb else None
         physical = num_experts if layer is None else layer.world * layer.slots
         rows = self.rows_of_rank(num_experts, layer)
 
