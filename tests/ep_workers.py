@@ -404,19 +404,22 @@ def ep_weights_freed_all(model: nn.Module) -> bool:
     return all(ep_weights_freed(p) for n, p in model.named_parameters() if n.startswith("w"))
 
 
-def hf_model_worker(rank: int, world: int, family: str, steps: list[int], max_tokens: int) -> dict:
-    """A tiny transformers model of ``family`` (recognised and rewritten, then split) against eager."""
+def hf_model_worker(rank: int, world: int, family: str, steps: int, tokens: int, max_tokens: int) -> dict:
+    """A tiny transformers model of ``family`` (recognised, verified, rewritten, then split) against eager.
+
+    ``steps`` calls with ``tokens + 5 * rank`` tokens each: one shape per rank, so one compilation (the
+    numerical check reads the full expert weights, which only the first compilation still has).
+    """
     from moe_fx.config import MoEConfig
     from moe_fx.testing import tiny_hf_model
 
     model = tiny_hf_model(family, num_layers=1, num_experts=4)
-    ids = [torch.randint(0, 128, (1, t), generator=torch.Generator().manual_seed(5 * i + rank))
-           for i, t in enumerate(steps)]
+    ids = [torch.randint(0, 128, (1, tokens + 5 * rank), generator=torch.Generator().manual_seed(5 * i + rank))
+           for i in range(steps)]
     with torch.no_grad():
         want = [model(x).logits for x in ids]
     graphs: list = []
-    compiled = _compile_ep(model, MoEConfig(ep_group="default", max_tokens_per_rank=max_tokens, verify="never"),
-                           graphs)
+    compiled = _compile_ep(model, MoEConfig(ep_group="default", max_tokens_per_rank=max_tokens), graphs)
     with torch.no_grad():
         errors = [_rel(compiled(x).logits, ref) for x, ref in zip(ids, want)]
     return {"errors": errors, "ops": sorted(set(_ep_ops(graphs)))}
