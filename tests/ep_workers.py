@@ -129,8 +129,12 @@ def _make_model(kind: str) -> nn.Module:
     raise ValueError(kind)
 
 
-def ep_model_worker(rank: int, world: int, kind: str, steps: list[list[int]], max_tokens: int, inductor: bool) -> dict:
+def ep_model_worker(rank: int, world: int, kind: str, steps: list[list[int]], max_tokens: int, inductor: bool,
+                    dynamic: bool = False) -> dict:
     """Run ``steps`` (tokens per rank per step) through the EP-compiled model; compare with eager.
+
+    ``dynamic``: the token count is a symbolic size (one graph for every step; round 0 is
+    ``min(T, max_tokens_per_rank)`` tokens and the agreement reads T from the call's inputs).
 
     Returns ``{"errors": [max abs error or the ValueError text per step], "splits": ..., "freed": ...}``.
     The eager outputs are computed before compiling: compiling under EP leaves only this rank's experts
@@ -150,7 +154,17 @@ def ep_model_worker(rank: int, world: int, kind: str, steps: list[list[int]], ma
     # verify="never": the recognizer's numeric probe would read the full expert weights again on a
     # recompile, and after the first EP compile only this rank's experts are left in them.
     config = MoEConfig(ep_group="default", max_tokens_per_rank=max_tokens, verify="never")
-    compiled = torch.compile(model, backend=make_backend(config, sink=sink, inductor=inductor), dynamic=False)
+    inner = make_backend(config, sink=sink, inductor=inductor)
+    compiles: list = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        compiles.append(gm)
+        return inner(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=backend, dynamic=None if dynamic else False)
+    if dynamic:
+        for x in inputs:
+            torch._dynamo.mark_dynamic(x, 0)
     results: list = []
     for x, ref in zip(inputs, eager):
         try:
@@ -164,6 +178,7 @@ def ep_model_worker(rank: int, world: int, kind: str, steps: list[list[int]], ma
             results[-1] = f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
     weights = [p for n, p in model.named_parameters() if n in ("w13", "w2", "gate_up", "down")]
     return {
+        "compiles": len(compiles),
         "errors": results,
         "freed": [ep_weights_freed(p) for p in weights],
         "matched": [r.one_line() for r in sink if getattr(r, "matched", False)],

@@ -41,6 +41,7 @@ def two_ranks():
         ("eplb_worker", ([[6, 5], [7, 0], [12, 4], [3, 9]], 4, 1, 0, 1)),
         ("hf_model_worker", ("gpt_oss", 2, 5, 4)),  # 5 and 10 tokens: 2 and 3 rounds
         ("ep_model_worker", ("dense_bmm", [[5, 3], [0, 7], [8, 8], [9, 2]], 8, False)),
+        ("ep_model_worker", ("epmoe", [[5, 3], [9, 7], [20, 2]], 8, False, True)),
     ]
     return run_ranks(several, 2, jobs, timeout=240)
 
@@ -132,6 +133,15 @@ def test_recognized_models_two_ranks(two_ranks):
         dense = res[4]
         assert dense["matched"] and all(dense["freed"]), dense
         assert all(isinstance(err, float) and err < 1e-5 for err in dense["errors"]), (rank, dense["errors"])
+
+
+def test_symbolic_token_count_two_ranks(two_ranks):
+    # one graph with a symbolic T for steps of 1, 2 and 3 rounds (mark_dynamic): the agreement reads T
+    # from each call's inputs
+    for rank, res in enumerate(two_ranks):
+        dyn = res[5]
+        assert dyn["compiles"] == 1
+        assert all(isinstance(err, float) and err < 1e-5 for err in dyn["errors"]), (rank, dyn["errors"])
 
 
 def test_ep_four_ranks_model_steps(four_ranks):
