@@ -41,7 +41,8 @@ def fake_group(request):
         dist.destroy_process_group()
 
 
-_SPLIT = ["ep_dispatch.default", "masked_experts.default", "ep_combine.default", "ep_remaining_rounds.default"]
+_SPLIT = ["ep_dispatch_send.default", "ep_dispatch_recv.default", "masked_experts.default", "ep_combine.default",
+          "ep_remaining_rounds.default"]
 
 
 def _capture(model, x, config, dynamic=False):
@@ -82,15 +83,16 @@ def test_split_ep_graph(fake_group):
     assert _ops(gm) == _SPLIT
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    disp = next(n for n in nodes if n.target is torch.ops.moe_fx.ep_dispatch.default)
+    send = next(n for n in nodes if n.target is torch.ops.moe_fx.ep_dispatch_send.default)
+    disp = next(n for n in nodes if n.target is torch.ops.moe_fx.ep_dispatch_recv.default)
     experts = next(n for n in nodes if n.target is torch.ops.moe_fx.masked_experts.default)
     combine = next(n for n in nodes if n.target is torch.ops.moe_fx.ep_combine.default)
-    # The shared expert (its two linears) sits between dispatch and combine: it can overlap the exchange.
+    # The shared expert (its two linears) sits between dispatch's send and receive: it overlaps the transfer.
     shared = [
-        n for n in nodes if n.op == "call_function" and "linear" in str(n.target) and pos[disp] < pos[n] < pos[combine]
+        n for n in nodes if n.op == "call_function" and "linear" in str(n.target) and pos[send] < pos[n] < pos[disp]
     ]
-    assert len(shared) == 2
-    assert pos[disp] < pos[experts] < pos[combine]
+    assert len(shared) == 2 and disp.args[0] is send
+    assert pos[send] < pos[disp] < pos[experts] < pos[combine]
     # Fake values: [E_local, M, H] layout with M = max_tokens_per_rank * world.
     recv_x, _recv_scale, masked_m, src_info, layout_range = disp.meta["example_value"]
     assert tuple(recv_x.shape) == (4, 16, 32) and tuple(masked_m.shape) == (4,) and masked_m.dtype == torch.int32
@@ -98,7 +100,7 @@ def test_split_ep_graph(fake_group):
     assert tuple(experts.meta["val"].shape) == (4, 16, 32) and tuple(combine.meta["val"].shape) == (6, 32)
     rounds = next(n for n in nodes if n.target is torch.ops.moe_fx.ep_remaining_rounds.default)
     assert rounds.args[0] is combine and pos[combine] < pos[rounds] and tuple(rounds.meta["val"].shape) == (6, 32)
-    assert disp.args[0].op == "placeholder"  # 6 tokens <= max_tokens_per_rank: round 0 is all of them
+    assert send.args[0].op == "placeholder"  # 6 tokens <= max_tokens_per_rank: round 0 is all of them
     getitems = [n for n in nodes if n.target is operator.getitem and n.args[0] is disp]
     assert all("example_value" in n.meta for n in getitems)
     # Weights: narrowed to rows [0, 4) of parameters that now hold only this rank's experts.
@@ -144,8 +146,8 @@ def test_split_ep_deepseek_shared_experts_between_dispatch_and_combine(fake_grou
     assert _ops(gm) == _SPLIT
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    disp = next(n for n in nodes if n.target is torch.ops.moe_fx.ep_dispatch.default)
-    combine = next(n for n in nodes if n.target is torch.ops.moe_fx.ep_combine.default)
+    disp = next(n for n in nodes if n.target is torch.ops.moe_fx.ep_dispatch_send.default)
+    recv = next(n for n in nodes if n.target is torch.ops.moe_fx.ep_dispatch_recv.default)
 
     def module(n):
         stack = n.meta.get("nn_module_stack") or {}
@@ -153,7 +155,7 @@ def test_split_ep_deepseek_shared_experts_between_dispatch_and_combine(fake_grou
 
     shared = [n for n in nodes if n.op == "call_function" and "shared_experts" in module(n)]
     assert len(shared) >= 3  # gate, up, down projections (and the activation, product)
-    assert all(pos[disp] < pos[n] < pos[combine] for n in shared)
+    assert all(pos[disp] < pos[n] < pos[recv] for n in shared)
     # Rank 1 keeps experts 4..7, compacted into the parameter's first rows.
     assert ep_weights_freed(experts.gate_up_proj) and ep_weights_freed(experts.down_proj)
     assert torch.equal(experts.gate_up_proj.detach()[:4], full[4:8])
@@ -204,7 +206,7 @@ def _inputs(t, k=2):
 def test_split_ep_identity_experts_stay_on_their_rank(fake_group):
     gm = _capture(_Form(identity_experts=2), _inputs(6), MoEConfig(ep_group="default", max_tokens_per_rank=8))
     assert _ops(gm) == _SPLIT
-    disp = next(n for n in gm.graph.nodes if n.target is torch.ops.moe_fx.ep_dispatch.default)
+    disp = next(n for n in gm.graph.nodes if n.target is torch.ops.moe_fx.ep_dispatch_send.default)
     # the ids sent are the routed ones (identity ids set to -1); their w * x is added after the combine
     assert disp.args[1].target is torch.where and disp.args[2] == 8
     rounds = next(n for n in gm.graph.nodes if n.target is torch.ops.moe_fx.ep_remaining_rounds.default)
@@ -216,7 +218,7 @@ def test_split_ep_identity_experts_stay_on_their_rank(fake_group):
 @pytest.mark.parametrize("fake_group", [(0, 2)], indirect=True)
 def test_split_ep_weights_on_input_top2_sends_one_row_per_slot(fake_group):
     gm = _capture(_Form(weights_on_input=True), _inputs(6), MoEConfig(ep_group="default", max_tokens_per_rank=8))
-    disp = next(n for n in gm.graph.nodes if n.target is torch.ops.moe_fx.ep_dispatch.default)
+    disp = next(n for n in gm.graph.nodes if n.target is torch.ops.moe_fx.ep_dispatch_send.default)
     # 6 tokens x top-2 = 12 rows of w_k * x, each with its own id; round 0 holds max_tokens_per_rank of them
     assert tuple(disp.args[0].meta["val"].shape) == (8, 32) and tuple(disp.args[1].meta["val"].shape) == (8, 1)
     rounds = next(n for n in gm.graph.nodes if n.target is torch.ops.moe_fx.ep_remaining_rounds.default)
@@ -230,7 +232,7 @@ def test_split_ep_symbolic_tokens_narrow_round_zero(fake_group):
     torch._dynamo.mark_dynamic(x, 0)
     gm = _capture(model, x, MoEConfig(ep_group="default", max_tokens_per_rank=8), dynamic=None)
     assert _ops(gm) == _SPLIT
-    disp = next(n for n in gm.graph.nodes if n.target is torch.ops.moe_fx.ep_dispatch.default)
+    disp = next(n for n in gm.graph.nodes if n.target is torch.ops.moe_fx.ep_dispatch_send.default)
     assert disp.args[0].target is torch.narrow and disp.args[0].args[3].target is torch.sym_min
     first = disp.args[0].meta["val"].shape[0]
     assert isinstance(first, torch.SymInt) and "Min" in str(first)
@@ -246,7 +248,7 @@ def test_split_ep_eplb_graph(fake_group):
     gm = _capture(model, torch.randn(6, 32), config)
     assert _ops(gm) == _SPLIT
     assert sum(n.target is torch.ops.aten.index_add_.default for n in gm.graph.nodes) == 1  # the load count
-    disp = next(n for n in gm.graph.nodes if n.target is torch.ops.moe_fx.ep_dispatch.default)
+    disp = next(n for n in gm.graph.nodes if n.target is torch.ops.moe_fx.ep_dispatch_send.default)
     assert disp.args[2] == 10  # 2 ranks x (4 experts + 1 copy) physical experts
     buffers = sorted(n.target.split("_", 4)[-1] for n in gm.graph.nodes if n.op == "get_attr")
     assert buffers == ["load", "log_to_phys", "replicas"]

@@ -27,7 +27,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from moe_fx.lowering.experts import plan_experts, plan_masked_experts, run_experts, run_masked_experts_op
-from moe_fx.lowering.prepare_finalize.ep import ep_combine_impl, ep_dispatch_impl
+from moe_fx.lowering.prepare_finalize.ep import (
+    ep_combine_impl,
+    ep_dispatch_impl,
+    ep_dispatch_recv_impl,
+    ep_dispatch_send_impl,
+)
 from moe_fx.lowering.prepare_finalize.rounds import agree_step, remaining_rounds
 from moe_fx.ops.checks import check_masked_experts
 from moe_fx.ops.experts import check_experts_call, experts_args, reference_of
@@ -114,6 +119,8 @@ for _key in ("CPU", "CUDA"):
     _LIB.impl("experts", experts_eager, _key)
     _LIB.impl("masked_experts", masked_experts_eager, _key)
     _LIB.impl("ep_dispatch", ep_dispatch_impl, _key)
+    _LIB.impl("ep_dispatch_send", ep_dispatch_send_impl, _key)
+    _LIB.impl("ep_dispatch_recv", ep_dispatch_recv_impl, _key)
     _LIB.impl("ep_combine", ep_combine_impl, _key)
     _LIB.impl("ep_remaining_rounds", remaining_rounds, _key)
 # No tensor arguments: the dispatcher reaches it through the composite key.

@@ -200,9 +200,15 @@ def _check_topk_weights(where: str, topk_ids: torch.Tensor, topk_weights: torch.
 
 
 def check_dispatch(a: dict, world: int) -> tuple[int, int]:
-    """Validate bound ``ep_dispatch`` arguments; return ``(E_local, M)``."""
-    hidden, topk_ids = a["hidden"], a["topk_ids"]
-    _check_routing("ep_dispatch", hidden, topk_ids)
+    """Validate bound ``ep_dispatch`` (or ``ep_dispatch_send`` / ``_recv``) arguments; return ``(E_local, M)``."""
+    hidden = a["hidden"]
+    if "topk_ids" in a:
+        _check_routing("ep_dispatch", hidden, a["topk_ids"])
+    elif hidden.dim() != 2:
+        raise ValueError(f"moe_fx.ep_dispatch_recv: hidden must be the send's [T, H], got {list(hidden.shape)}")
+    if "ticket" in a and (a["ticket"].dtype != torch.int64 or _shape(a["ticket"]) != (1,)):
+        raise ValueError(f"moe_fx.ep_dispatch_recv: ticket must be ep_dispatch_send's int64 [1], got "
+                         f"{a['ticket'].dtype} {list(a['ticket'].shape)}")
     if a["use_fp8"] and hidden.shape[1] % FP8_BLOCK:
         raise ValueError(
             f"moe_fx.ep_dispatch: fp8 dispatch quantises 1x{FP8_BLOCK} groups; hidden size {hidden.shape[1]} "

@@ -22,6 +22,13 @@ combine (``masked_experts`` itself lives in :mod:`moe_fx.ops.masked_experts`):
       source token index and packed ``offset << 32 | count`` per source rank; torch.distributed: see
       :mod:`moe_fx.lowering.prepare_finalize`); only their shapes and dtypes are contract.
 
+``ep_dispatch_send(<ep_dispatch's arguments>) -> ticket`` and ``ep_dispatch_recv(ticket, hidden, <the rest>)``
+    ``ep_dispatch`` in two halves: the send returns at once with the tokens in flight (an int64 ``[1]``
+    ticket stands for them), the receive waits for them and returns ``ep_dispatch``'s five outputs.
+    What the graph runs in between (a block's shared experts, which ``split_ep`` places there)
+    overlaps the transfer: DeepEP's receive hook, or an asynchronous collective. Each send must be
+    received exactly once, in the same order on every rank.
+
 ``ep_combine(expert_out [E_local, M, H], topk_ids, topk_weights, src_info, layout_range, ...)``
     returns each processed row to the rank and token it came from and sums them weighted by
     ``topk_weights``: ``out[t] = sum_k topk_weights[t, k] * expert_out_row(t, k)`` as ``[T, H]`` in
@@ -65,11 +72,15 @@ __all__ = [
     "EP_BACKENDS",
     "bind_combine",
     "bind_dispatch",
+    "bind_dispatch_recv",
+    "bind_dispatch_send",
     "bind_remaining_rounds",
     "dispatch_outputs",
     "ep_agree_step",
     "ep_combine",
     "ep_dispatch",
+    "ep_dispatch_recv",
+    "ep_dispatch_send",
     "ep_group_name",
     "ep_remaining_rounds",
     "group_size",
@@ -144,6 +155,14 @@ _LIB.define(
     "ep_combine(Tensor expert_out, Tensor topk_ids, Tensor topk_weights, Tensor src_info, Tensor layout_range, "
     "int num_experts, int max_tokens_per_rank, str group_name, bool use_fp8=False, str backend='auto') -> Tensor"
 )
+_LIB.define(
+    "ep_dispatch_send(Tensor hidden, Tensor topk_ids, int num_experts, int max_tokens_per_rank, str group_name, "
+    "bool use_fp8=False, str backend='auto') -> Tensor"
+)
+_LIB.define(
+    "ep_dispatch_recv(Tensor ticket, Tensor hidden, int num_experts, int max_tokens_per_rank, str group_name, "
+    "bool use_fp8=False, str backend='auto') -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
 _LIB.define("ep_agree_step(int num_tokens, int max_tokens_per_rank, str group_name) -> int")
 _LIB.define(
     "ep_remaining_rounds(Tensor first_out, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
@@ -156,10 +175,16 @@ _LIB.define(
 #: The ops' arguments by name (each op's one signature is its schema above).
 bind_dispatch = binder("moe_fx::ep_dispatch")
 bind_combine = binder("moe_fx::ep_combine")
+bind_dispatch_send = binder("moe_fx::ep_dispatch_send")
+bind_dispatch_recv = binder("moe_fx::ep_dispatch_recv")
 bind_remaining_rounds = binder("moe_fx::ep_remaining_rounds")
 
 #: ``ep_dispatch(...)`` -> ``(recv_x, recv_scale, masked_m, src_info, layout_range)``. Collective.
 ep_dispatch = torch.ops.moe_fx.ep_dispatch
+#: ``ep_dispatch_send(...)`` -> ticket: ``ep_dispatch`` started (the tokens in flight). Collective.
+ep_dispatch_send = torch.ops.moe_fx.ep_dispatch_send
+#: ``ep_dispatch_recv(ticket, hidden, ...)`` -> ``ep_dispatch``'s five outputs, once the tokens arrived.
+ep_dispatch_recv = torch.ops.moe_fx.ep_dispatch_recv
 #: ``ep_combine(...)`` -> ``[T, H]``. Collective, after the matching ``ep_dispatch``.
 ep_combine = torch.ops.moe_fx.ep_combine
 #: ``ep_agree_step(num_tokens, max_tokens_per_rank, group_name)`` -> rounds of this step. Collective.
@@ -188,6 +213,22 @@ def dispatch_outputs(
 @torch.library.register_fake("moe_fx::ep_dispatch")
 def _ep_dispatch_fake(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
     a = bind_dispatch(*args, **kwargs)
+    world = group_size(a["group_name"])
+    e_local, m = check_dispatch(a, world)
+    hidden = a["hidden"]
+    return dispatch_outputs(hidden, e_local, m, hidden.shape[1], world, a["use_fp8"])
+
+
+@torch.library.register_fake("moe_fx::ep_dispatch_send")
+def _ep_dispatch_send_fake(*args: object, **kwargs: object) -> torch.Tensor:
+    a = bind_dispatch_send(*args, **kwargs)
+    check_dispatch(a, group_size(a["group_name"]))
+    return a["hidden"].new_empty((1,), dtype=torch.int64)
+
+
+@torch.library.register_fake("moe_fx::ep_dispatch_recv")
+def _ep_dispatch_recv_fake(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
+    a = bind_dispatch_recv(*args, **kwargs)
     world = group_size(a["group_name"])
     e_local, m = check_dispatch(a, world)
     hidden = a["hidden"]

@@ -6,7 +6,9 @@ Runs after the MoE regions have been rewritten into ``torch.ops.moe_fx.experts``
     ids'  = ids with identity-expert ids set to -1            (identity experts: computed here, below)
     ids'  = the EPLB map of ids' (logical -> physical)         (MoEConfig.eplb; loads counted too)
     x, ids', w = per-slot inputs w_k * x (weights on the input), else hidden, ids', topk_weights
-    recv  = moe_fx.ep_dispatch(x[:R0], ids'[:R0], E', max_tokens_per_rank, group_name, use_fp8)
+    tkt   = moe_fx.ep_dispatch_send(x[:R0], ids'[:R0], E', max_tokens_per_rank, group_name, use_fp8)
+            ... (independent work of the model, e.g. shared experts: overlaps the transfer)
+    recv  = moe_fx.ep_dispatch_recv(tkt, x[:R0], E', max_tokens_per_rank, group_name, use_fp8)
     y     = moe_fx.masked_experts(recv[0], recv[2], w13_local, w2_local, <every experts argument>)
     out0  = moe_fx.ep_combine(y, ids'[:R0], w[:R0], recv[3], recv[4], E', max_tokens_per_rank, group_name)
     out   = moe_fx.ep_remaining_rounds(out0, x, ids', w, w13_local, w2_local, ...)   (the step's other rounds)
@@ -21,10 +23,10 @@ scale-before-sending). ``use_fp8`` is set when the expert weights are fp8, activ
 multiple of 128 (the experts then consume the dispatched fp8 tokens and scales directly; any other H,
 GPT-OSS's 2880 for one, is dispatched in bf16 and quantised by the experts).
 
-Dispatch and the experts are placed where the experts node was; the combine, the other rounds and
-what follows them (with the views that re-shape the result) just before the first real consumer of
-the output, so work in between (a DeepSeek block's shared experts) sits between the communication
-ops in the graph.
+The dispatch's send is placed where the experts node was; its receive, the experts, the combine, the
+other rounds and what follows them (with the views that re-shape the result) just before the first
+real consumer of the output, so work in between (a DeepSeek block's shared experts) runs while the
+tokens are in flight.
 
 Call checks (run before every call of the compiled graph, in Python): ``ep_agree_step`` with the
 largest token count of the graph's expert-parallel layers (every rank learns how many rounds this
@@ -411,8 +413,16 @@ class _Rewriter:
             self.counters.append(_token_counter(tokens, self.gm))
             first = self.first_round(send, tokens)
             send0, ids0, w0 = (x if first is None else c(torch.narrow, (x, 0, 0, first)) for x in (send, send_ids, send_w))
-            disp = c(torch.ops.moe_fx.ep_dispatch.default,
-                     (send0, ids0, physical, self.max_tokens, self.group_name, use_fp8, "auto"))
+            dispatch_args = (physical, self.max_tokens, self.group_name, use_fp8, "auto")
+            ticket = c(torch.ops.moe_fx.ep_dispatch_send.default, (send0, ids0, *dispatch_args))
+        # The rest goes just before the first reader of the result, and then with the views of the
+        # result down to their first other consumer (_sink): independent work the model does in between
+        # (shared experts) then runs while the tokens are in flight, between dispatch's send and receive.
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first_user = min(node.users, key=order.__getitem__, default=None)
+        before = set(graph.nodes)
+        with graph.inserting_before(first_user if first_user is not None else node.next):
+            disp = c(torch.ops.moe_fx.ep_dispatch_recv.default, (ticket, send0, *dispatch_args))
             parts = [c(operator.getitem, (disp, i)) for i in range(5)]
             expected_m = self.expected_m(tokens, k_sent, physical)
             form = {k: a[k] for k in _FORM_ARGS}
@@ -420,14 +430,7 @@ class _Rewriter:
                   (parts[0], parts[2], w["w13"], w["w2"], a["activation"], parts[1] if use_fp8 else None,
                    w["w13_scale"], w["w2_scale"], expected_m, a["impl"]),
                   {"w13_bias": w["w13_bias"], "w2_bias": w["w2_bias"], **form})
-        # The rest goes just before the first reader of the result, and then with the views of the
-        # result down to their first other consumer (_sink): independent work the model does in between
-        # (shared experts) then sits between dispatch and combine.
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        first_user = min(node.users, key=order.__getitem__, default=None)
-        before = set(graph.nodes)
-        with graph.inserting_before(first_user if first_user is not None else node.next):
-            common = (physical, self.max_tokens, self.group_name, use_fp8, "auto")
+            common = dispatch_args
             out0 = c(torch.ops.moe_fx.ep_combine.default, (y, ids0, w0, parts[3], parts[4], *common))
             out = c(torch.ops.moe_fx.ep_remaining_rounds.default,
                     (out0, send, send_ids, send_w, w["w13"], w["w2"], *common),

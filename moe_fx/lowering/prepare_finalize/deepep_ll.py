@@ -7,7 +7,8 @@ that needs more (a larger hidden size or more experts) replaces it; buffer creat
 which is safe because every rank runs the same model and so asks in the same order.
 
 * dispatch: ``low_latency_dispatch(x bf16 [T, H], topk_idx int64, max_tokens_per_rank, E,
-  use_fp8=...)``. Its outputs are the masked layout as is: ``recv_x [E_local, M, H]`` (fp8 with fp32
+  use_fp8=..., return_recv_hook=True)`` in :func:`dispatch_send`, its receive hook in
+  :func:`dispatch_recv` (what runs in between overlaps the transfer). Its outputs are the masked layout as is: ``recv_x [E_local, M, H]`` (fp8 with fp32
   MN-major 1x128 scales when ``use_fp8``, ready for DeepGEMM without a copy), ``recv_count`` as
   ``masked_m``, and the handle's two tensors as ``src_info`` / ``layout_range``.
 * combine: ``low_latency_combine(y bf16 [E_local, M, H], topk_idx, topk_weights fp32, handle)``, which
@@ -42,7 +43,8 @@ __all__ = [
     "DEEPEP_LL_MAX_TOPK",
     "NAME",
     "combine",
-    "dispatch",
+    "dispatch_recv",
+    "dispatch_send",
     "get_buffer",
     "padded_hidden",
     "supports",
@@ -173,35 +175,46 @@ def _padding(h: int) -> int:
     return hp
 
 
-def dispatch(
+def dispatch_send(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
     num_experts: int,
     max_tokens_per_rank: int,
     group: dist.ProcessGroup,
     use_fp8: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``moe_fx::ep_dispatch`` through DeepEP's ``low_latency_dispatch`` (bf16 hidden on CUDA)."""
+) -> tuple:
+    """Start ``low_latency_dispatch`` with its receive hook: the send kernels only (data in flight).
+
+    Kernels launched between this and :func:`dispatch_recv` (a block's shared experts) run while the
+    tokens travel. Returns the state :func:`dispatch_recv` finishes.
+    """
     t, h = hidden.shape
     _check_tokens(t, max_tokens_per_rank, group.rank())
     hp = _padding(h)
     buf = get_buffer(group, max_tokens_per_rank=max_tokens_per_rank, hidden=hp, num_experts=num_experts)
     x = hidden.contiguous() if hp == h else torch.nn.functional.pad(hidden, (0, hp - h))
-    recv, recv_count, handle, _event, _hook = buf.low_latency_dispatch(
+    recv, recv_count, handle, _event, hook = buf.low_latency_dispatch(
         x,
         topk_ids.to(torch.int64).contiguous(),
         max_tokens_per_rank,
         num_experts,
         use_fp8=use_fp8,
         async_finish=False,
-        return_recv_hook=False,
+        return_recv_hook=True,
     )
+    return recv, recv_count, handle, hook, h, hp, use_fp8
+
+
+def dispatch_recv(state: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Finish a :func:`dispatch_send`: DeepEP's receive hook, then the contract's five outputs."""
+    recv, recv_count, handle, hook, h, hp, use_fp8 = state
+    hook()
     src_info, layout_range = handle[0], handle[1]
     if use_fp8:
         recv_x, recv_scale = recv
     else:
         recv_x = recv
-        recv_scale = hidden.new_empty((recv_x.shape[0], recv_x.shape[1], 0), dtype=torch.float32)
+        recv_scale = recv_x.new_empty((recv_x.shape[0], recv_x.shape[1], 0), dtype=torch.float32)
     if hp != h:
         recv_x = recv_x[..., :h].contiguous()
         if use_fp8:  # back to the contract's MN-major [E, M, H/128] layout

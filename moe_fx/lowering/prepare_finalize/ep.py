@@ -8,6 +8,11 @@ logged once), each a module with the same ``dispatch`` / ``combine`` functions:
   (CUDA-graph capturable); the default on GPUs where DeepEP does not run;
 * :mod:`.torch_dist` — ``all_to_all_single`` with counts read on the host; the default on CPU.
 
+Dispatch comes in two halves (``dispatch_send`` starts it and returns a state, ``dispatch_recv``
+finishes it): ``moe_fx::ep_dispatch_send`` / ``ep_dispatch_recv`` expose them to the graph, with a
+ticket tensor standing for the state in between (kept here, keyed by the ticket's address), and
+``moe_fx::ep_dispatch`` is the two back to back.
+
 One call is one round of at most ``max_tokens_per_rank`` tokens per rank; larger steps run in rounds
 agreed by all ranks (:mod:`.rounds`).
 """
@@ -22,9 +27,9 @@ import torch
 from moe_fx.lowering.problem import DispatchProblem, dtype_name
 from moe_fx.lowering.select import Choice, candidates, choose
 from moe_fx.ops.checks import check_combine, check_dispatch
-from moe_fx.ops.ep import bind_combine, bind_dispatch, resolve_ep_group
+from moe_fx.ops.ep import bind_combine, bind_dispatch, bind_dispatch_recv, bind_dispatch_send, resolve_ep_group
 
-__all__ = ["backend_for", "ep_combine_impl", "ep_dispatch_impl"]
+__all__ = ["backend_for", "ep_combine_impl", "ep_dispatch_impl", "ep_dispatch_recv_impl", "ep_dispatch_send_impl"]
 
 log = logging.getLogger("moe_fx.lowering")
 
@@ -65,9 +70,7 @@ def backend_for(
     return hit
 
 
-def ep_dispatch_impl(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
-    """Run ``moe_fx::ep_dispatch`` on the chosen backend (shapes in :mod:`moe_fx.ops.ep`)."""
-    a = bind_dispatch(*args, **kwargs)
+def _send(a: dict) -> tuple[ModuleType, object]:
     group = _group(a["group_name"])
     world = group.size()
     check_dispatch(a, world)
@@ -75,7 +78,36 @@ def ep_dispatch_impl(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...
     # combine decides from expert_out's dtype: bf16 after fp8 dispatch (DeepEP's only case), else hidden's.
     _, module = backend_for(hidden.shape[1], hidden.dtype, hidden.device, topk_ids.shape[1], a["num_experts"],
                             a["max_tokens_per_rank"], world, a["use_fp8"], a["backend"])
-    return module.dispatch(hidden, topk_ids, a["num_experts"], a["max_tokens_per_rank"], group, a["use_fp8"])
+    state = module.dispatch_send(hidden, topk_ids, a["num_experts"], a["max_tokens_per_rank"], group, a["use_fp8"])
+    return module, state
+
+
+def ep_dispatch_impl(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
+    """Run ``moe_fx::ep_dispatch`` on the chosen backend (shapes in :mod:`moe_fx.ops.ep`)."""
+    module, state = _send(bind_dispatch(*args, **kwargs))
+    return module.dispatch_recv(state)
+
+
+#: ticket address -> (backend module, its dispatch state), between a send and its receive.
+_IN_FLIGHT: dict[int, tuple[ModuleType, object]] = {}
+
+
+def ep_dispatch_send_impl(*args: object, **kwargs: object) -> torch.Tensor:
+    """Run ``moe_fx::ep_dispatch_send``: start the dispatch, return its ticket."""
+    a = bind_dispatch_send(*args, **kwargs)
+    ticket = torch.empty(1, dtype=torch.int64, device=a["hidden"].device)
+    _IN_FLIGHT[ticket.data_ptr()] = _send(a)
+    return ticket
+
+
+def ep_dispatch_recv_impl(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
+    """Run ``moe_fx::ep_dispatch_recv``: finish the dispatch the ticket stands for."""
+    a = bind_dispatch_recv(*args, **kwargs)
+    entry = _IN_FLIGHT.pop(a["ticket"].data_ptr(), None)
+    if entry is None:
+        raise ValueError("moe_fx.ep_dispatch_recv: this ticket has no dispatch in flight (received twice, or never sent)")
+    module, state = entry
+    return module.dispatch_recv(state)
 
 
 def ep_combine_impl(*args: object, **kwargs: object) -> torch.Tensor:

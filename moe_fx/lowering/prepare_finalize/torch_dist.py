@@ -42,7 +42,7 @@ from moe_fx.lowering.problem import Capabilities, DispatchProblem
 from moe_fx.lowering.quant import quantize_fp8_per_token_group
 from moe_fx.ops.ep import dispatch_outputs
 
-__all__ = ["NAME", "combine", "dispatch", "receive_slots", "supports"]
+__all__ = ["NAME", "combine", "dispatch", "dispatch_recv", "dispatch_send", "receive_slots", "supports"]
 
 NAME = "torch_dist"
 _FLAG_BAD_ID = 1
@@ -164,6 +164,16 @@ def dispatch(
     src_info.fill_(-1)
     src_info[e_idx, j_idx] = torch.arange(e_idx.numel(), dtype=torch.int32, device=dev)
     return recv_x, recv_scale, masked_m, src_info, layout_range
+
+
+def dispatch_send(*args: object) -> tuple:
+    """The whole dispatch (its host sync leaves nothing to overlap); :func:`dispatch_recv` returns it."""
+    return dispatch(*args)
+
+
+def dispatch_recv(state: tuple) -> tuple:
+    """The outputs :func:`dispatch_send` computed."""
+    return state
 
 
 def _all_to_all(

@@ -9,7 +9,9 @@ dispatch (``N = world * max_tokens_per_rank`` = M)
     1. Each rank packs its tokens, padded to ``max_tokens_per_rank`` rows, and its ``topk_ids``
        (padded with ``-1``) into one byte block ``[max_tokens_per_rank, H * itemsize + 4K]``.
     2. One ``all_gather``: every rank receives every rank's block, ``[N, ...]`` (a token is sent once
-       to every rank, whatever its experts: the padded block per peer the fixed size needs).
+       to every rank, whatever its experts: the padded block per peer the fixed size needs). It is
+       started asynchronously (:func:`dispatch_send`) and waited for in :func:`dispatch_recv`, so what
+       the graph runs in between overlaps it.
     3. Each rank keeps the (token, k) pairs whose expert it owns (ids shifted by ``rank * E_local``;
        the rest fall outside ``[0, E_local)``) and scatters them into the masked layout with the
        local permute kernel (:func:`moe_fx.lowering.triton.permute.permute_to_masked`, quantising to
@@ -44,7 +46,7 @@ from torch._library.triton import set_wrap_triton_enabled
 from moe_fx.lowering.problem import Capabilities, DispatchProblem
 from moe_fx.ops.recipe import FP8_BLOCK
 
-__all__ = ["NAME", "combine", "dispatch", "supports"]
+__all__ = ["NAME", "combine", "dispatch_recv", "dispatch_send", "supports"]
 
 NAME = "torch_dist_fixed"
 
@@ -89,34 +91,46 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.uint8).reshape(x.shape[0], -1)
 
 
-def dispatch(
+def dispatch_send(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
     num_experts: int,
     max_tokens_per_rank: int,
     group: dist.ProcessGroup,
     use_fp8: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``moe_fx::ep_dispatch`` as one all_gather of padded blocks; shapes as in :mod:`moe_fx.ops.ep`."""
-    from moe_fx.lowering.triton.permute import permute_to_masked
+) -> tuple:
+    """Start the all_gather of the padded blocks (asynchronously: on NCCL's stream on a GPU).
 
-    world, rank = group.size(), group.rank()
+    Work launched before :func:`dispatch_recv` (a block's shared experts) overlaps it.
+    """
     t, h = hidden.shape
-    k = topk_ids.shape[1]
-    e_local, m = num_experts // world, max_tokens_per_rank * world
     if t > max_tokens_per_rank:
         raise ValueError(
             f"moe_fx.ep_dispatch: {t} tokens in one round, more than max_tokens_per_rank={max_tokens_per_rank} "
             "(a larger step runs in rounds: moe_fx.ops.ep.ep_remaining_rounds)"
         )
+    k = topk_ids.shape[1]
     rows = _pad_rows(hidden, max_tokens_per_rank, 0)
     ids = _pad_rows(topk_ids.to(torch.int32), max_tokens_per_rank, -1)
     # ids first: the tokens' byte offset 4K keeps both views aligned for every dtype and H
-    got = _gather(torch.cat([_bytes(ids), _bytes(rows)], dim=1), group)
+    block = torch.cat([_bytes(ids), _bytes(rows)], dim=1)
+    got = block.new_empty((group.size() * max_tokens_per_rank, block.shape[1]))
+    work = _all_gather(got, block, group=group, async_op=True)
+    return work, got, hidden.dtype, h, k, num_experts, max_tokens_per_rank, group, use_fp8
+
+
+def dispatch_recv(state: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Finish a :func:`dispatch_send`: wait for the blocks, scatter this rank's pairs into the masked layout."""
+    from moe_fx.lowering.triton.permute import permute_to_masked
+
+    work, got, dtype, h, k, num_experts, max_tokens_per_rank, group, use_fp8 = state
+    work.wait()
+    world, rank = group.size(), group.rank()
+    e_local, m = num_experts // world, max_tokens_per_rank * world
     # Shifted ids: this rank's experts land in [0, E_local); every other id falls outside and sends no row.
     local_ids = got[:, : 4 * k].view(torch.int32) - rank * e_local
-    tokens = got[:, 4 * k :].view(hidden.dtype)
-    dev = hidden.device
+    tokens = got[:, 4 * k :].view(dtype)
+    dev = got.device
     # MN-major fp8 scales, as the contract (and DeepGEMM) lay them out; the permute writes through any strides.
     scale = (torch.empty(e_local, h // FP8_BLOCK, m, dtype=torch.float32, device=dev).transpose(1, 2) if use_fp8
              else torch.empty(e_local, m, 0, dtype=torch.float32, device=dev))
@@ -127,7 +141,7 @@ def dispatch(
     # src_info: every written row's gathered token; slots without a row are sent to a spare last entry.
     src = torch.full((e_local * m + 1,), -1, dtype=torch.int32, device=dev)
     pos = batch.slot_pos
-    token_of_slot = torch.arange(pos.numel(), device=pos.device, dtype=torch.int64).div_(k, rounding_mode="floor")
+    token_of_slot = torch.arange(pos.numel(), device=dev, dtype=torch.int64).div_(k, rounding_mode="floor")
     src.scatter_(0, torch.where(pos >= 0, pos, e_local * m), token_of_slot.to(torch.int32))
     layout_range = torch.zeros(e_local, world, dtype=torch.int64, device=dev)
     return batch.x, scale, batch.masked_m, src[: e_local * m].view(e_local, m), layout_range
