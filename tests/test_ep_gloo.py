@@ -65,7 +65,8 @@ def _check_forms(results, names):
     for rank, res in enumerate(results):
         for name in names:
             got = res[0][name]
-            assert got["ops"] == ["ep_combine", "ep_dispatch", "ep_remaining_rounds", "masked_experts"], (rank, name)
+            assert got["ops"] == ["ep_combine", "ep_dispatch_recv", "ep_dispatch_send", "ep_remaining_rounds",
+                                  "masked_experts"], (rank, name)
             assert all(err < _tolerance(name) for err in got["errors"]), (rank, name, got["errors"])
 
 
@@ -128,7 +129,7 @@ def test_eplb_interval_four_ranks(four_ranks):
 def test_recognized_models_two_ranks(two_ranks):
     for rank, res in enumerate(two_ranks):
         hf = res[3]  # GPT-OSS: biases, clamped interleaved SwiGLU, split (no longer left local)
-        assert "ep_dispatch" in hf["ops"] and "experts" not in hf["ops"], hf["ops"]
+        assert "ep_dispatch_send" in hf["ops"] and "experts" not in hf["ops"], hf["ops"]
         assert all(err < 1e-4 for err in hf["errors"]), (rank, hf["errors"])
         dense = res[4]
         assert dense["matched"] and all(dense["freed"]), dense
