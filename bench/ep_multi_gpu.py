@@ -28,12 +28,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ep_single_rank import _commit  # bench/ is the script's directory: its sibling imports
 from torch import nn
 
 
@@ -65,14 +65,6 @@ class Block(nn.Module):
         routed = torch.ops.moe_fx.experts(x, ids, weights, self.w13, self.w2)
         gate, up = F.linear(x, self.shared_up).chunk(2, dim=-1)
         return routed + F.linear(F.silu(gate) * up, self.shared_down)
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _step_ms(fn, x, cuda: bool, iters: int = 20) -> float:

@@ -30,35 +30,11 @@ import datetime
 import json
 import os
 import platform
-import statistics
-import subprocess
 import tempfile
 
 import torch
 import torch.distributed as dist
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _replay_us(graph: torch.cuda.CUDAGraph, iters: int = 50) -> float:
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+from ep_single_rank import _commit, _time_us  # bench/ is the script's directory: its sibling imports
 
 
 def _concurrency_us(prof, comm_words: tuple[str, ...], compute_words: tuple[str, ...]) -> dict:
@@ -172,7 +148,7 @@ def main() -> None:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     fn(backend)
-                row[f"{name}_us"] = _replay_us(graph)
+                row[f"{name}_us"] = _time_us(graph.replay)
                 from torch.profiler import ProfilerActivity, profile
 
                 with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:

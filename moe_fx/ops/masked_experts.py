@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from moe_fx.ops.checks import check_masked_experts
-from moe_fx.ops.experts import ExpertActivation, dequantize_blockwise
+from moe_fx.ops.experts import ExpertActivation, expert_mlp_fp32
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE
 from moe_fx.ops.signature import binder
 
@@ -99,14 +99,7 @@ def masked_experts_reference(
             continue
         xe = x[e, :n]
         xe = dequantize_activations(xe, x_scale[e, :n]) if x.dtype == FP8_DTYPE else xe.float()
-        w13_e = w13[e].float() if w13_scale is None else dequantize_blockwise(w13[e], w13_scale[e])
-        w2_e = w2[e].float() if w2_scale is None else dequantize_blockwise(w2[e], w2_scale[e])
-        h1 = xe @ w13_e.t()
-        if w13_bias is not None:
-            h1 = h1 + w13_bias[e].float()
-        y = spec.apply(h1) @ w2_e.t()
-        if w2_bias is not None:
-            y = y + w2_bias[e].float()
+        y = expert_mlp_fp32(xe, e, w13, w2, spec, w13_scale, w2_scale, w13_bias, w2_bias)
         out[e, :n] = y.to(out.dtype)
     return out
 
