@@ -170,6 +170,7 @@ def test_split_ep_splits_gpt_oss_with_its_biases_and_activation(fake_group):
     model = tiny_hf_model("gpt_oss", num_layers=1, num_experts=4)
     experts_mod = model.model.layers[0].mlp.experts
     bias = experts_mod.gate_up_proj_bias.detach().clone()
+    gate_up = experts_mod.gate_up_proj.detach().clone()
     gm = _capture(model, torch.randint(0, 128, (1, 6)), MoEConfig(ep_group="default", max_tokens_per_rank=8))
     assert _ops(gm) == _SPLIT
     node = next(n for n in gm.graph.nodes if n.target is torch.ops.moe_fx.masked_experts.default)
@@ -179,9 +180,17 @@ def test_split_ep_splits_gpt_oss_with_its_biases_and_activation(fake_group):
         assert kw[name].target is torch.narrow and tuple(kw[name].meta["val"].shape)[0] == 2
     rounds = next(n for n in gm.graph.nodes if n.target is torch.ops.moe_fx.ep_remaining_rounds.default)
     assert all(rounds.kwargs[k] == kw[k] for k in ("gate_up_layout", "limit", "alpha", "up_offset", "w13_bias"))
-    # rank 1 keeps experts 2, 3 (of 4) of the bias as well, compacted to the parameter's first rows
+    # rank 1 keeps experts 2, 3 (of 4) of the bias as well, compacted to the parameter's first rows; the
+    # weights, which the op reads through a transpose ([E, H, 2I] stored), are compacted through it
     assert ep_weights_freed(experts_mod.gate_up_proj_bias)
     assert torch.equal(experts_mod.gate_up_proj_bias.detach()[:2], bias[2:4])
+    assert ep_weights_freed(experts_mod.gate_up_proj) and ep_weights_freed(experts_mod.down_proj)
+    assert torch.equal(experts_mod.gate_up_proj.detach()[:2], gate_up[2:4])
+    # narrowed before the transpose (a view of all 4 experts would reach past the shrunk storage)
+    w13 = node.args[2]
+    assert w13.target is torch.transpose and w13.args[0].target is torch.narrow and w13.args[0].args[1:] == (0, 0, 2)
+    assert w13.args[0].args[0].op == "placeholder"
+    assert not [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "transpose" and not n.users]
 
 
 class _Form(torch.nn.Module):

@@ -127,6 +127,40 @@ def _real_value(ctx: Any, gm: fx.GraphModule, node: Any) -> torch.Tensor | None:
     return real
 
 
+def _dim0_view(node: Any) -> tuple[fx.Node, tuple[int, int]] | None:
+    """``(input, (d0, d1))`` if ``node`` transposes two dims of its input other than dim 0 (the experts)."""
+    if not isinstance(node, fx.Node) or op_name(node) != "transpose" or len(node.args) != 3:
+        return None
+    src, d0, d1 = node.args
+    v = _value(src)
+    if not isinstance(src, fx.Node) or not isinstance(v, torch.Tensor) or not all(isinstance(d, int) for d in (d0, d1)):
+        return None
+    if 0 in (d0 % v.dim(), d1 % v.dim()):
+        return None
+    return src, (d0, d1)
+
+
+def _base_of(node: Any) -> tuple[Any, list[tuple[int, int]]]:
+    """The node a weight argument is a transposed view of (itself if none), and the transposes, in order."""
+    dims: list[tuple[int, int]] = []
+    while (step := _dim0_view(node)) is not None:
+        node, d = step
+        dims.insert(0, d)
+    return node, dims
+
+
+def _real_weight(ctx: Any, gm: fx.GraphModule, node: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(base, value)``: the real tensor behind a weight argument (through transposes) and the argument's value."""
+    base_node, dims = _base_of(node)
+    base = _real_value(ctx, gm, base_node)
+    if base is None:
+        return None, None
+    value = base
+    for d0, d1 in dims:
+        value = value.transpose(d0, d1)
+    return base, value
+
+
 def _spans_storage(t: torch.Tensor) -> bool:
     return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
@@ -192,6 +226,7 @@ class _Rewriter:
         self.counters: list[Callable[[Sequence[Any]], int]] = []
         self.layer_names: dict[str, int] = {}
         self.buffers = 0
+        self.stale_views: list[fx.Node] = []
 
     def call(self, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
         node = self.gm.graph.call_function(target, args, kwargs or {})
@@ -250,7 +285,7 @@ class _Rewriter:
         """A node for this rank's rows of weight (or scale, or bias) ``arg`` (see the module docstring)."""
         if arg is None:
             return None
-        real = _real_value(self.ctx, self.gm, arg)
+        real, value = _real_weight(self.ctx, self.gm, arg)  # the model's tensor, and arg's view of it
         key = (self.group_name, self.world, self.rank, len(rows))
         mark = getattr(real, _LOCAL_ATTR, None) if real is not None else None
         if mark is not None:
@@ -260,33 +295,55 @@ class _Rewriter:
                     f"(group, world, rank, rows) = {mark} by an earlier compilation; this one is {key}. "
                     "Recompile from a freshly loaded model."
                 )
-            return self.call(torch.narrow, (arg, 0, 0, len(rows)))
+            return self.first_rows(arg, len(rows))
         if real is not None and id(real) in compact:
             self.to_compact[id(real)] = (real, rows, key, (layer, name))
-            return self.call(torch.narrow, (arg, 0, 0, len(rows)))
+            return self.first_rows(arg, len(rows))
         if layer is None:
             return self.call(torch.narrow, (arg, 0, rows[0], len(rows)))
         physical = layer.weights.get(name)
         if physical is None:
-            if real is None:
+            if value is None:
                 raise ValueError(f"moe_fx.split_ep: EPLB needs the real value of {arg.name} to build its copies")
             with torch.no_grad():
-                physical = layer.weights[name] = real.detach()[rows].contiguous()
+                physical = layer.weights[name] = value.detach()[rows].contiguous()
         return self.buffer(name, physical, arg)
 
+    def first_rows(self, arg: fx.Node, rows: int) -> fx.Node:
+        """``arg`` narrowed to its first ``rows`` experts, narrowing the compacted tensor itself before any
+        transpose of it (a view of all E experts would reach past its shrunk storage)."""
+        base, dims = _base_of(arg)
+        node = self.call(torch.narrow, (base, 0, 0, rows))
+        for d0, d1 in dims:
+            node = self.call(torch.transpose, (node, d0, d1))
+        view = arg
+        while view is not base:  # the full-size views go once nothing reads them
+            self.stale_views.append(view)
+            view = view.args[0]
+        return node
+
+    def drop_stale_views(self) -> None:
+        """Erase the transposes of compacted weights that no node reads any more."""
+        for view in dict.fromkeys(self.stale_views):  # outermost view first, then what it viewed
+            if not view.users:
+                self.gm.graph.erase_node(view)
+
     def compactable(self, arg: Any, splittable: set[fx.Node]) -> int | None:
-        """``id`` of the real tensor behind ``arg`` if it may be compacted in place, else None."""
-        if not isinstance(arg, fx.Node) or arg.op != "placeholder":
+        """``id`` of the real tensor behind ``arg`` (through transposes) if it may be compacted in place, else None."""
+        base, _ = _base_of(arg)
+        if not isinstance(base, fx.Node) or base.op != "placeholder":
             # Only Dynamo-lifted parameters: a get_attr tensor was made by an earlier pass (stacked
             # per-expert weights, whose original parameters may be views into it) and is left whole.
             return None
-        real = _real_value(self.ctx, self.gm, arg)
+        real = _real_value(self.ctx, self.gm, base)
         if real is None or hasattr(real, _LOCAL_ATTR):
             return None
         if not (real.is_contiguous() and _spans_storage(real) and real.untyped_storage().resizable()):
             return None
-        if any(u not in splittable for u in arg.users):
-            return None
+        # every reader is a split experts node, or a transposed view read only by such nodes
+        for u in base.users:
+            if u not in splittable and not (_dim0_view(u) is not None and all(v in splittable for v in u.users)):
+                return None
         return id(real)
 
     def compact(self) -> int:
@@ -314,9 +371,9 @@ class _Rewriter:
     def anchor(self, node: fx.Node, a: dict) -> torch.Tensor | None:
         """A model weight of ``node``'s layer that outlives this graph (its EPLB state is attached to it)."""
         for name in _WEIGHTS:
-            arg = a[name]
-            if isinstance(arg, fx.Node) and arg.op == "placeholder":
-                real = _real_value(self.ctx, self.gm, arg)
+            base, _ = _base_of(a[name])
+            if isinstance(base, fx.Node) and base.op == "placeholder":
+                real = _real_value(self.ctx, self.gm, base)
                 if real is not None:
                     return real
         # weights an earlier pass made (fp8 buffers): the model's own weights they came from
@@ -533,6 +590,7 @@ def split_ep(gm: fx.GraphModule, ctx: Any) -> int:
     for node in nodes:
         if node in splittable:
             rw.rewrite(node, compact)
+    rw.drop_stale_views()
     released = rw.compact()
     if splittable:
         gm.graph.lint()
