@@ -4,6 +4,12 @@
 joins a gloo process group through a file store and runs ``fn(rank, world, *args)``; it returns the
 per-rank results, or raises with the workers' tracebacks. A hang fails the test after ``timeout`` seconds
 (the workers are killed) instead of hanging CI.
+
+Workers (each ``fn(rank, world, ...)``, returning what the tests assert on): :func:`ep_model_worker`
+(a model compiled under EP, step after step, against eager), :func:`forms_worker` (every form of
+:data:`FORMS`), :func:`fixed_exchange_worker` (the sync-free exchange at the op level),
+:func:`eplb_worker` (counts, rebalances, moved weights), :func:`hf_model_worker` (a recognised
+transformers model); :func:`several` runs a list of them in one spawn.
 """
 
 from __future__ import annotations

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from moe_fx.ops.ep import ep_group_name, resolve_ep_group
+
 __all__ = ["EPLBLayer", "IntervalTrigger", "attach_layer", "layer_of", "layers_of", "place_experts", "rank_loads",
            "rebalance"]
 
@@ -262,8 +264,6 @@ def rebalance(group: object = None) -> dict[str, dict]:
     Returns ``{layer key: {"load": per-expert tokens summed over ranks since the last rebalance,
     "moved": expert copies that changed rank, "placement": the new phys_to_log}}``.
     """
-    from moe_fx.ops.ep import ep_group_name, resolve_ep_group
-
     names = list(_LAYERS) if group is None else [ep_group_name(group)]
     report: dict[str, dict] = {}
     for name in names:
