@@ -116,9 +116,9 @@ def main() -> None:
     if not cuda:  # smoke sizes
         args.hidden, args.inter, args.experts_per_rank, args.topk, args.max_tokens = 64, 32, 2, 2, 8
         args.decode, args.prefill = "1,8", 20
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if cuda:
-        local = int(os.environ.get("LOCAL_RANK", 0))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))
         device = torch.device("cuda", local)

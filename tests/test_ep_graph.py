@@ -177,7 +177,7 @@ def test_split_ep_splits_gpt_oss_with_its_biases_and_activation(fake_group):
     kw = node.kwargs
     assert kw["gate_up_layout"] == "interleaved" and kw["limit"] == 7.0 and kw["alpha"] == 1.702 and kw["up_offset"] == 1.0
     for name in ("w13_bias", "w2_bias"):
-        assert kw[name].target is torch.narrow and tuple(kw[name].meta["val"].shape)[0] == 2
+        assert kw[name].target is torch.narrow and kw[name].meta["val"].shape[0] == 2
     rounds = next(n for n in gm.graph.nodes if n.target is torch.ops.moe_fx.ep_remaining_rounds.default)
     assert all(rounds.kwargs[k] == kw[k] for k in ("gate_up_layout", "limit", "alpha", "up_offset", "w13_bias"))
     # rank 1 keeps experts 2, 3 (of 4) of the bias as well, compacted to the parameter's first rows; the

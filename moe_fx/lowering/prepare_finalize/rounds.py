@@ -47,7 +47,7 @@ def _cpu_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
         else:
             ranks = dist.get_process_group_ranks(group)
             cpu = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-        cpu = _CPU_GROUPS[name] = cpu
+        _CPU_GROUPS[name] = cpu
     return cpu
 
 

@@ -73,7 +73,7 @@ def prefer(problem: DispatchProblem, caps: Capabilities) -> str | None:
     return None
 
 
-def _pad_rows(x: torch.Tensor, rows: int, fill: float | int) -> torch.Tensor:
+def _pad_rows(x: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
     """``x [T, ...]`` as ``[rows, ...]``: its rows first, then ``fill``."""
     out = x.new_full((rows, *x.shape[1:]), fill)
     out[: x.shape[0]] = x
