@@ -32,10 +32,18 @@ class MoEConfig:
             (torch.distributed's default group), a ``ProcessGroup``, or a group's c10d name. Each rank
             then keeps only its ``E / world_size`` experts (``E % world_size != 0`` is an error at
             compile time) and every rank runs the model on its own tokens.
-        max_tokens_per_rank: the most tokens one rank may have in one step under expert parallelism; it
-            sizes the masked layout (``[E_local, max_tokens_per_rank * world_size, H]``) and DeepEP's
-            buffer. More tokens on any rank is a ``ValueError`` on every rank (not chunked; see
-            :mod:`moe_fx.lowering.prepare_finalize.ep`).
+        max_tokens_per_rank: tokens per rank in one expert-parallel exchange (a *round*); it sizes the
+            masked layout (``[E_local, max_tokens_per_rank * world_size, H]``) and DeepEP's buffer. A
+            step with more tokens on some rank runs in rounds every rank agrees on (not inside CUDA
+            graphs; see docs/ep.md).
+        eplb: expert-parallel load balancing: count each expert's tokens on the device every step,
+            map logical experts to physical copies at dispatch, and move experts between ranks when
+            ``moe_fx.rebalance_experts()`` is called (or every ``eplb_interval`` calls). Costs a few
+            fused index ops per layer and step (docs/ep.md).
+        eplb_redundant_slots: extra physical experts per rank for copies of hot experts (``eplb``
+            only); each costs one expert's weights of memory per rank and layer.
+        eplb_interval: rebalance before every N-th call of a compiled graph (``eplb`` only); 0 means
+            only when the user calls ``moe_fx.rebalance_experts()``.
         inductor_options: extra options handed to Inductor's ``compile_fx``.
     """
 
@@ -46,6 +54,9 @@ class MoEConfig:
     enabled: bool = True
     ep_group: Any = None
     max_tokens_per_rank: int = 128
+    eplb: bool = False
+    eplb_redundant_slots: int = 0
+    eplb_interval: int = 0
     inductor_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -62,3 +73,11 @@ class MoEConfig:
             )
         if self.max_tokens_per_rank <= 0:
             raise ValueError(f"MoEConfig.max_tokens_per_rank must be positive, got {self.max_tokens_per_rank}")
+        if not isinstance(self.eplb, bool):
+            raise TypeError(f"MoEConfig.eplb must be a bool, got {type(self.eplb).__name__}")
+        for name in ("eplb_redundant_slots", "eplb_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"MoEConfig.{name} must be an int >= 0, got {value!r}")
+            if value and not self.eplb:
+                raise ValueError(f"MoEConfig.{name}={value} needs eplb=True")
