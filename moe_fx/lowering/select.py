@@ -5,9 +5,10 @@ Families, each an ordered list of candidates (best first for ``request="auto"``)
 * ``"experts"`` — masked experts (GEMM1 -> activation -> GEMM2 on ``[E, M, *]``):
   :mod:`~moe_fx.lowering.masked_experts.deepgemm`, :mod:`~moe_fx.lowering.masked_experts.triton`,
   :mod:`~moe_fx.lowering.masked_experts.reference`;
-* ``"prepare_finalize"`` — getting tokens into and out of that layout:
+* ``"prepare_finalize"`` — getting tokens into and out of the experts' row layout:
   :mod:`~moe_fx.lowering.prepare_finalize.deepep_ll`, :mod:`~moe_fx.lowering.prepare_finalize.torch_dist`
-  (expert parallelism), :mod:`~moe_fx.lowering.prepare_finalize.local_permute` (one device).
+  (expert parallelism, masked layout), :mod:`~moe_fx.lowering.prepare_finalize.local_sorted` (one device,
+  contiguous layout), :mod:`~moe_fx.lowering.prepare_finalize.local_permute` (one device, masked layout).
 
 Every candidate module has ``NAME``, ``supports(problem, caps) -> (ok, reason)`` (can it run: a pure
 function of plain values) and, optionally, ``prefer(problem, caps) -> reason | None`` (is it worth
@@ -39,6 +40,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "prepare_finalize": (
         "moe_fx.lowering.prepare_finalize.deepep_ll",
         "moe_fx.lowering.prepare_finalize.torch_dist",
+        "moe_fx.lowering.prepare_finalize.local_sorted",
         "moe_fx.lowering.prepare_finalize.local_permute",
     ),
 }

@@ -179,6 +179,8 @@ class DeepGemms:
     name = NAME
     scale_layout = "mn_major"
     bias_epilogue = False
+    #: the masked layout only (the contiguous grouped GEMMs need rows copied into 128-aligned segments)
+    layouts = ("masked",)
 
     def rows(self, needed: object) -> object:
         """``max_m``: ``needed`` rounded up to :data:`MASKED_M_ALIGN` (whole-tile stores stay in their expert)."""

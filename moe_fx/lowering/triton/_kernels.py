@@ -76,6 +76,45 @@ def _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _row_index(e, offs_m, mask_m, pid_m, starts, offs_e, sorted_ptr,
+               BLOCK_M: tl.constexpr, SORTED: tl.constexpr, GATHER_A: tl.constexpr, TOPK: tl.constexpr):
+    """Row indices (int64) of a tile's A and C rows, the tile's slots, and the row origin of TMA loads.
+
+    Masked layout: row ``r`` of expert ``e`` is row ``r`` of group ``e`` (the caller adds ``e * s_g``).
+    Contiguous (sorted) layout: expert ``e`` owns rows ``[start[e], start[e] + rows[e])`` of 2-D
+    buffers (group strides 0), and with GATHER_A its A rows are the tokens ``sorted[start[e] + r] //
+    TOPK`` (GEMM1 reads the tokens where they are: no permuted copy). ``slot`` (the (token, k) slot
+    of each row) is only meaningful when gathered.
+    """
+    if SORTED:
+        start = tl.reduce(tl.where(offs_e == e, starts, 0), 0, _add)
+        srow = start + offs_m
+        if GATHER_A:
+            slot = tl.load(sorted_ptr + srow, mask=mask_m, other=0)
+            a_idx = (slot // TOPK).to(tl.int64)
+        else:
+            slot = srow
+            a_idx = srow.to(tl.int64)
+        c_idx = srow.to(tl.int64)
+        g0 = 0
+        m0 = start + pid_m * BLOCK_M
+    else:
+        slot = offs_m
+        a_idx = offs_m.to(tl.int64)
+        c_idx = a_idx
+        g0 = e
+        m0 = pid_m * BLOCK_M
+    return a_idx, c_idx, slot, g0, m0
+
+
+@triton.jit
+def _route_weights(rw_ptr, slot, mask_m, s_rwt, s_rwk, TOPK: tl.constexpr):
+    """fp32 routing weight of each row's (token, k) slot."""
+    t = (slot // TOPK).to(tl.int64)
+    return tl.load(rw_ptr + t * s_rwt + (slot % TOPK) * s_rwk, mask=mask_m, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def masked_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -106,12 +145,26 @@ def masked_gemm_kernel(
     bias_ptr=None,
     s_biasg=0,
     HAS_BIAS: tl.constexpr = False,
+    sorted_ptr=None,
+    rw_ptr=None,
+    s_rwt=0,
+    s_rwk=0,
+    SORTED: tl.constexpr = False,
+    GATHER_A: tl.constexpr = False,
+    TOPK: tl.constexpr = 1,
+    ROUTE_W: tl.constexpr = False,
 ):
     """c[g, :m_g, :] = a[g, :m_g, :] @ b[g]^T (+ bias[g]), fp32 accumulation, stored in c's dtype.
 
     With TMA, ``a_ptr`` / ``b_ptr`` are 3-D tensor descriptors (blocks ``[1, BLOCK_M, BLOCK_K]`` /
     ``[1, BLOCK_N, BLOCK_K]``): the copy engine zero-fills past the tensor's edges, so tails need
     no masks; rows past ``masked_m`` inside the buffer load garbage that is never stored.
+
+    SORTED (the contiguous layout, see :func:`_row_index`): ``masked_m`` holds each expert's row
+    count and expert ``g``'s rows are rows ``start[g] + r`` of ``a`` and ``c`` (group strides 0); GATHER_A reads row ``sorted[start[g] + r] // TOPK`` of ``a`` instead (GEMM1
+    reading the tokens where they are); ROUTE_W multiplies each row by its routing weight
+    ``rw[slot // TOPK, slot % TOPK]`` before the bias (weights applied to the expert's input:
+    ``(w x) W^T = w (x W^T)``).
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -119,6 +172,7 @@ def masked_gemm_kernel(
     rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
+    starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
     for t in range(pid, total, nprog):
         e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
         e64 = e.to(tl.int64)
@@ -127,13 +181,20 @@ def masked_gemm_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < m_e
         mask_n = offs_n < N
+        a_idx, c_idx, slot, g0, m0 = _row_index(
+            e, offs_m, mask_m, pid_m, starts, offs_e, sorted_ptr, BLOCK_M, SORTED, GATHER_A, TOPK
+        )
+        if not (TMA and not GATHER_A):
+            a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
         if not TMA:
-            a_ptrs = a_ptr + e64 * s_ag + offs_m[:, None] * s_am + offs_k[None, :] * s_ak
             b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if TMA:
-                a = a_ptr.load([e, pid_m * BLOCK_M, k0]).reshape(BLOCK_M, BLOCK_K)
+            if TMA and not GATHER_A:
+                a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
+                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif TMA:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
                 b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
             elif EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
@@ -148,12 +209,15 @@ def masked_gemm_kernel(
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
-            if not TMA:
+            if not (TMA and not GATHER_A):
                 a_ptrs += BLOCK_K * s_ak
+            if not TMA:
                 b_ptrs += BLOCK_K * s_bk
+        if ROUTE_W:
+            acc = acc * _route_weights(rw_ptr, slot, mask_m, s_rwt, s_rwk, TOPK)[:, None]
         if HAS_BIAS:  # bias [G, N], contiguous along N
             acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        c_ptrs = c_ptr + e64 * s_cg + offs_m[:, None] * s_cm + offs_n[None, :] * s_cn
+        c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -196,6 +260,14 @@ def masked_gemm_fp8_kernel(
     bias_ptr=None,
     s_biasg=0,
     HAS_BIAS: tl.constexpr = False,
+    sorted_ptr=None,
+    rw_ptr=None,
+    s_rwt=0,
+    s_rwk=0,
+    SORTED: tl.constexpr = False,
+    GATHER_A: tl.constexpr = False,
+    TOPK: tl.constexpr = 1,
+    ROUTE_W: tl.constexpr = False,
 ):
     """fp8 x fp8 -> bf16 (+ bias[g]): a with 1x128 per-row group scales, b with 128x128 block scales.
 
@@ -204,7 +276,7 @@ def masked_gemm_fp8_kernel(
     SCALAR_BS (a column tile inside one 128-column scale block) folds b's scale into the row
     scales first, so promoting the step costs one FMA per accumulator element instead of three:
     that promotion runs on the CUDA cores beside the tensor cores and bounds this kernel's speed.
-    TMA: ``a_ptr`` / ``b_ptr`` are tensor descriptors, as in :func:`masked_gemm_kernel`.
+    TMA, SORTED, GATHER_A, ROUTE_W: as in :func:`masked_gemm_kernel` (``as`` rows follow ``a``'s).
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -212,6 +284,7 @@ def masked_gemm_fp8_kernel(
     rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
+    starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
     for t in range(pid, total, nprog):
         e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
         e64 = e.to(tl.int64)
@@ -220,18 +293,25 @@ def masked_gemm_fp8_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < m_e
         mask_n = offs_n < N
+        a_idx, c_idx, slot, g0, m0 = _row_index(
+            e, offs_m, mask_m, pid_m, starts, offs_e, sorted_ptr, BLOCK_M, SORTED, GATHER_A, TOPK
+        )
+        if not (TMA and not GATHER_A):
+            a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
         if not TMA:
-            a_ptrs = a_ptr + e64 * s_ag + offs_m[:, None] * s_am + offs_k[None, :] * s_ak
             b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
-        as_ptrs = as_ptr + e64 * s_asg + offs_m * s_asm
+        as_ptrs = as_ptr + e64 * s_asg + a_idx * s_asm  # a's scales follow a's rows
         if SCALAR_BS:
             bs_ptrs = bs_ptr + e64 * s_bsg + ((pid_n * BLOCK_N) // 128) * s_bsn
         else:
             bs_ptrs = bs_ptr + e64 * s_bsg + (offs_n // 128) * s_bsn
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if TMA:
-                a = a_ptr.load([e, pid_m * BLOCK_M, k0]).reshape(BLOCK_M, BLOCK_K)
+            if TMA and not GATHER_A:
+                a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
+                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif TMA:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
                 b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
             elif EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
@@ -250,12 +330,15 @@ def masked_gemm_fp8_kernel(
                 acc = tl.fma(tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee"), scale, acc)
             else:
                 acc = tl.fma(tl.dot(a, b), scale, acc)
-            if not TMA:
+            if not (TMA and not GATHER_A):
                 a_ptrs += BLOCK_K * s_ak
+            if not TMA:
                 b_ptrs += BLOCK_K * s_bk
+        if ROUTE_W:
+            acc = acc * _route_weights(rw_ptr, slot, mask_m, s_rwt, s_rwk, TOPK)[:, None]
         if HAS_BIAS:  # bias [G, N], contiguous along N
             acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        c_ptrs = c_ptr + e64 * s_cg + offs_m[:, None] * s_cm + offs_n[None, :] * s_cn
+        c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -551,3 +634,113 @@ def unpermute_kernel(
         x = tl.load(h_ptr + t64 * s_ht + offs_h * s_hh, mask=hmask, other=0.0).to(tl.float32)
         acc += w_id * x
     tl.store(out_ptr + t64 * s_ot + offs_h * s_oh, acc.to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+# --------------------------------------------------------------------------------------------------
+# The contiguous ("sorted") layout: rows grouped by expert, no [E, max_m, H] buffer
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _slot_ids(ids_ptr, offs, smask, E, s_it, s_ik, TOPK: tl.constexpr):
+    """Expert id of each flattened (token, k) slot and whether it names a computed expert."""
+    t = (offs // TOPK).to(tl.int64)
+    ids = tl.load(ids_ptr + t * s_it + (offs % TOPK) * s_ik, mask=smask, other=-1).to(tl.int32)
+    return ids, smask & (ids >= 0) & (ids < E)
+
+
+@triton.jit
+def expert_counts_kernel(
+    ids_ptr,
+    counts_ptr,
+    N,
+    E,
+    s_it,
+    s_ik,
+    TOPK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    E_POW2: tl.constexpr,
+):
+    """``counts[e] +=`` this block's slots routed to expert ``e``; ``counts[E] +=`` all of them.
+
+    ``counts`` (int32 ``[2E + 1]``, zeroed by the caller) is the sort's scratch: counts, total, then
+    the cursors of :func:`sort_slots_kernel`. Slots naming no computed expert (``-1``, identity
+    experts, out-of-range ids) are not counted. One histogram per program, then one atomic per
+    expert: contention stays low when many tokens pick few experts (Mixtral: 8).
+    """
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ids, valid = _slot_ids(ids_ptr, offs, offs < N, E, s_it, s_ik, TOPK)
+    # invalid slots land in a bin past the experts (histogram's mask argument is newer than triton 3.6)
+    hist = tl.histogram(tl.where(valid, ids, E_POW2), 2 * E_POW2)
+    bins = tl.arange(0, 2 * E_POW2)
+    tl.atomic_add(counts_ptr + bins, hist, mask=(bins < E) & (hist > 0))
+    tl.atomic_add(counts_ptr + E, tl.reduce(valid.to(tl.int32), 0, _add))
+
+
+@triton.jit
+def sort_slots_kernel(
+    ids_ptr,
+    counts_ptr,
+    sorted_ptr,
+    pos_ptr,
+    N,
+    E,
+    s_it,
+    s_ik,
+    TOPK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    E_POW2: tl.constexpr,
+):
+    """Give every counted slot its row of the expert-sorted buffers: ``start[e] + rank``.
+
+    ``start[e]`` is the exclusive sum of the counts below ``e``; the rank within the expert is
+    claimed with an atomic on the cursors (``counts[E + 1 + e]``), so the order of rows inside an
+    expert is not deterministic, while every result is: rows are independent in the GEMMs and the
+    combine gathers each token's slots in k order. Writes ``sorted[row] = slot`` and
+    ``pos[slot] = row`` (int64; -1 for slots that send no row).
+    """
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    smask = offs < N
+    ids, valid = _slot_ids(ids_ptr, offs, smask, E, s_it, s_ik, TOPK)
+    offs_e = tl.arange(0, E_POW2)
+    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
+    start = tl.reduce(tl.where(offs_e[None, :] < ids[:, None], counts[None, :], 0), 1, _add)
+    rank = tl.atomic_add(counts_ptr + E + 1 + tl.where(valid, ids, 0), tl.full((BLOCK,), 1, tl.int32), mask=valid)
+    row = start + rank
+    tl.store(sorted_ptr + row, offs, mask=valid)
+    tl.store(pos_ptr + offs, tl.where(valid, row, -1).to(tl.int64), mask=smask)
+
+
+@triton.jit
+def quantize_rows_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    T,
+    H,
+    s_xt,
+    s_xh,
+    s_qt,
+    s_qh,
+    s_st,
+    s_sh,
+    BLOCK_T: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """fp8 e4m3 codes of ``x [T, H]`` with one fp32 scale per 1x128 group (grid ``(cdiv(T, BLOCK_T), cdiv(H, 128))``).
+
+    The sorted layout's GEMM1 reads tokens in place, so fp8 weights need the tokens quantised once
+    (T rows, not T * K); ``scale = max(amax, floor) / 448`` as everywhere (moe_fx.ops.recipe).
+    """
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * 128 + tl.arange(0, 128)
+    t64 = offs_t.to(tl.int64)
+    mask = (offs_t < T)[:, None] & (offs_h < H)[None, :]
+    v = tl.load(x_ptr + t64[:, None] * s_xt + offs_h[None, :] * s_xh, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.reduce(tl.abs(v), 1, _maxf)
+    scale = tl.maximum(amax, SCALE_FLOOR) / FP8_MAX
+    q = tl.clamp(v / scale[:, None], -FP8_MAX, FP8_MAX)
+    if INTERP:
+        q = _e4m3_grid(q)
+    tl.store(q_ptr + t64[:, None] * s_qt + offs_h[None, :] * s_qh, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + t64 * s_st + tl.program_id(1) * s_sh, scale, mask=offs_t < T)

@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-__all__ = ["TileConfig", "cache_path", "candidates", "fit_smem", "get_config", "m_bucket", "tune"]
+__all__ = ["TileConfig", "cache_path", "candidates", "fit_smem", "get_config", "m_bucket", "regime_bucket", "regime_key",
+           "tune"]
 
 log = logging.getLogger("moe_fx.lowering.triton")
 
@@ -201,33 +202,64 @@ def _disk() -> dict[str, dict]:
     return _disk_loaded
 
 
+def regime_bucket(regime: int) -> int:
+    """The rows bucket that stands for a rows-per-expert regime when the token count is symbolic.
+
+    A graph compiled for a dynamic T serves every T of its regime (:mod:`moe_fx.lowering.problem`);
+    its tiles must not depend on the T it happened to be traced with (a graph first traced at
+    T=256 ran Mixtral at T=4096 with 64-row tiles, 1.7x slower: the machine-to-machine "spread").
+    """
+    from moe_fx.lowering.problem import regime_bounds
+
+    lo, hi = regime_bounds(regime)
+    return m_bucket(hi if hi is not None else 4 * lo)
+
+
+def regime_key(device_name: str, kind: str, n: int, k: int, layout: str, regime: int) -> str:
+    """Key of a regime's tuned tile: one configuration for every token count of the regime."""
+    return f"{device_name}|{kind}|N{n}|K{k}|{layout}|r{regime}"
+
+
 def get_config(
     kind: str,
     n: int,
     k: int,
-    expected_m: int,
+    expected_m: int | None,
     device: torch.device,
     active_groups: int | None = None,
     num_sms: int = 132,
     *,
     allow_tma: bool = True,
+    layout: str = "masked",
+    regime: int | None = None,
+    symbolic: bool = False,
 ) -> TileConfig:
-    """The tile configuration for a masked GEMM of ``kind`` ("bf16" / "fp8") on ``device``.
+    """The tile configuration for a grouped GEMM of ``kind`` ("bf16" / "fp8") on ``device``.
 
-    ``active_groups`` (host-side estimate of the groups with rows, ``min(E, T * K)`` for MoE) lets
-    the decode heuristic size tiles to the work; a tuned entry for the bucket takes precedence.
-    ``allow_tma=False`` (compiled graphs, see ``grouped_gemm._operands``) prefers the best tuned tile
-    that loads through pointers, and never returns a TMA tile.
+    Lookup: the regime's entry (``layout`` "masked" or "sorted", tuned over every token count of the
+    regime by ``bench/tune_tiles.py``) when ``regime`` is given; else the rows bucket of
+    ``expected_m`` — the regime's bucket when the token count is ``symbolic`` (never the size a graph
+    happened to be traced with) — in the user cache, then the shipped table; then the heuristic.
+    ``active_groups`` (host-side estimate of the groups with rows, ``min(E, T * K)``) keys decode
+    buckets. ``allow_tma=False`` (compiled graphs, see ``grouped_gemm._operands``) prefers the best
+    tuned tile that loads through pointers, and never returns a TMA tile.
     """
     if device.type == "cpu":
         # Interpreter: few, small programs keep the emulation quick; speed is not measured there.
         return TileConfig(16, 64, 64, 1, 4, 1, 1)
-    bucket = m_bucket(expected_m)
+    if layout not in ("masked", "sorted"):
+        raise ValueError(f"moe_fx: unknown GEMM layout {layout!r}")
     name = _device_name(device)
-    mkey = _key(name, kind, n, k, bucket, active_groups, ptr=not allow_tma)
+    if symbolic and regime is not None:
+        expected_m, active_groups = regime_bucket(regime), None
+    bucket = m_bucket(expected_m or 1)
+    mkey = _key(name, kind, n, k, bucket, active_groups, ptr=not allow_tma) + f"|{layout}|r{regime}"
     cfg = _memory.get(mkey)
     if cfg is None:
-        keys = (mkey, _key(name, kind, n, k, bucket, ptr=not allow_tma))
+        keys: tuple[str, ...] = ()
+        if regime is not None:
+            keys += (regime_key(name, kind, n, k, layout, regime),)
+        keys += (_key(name, kind, n, k, bucket, active_groups, ptr=not allow_tma), _key(name, kind, n, k, bucket, ptr=not allow_tma))
         if not allow_tma:
             keys += (_key(name, kind, n, k, bucket, active_groups), _key(name, kind, n, k, bucket))
         raw = next((table[key] for table in (_disk(), _shipped()) for key in keys if key in table), None)
