@@ -25,7 +25,10 @@ triton = pytest.importorskip("triton")
 
 H200 = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "deep_ep is not installed", 132, "NVIDIA H200")
 H200_DG = Capabilities("cuda", (9, 0), None, None, "deep_ep is not installed", 132, "NVIDIA H200")
-KERNELS = ("permute_kernel", "masked_gemm_kernel", "activation_kernel", "masked_gemm_kernel", "unpermute_kernel")
+#: the contiguous (sorted) layout, the default on one GPU: sort, GEMM1 gathering tokens, activation, GEMM2, combine
+KERNELS = ("expert_counts_kernel", "sort_slots_kernel", "masked_gemm_kernel", "activation_kernel", "masked_gemm_kernel",
+           "unpermute_kernel")
+MASKED = ("permute_kernel", "masked_gemm_kernel", "activation_kernel", "masked_gemm_kernel", "unpermute_kernel")
 
 
 class _Sm90Driver:
@@ -99,8 +102,8 @@ def test_experts_op_becomes_kernel_launches(sm90):
     assert "moe_fx.experts" not in code
     launches = _launches(gm)
     assert [_kernel_name(n) for n in launches] == list(KERNELS)
-    outputs = {"permute_kernel": {"counts_ptr", "x_ptr", "pos_ptr"}, "masked_gemm_kernel": {"c_ptr"},
-               "activation_kernel": {"y_ptr"}, "unpermute_kernel": {"out_ptr"}}
+    outputs = {"expert_counts_kernel": {"counts_ptr"}, "sort_slots_kernel": {"counts_ptr", "sorted_ptr", "pos_ptr"},
+               "masked_gemm_kernel": {"c_ptr"}, "activation_kernel": {"y_ptr"}, "unpermute_kernel": {"out_ptr"}}
     for node in launches:
         # each kernel writes only its outputs: Inductor inserts no copy of an input (masked_m, the weights)
         assert set(node.kwargs["tensors_to_clone"]) == outputs[_kernel_name(node)], node.kwargs["tensors_to_clone"]
@@ -110,8 +113,8 @@ def test_experts_op_becomes_kernel_launches(sm90):
 def test_fp8_weights_trace_to_fp8_kernels(sm90):
     gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), fp8=True))
     names = [_kernel_name(n) for n in _launches(gm)]
-    assert names == ["permute_kernel", "masked_gemm_fp8_kernel", "activation_kernel", "masked_gemm_fp8_kernel",
-                     "unpermute_kernel"]
+    assert names == ["expert_counts_kernel", "sort_slots_kernel", "quantize_rows_kernel", "masked_gemm_fp8_kernel",
+                     "activation_kernel", "masked_gemm_fp8_kernel", "unpermute_kernel"]
     assert "moe_fx.experts" not in gm.code
 
 
@@ -122,7 +125,7 @@ def test_deepgemm_gemms_are_extern_calls_between_triton_launches(sm90):
     assert [_kernel_name(n) for n in _launches(gm)] == ["permute_kernel", "activation_kernel", "unpermute_kernel"]
     # decode-sized (<= 4 rows per expert): Triton's GEMMs instead, under auto
     gm = _trace(_experts, _inputs(FakeTensorMode(), t=2), caps=H200_DG)
-    assert "deepgemm_masked_gemm" not in gm.code and len(_launches(gm)) == 5
+    assert "deepgemm_masked_gemm" not in gm.code and [_kernel_name(n) for n in _launches(gm)] == list(KERNELS)
 
 
 def test_dynamic_token_count_specialises_on_the_row_regime_only(sm90):
@@ -141,10 +144,10 @@ def test_dynamic_token_count_specialises_on_the_row_regime_only(sm90):
     gm = _trace(_experts, [hidden, ids, w, *inputs[3:]])
     assert [_kernel_name(n) for n in _launches(gm)] == list(KERNELS)
     guards = [str(g.expr) for g in shape_env.guards]
-    # T stays symbolic: the rows-per-expert regime (ceil(64*2/8) = 16: 4 < rows <= 32) and the kernels'
+    # T stays symbolic: the rows-per-expert regime (ceil(64*2/8) = 16: 4 < rows <= 16) and the kernels'
     # int32 offset bounds are the only guards, none an equality
     assert not any("Eq(" in g or "==" in g for g in guards), guards
-    assert any(g.endswith("> 4") for g in guards) and any(g.endswith("<= 32") for g in guards), guards
+    assert any(g.endswith("> 4") for g in guards) and any(g.endswith("<= 16") for g in guards), guards
 
 
 def test_reference_plans_keep_the_op(sm90):
@@ -158,7 +161,7 @@ def test_reference_plans_keep_the_op(sm90):
         return (torch.ops.moe_fx.experts(h, ids, w, w13, w2, activation="relu2", alpha=1.0),)
 
     gm = _trace(odd, _inputs(FakeTensorMode()))
-    assert len(_launches(gm)) == 5  # relu2 has a kernel
+    assert len(_launches(gm)) == len(KERNELS)  # relu2 has a kernel
 
 
 def test_masked_experts_op_becomes_the_same_pipeline(sm90):

@@ -58,7 +58,7 @@ def _fresh_state(monkeypatch):
 
 def test_rows_per_expert_and_regimes():
     assert rows_per_expert(1, 8, 128) == 1 and rows_per_expert(4096, 8, 32) == 1024 and rows_per_expert(0, 2, 8) == 1
-    assert [row_regime(r) for r in (1, 4, 5, 32, 33, 4096)] == [0, 0, 1, 1, 2, 2]
+    assert [row_regime(r) for r in (1, 4, 5, 16, 17, 64, 65, 256, 257, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
 
 
 @pytest.mark.parametrize("fp8", [False, True])

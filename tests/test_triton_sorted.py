@@ -54,10 +54,11 @@ def test_sorted_gemms_gather_weight_bias_and_leave_padding_unwritten():
     w = torch.randn(e, n, h, generator=gen) / h**0.5
     rw = torch.rand(t, k, generator=gen)
     bias = torch.randn(e, n, generator=gen)
-    out = torch.full((t * k, n), float("nan"))
+    out = torch.full((1, t * k, n), float("nan"))
     sorted_gemm(x, w, rows, out, gather=True, route_weights=rw, bias=bias)
-    a2 = torch.randn(t * k, h, generator=gen)
-    out2 = sorted_gemm(a2, w, rows, torch.full((t * k, n), float("nan")))
+    a2 = torch.randn(1, t * k, h, generator=gen)
+    out2 = sorted_gemm(a2, w, rows, torch.full((1, t * k, n), float("nan")))
+    out, out2, a2 = out[0], out2[0], a2[0]
     flat = ids.flatten()
     for s in range(t * k):
         pos = rows.slot_pos[s].item()
@@ -69,7 +70,7 @@ def test_sorted_gemms_gather_weight_bias_and_leave_padding_unwritten():
     total = rows.total.item()
     assert torch.isnan(out[total:]).all() and torch.isnan(out2[total:]).all()
     with pytest.raises(ValueError):
-        sorted_gemm(a2, w, rows, route_weights=rw)  # weights go with the gathered GEMM only
+        sorted_gemm(a2[None], w, rows, route_weights=rw)  # weights go with the gathered GEMM only
 
 
 def test_sorted_fp8_gemm_matches_dequantised_product():
@@ -79,8 +80,9 @@ def test_sorted_fp8_gemm_matches_dequantised_product():
     rows = sort_by_expert(ids, e)
     xq, xs = quantize_rows(torch.randn(t, h, generator=gen).bfloat16())
     wq, ws = quantize_fp8_blockwise(torch.randn(e, n, h, generator=gen) / h**0.5)
-    out = torch.full((t * k, n), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((1, t * k, n), float("nan"), dtype=torch.bfloat16)
     sorted_gemm(xq, wq, rows, out, a_scale=xs, b_scale=ws, gather=True)
+    out = out[0]
     x32 = xq.float() * xs.repeat_interleave(128, -1)[:, :h]
     flat = ids.flatten()
     for s in range(t * k):

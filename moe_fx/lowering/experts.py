@@ -191,7 +191,7 @@ def run_experts(
     if plan.layout == "sorted":
         sorted_rows = sort_by_expert(topk_ids, e)
         y = run_sorted_experts(hidden, sorted_rows, weights, spec, gemms, hints,
-                               route_weights=topk_weights if weights_on_input else None).unsqueeze(0)
+                               route_weights=topk_weights if weights_on_input else None)
         slot_pos = sorted_rows.slot_pos
     else:
         max_m = gemms.rows(masked_rows_needed(t, k, weights_on_input))

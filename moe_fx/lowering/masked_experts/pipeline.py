@@ -178,8 +178,8 @@ def run_sorted_experts(
             GEMM1 multiplies its rows by them before the bias (``(w x) W^T = w (x W^T)``).
 
     Returns:
-        ``[T * K, H]`` in sorted row order (bf16 with fp8 weights, else the weights' dtype); rows past
-        ``rows.total`` unspecified.
+        ``[1, T * K, H]`` in sorted row order (bf16 with fp8 weights, else the weights' dtype); rows past
+        the total unspecified.
     """
     from moe_fx.lowering.triton.activation import expert_activation
     from moe_fx.lowering.triton.sort import quantize_rows
@@ -194,9 +194,8 @@ def run_sorted_experts(
     # GEMM1's bias is per expert: added in its epilogue (after the routing weight, as (w x) W^T + b)
     gate_up = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias, hints=hints,
                                 gather=True, route_weights=route_weights)
-    # the activation kernel sees the sorted rows as one group of rows.total valid rows
-    a2, a2_scale = expert_activation(gate_up.unsqueeze(0), rows.total, spec, quant_fp8=weights.fp8,
-                                     max_total_m=rows.num_rows)
-    a2_scale = a2_scale[0] if a2_scale is not None else None
-    return gemms.sorted_gemm(a2[0], a2_scale, weights.w2, weights.w2_scale, rows, bias=weights.w2_bias, hints=hints,
+    # the activation kernel sees the sorted rows [1, N, N1] as one group of all valid rows (the scratch's total)
+    a2, a2_scale = expert_activation(gate_up, rows.scratch, spec, quant_fp8=weights.fp8,
+                                     max_total_m=rows.num_rows, masked_m_offset=rows.num_experts)
+    return gemms.sorted_gemm(a2, a2_scale, weights.w2, weights.w2_scale, rows, bias=weights.w2_bias, hints=hints,
                              gather=False, route_weights=None)

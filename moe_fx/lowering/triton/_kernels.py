@@ -76,42 +76,25 @@ def _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _row_index(e, offs_m, mask_m, pid_m, starts, offs_e, sorted_ptr,
-               BLOCK_M: tl.constexpr, SORTED: tl.constexpr, GATHER_A: tl.constexpr, TOPK: tl.constexpr):
-    """Row indices (int64) of a tile's A and C rows, the tile's slots, and the row origin of TMA loads.
-
-    Masked layout: row ``r`` of expert ``e`` is row ``r`` of group ``e`` (the caller adds ``e * s_g``).
-    Contiguous (sorted) layout: expert ``e`` owns rows ``[start[e], start[e] + rows[e])`` of 2-D
-    buffers (group strides 0), and with GATHER_A its A rows are the tokens ``sorted[start[e] + r] //
-    TOPK`` (GEMM1 reads the tokens where they are: no permuted copy). ``slot`` (the (token, k) slot
-    of each row) is only meaningful when gathered.
-    """
-    if SORTED:
-        start = tl.reduce(tl.where(offs_e == e, starts, 0), 0, _add)
-        srow = start + offs_m
-        if GATHER_A:
-            slot = tl.load(sorted_ptr + srow, mask=mask_m, other=0)
-            a_idx = (slot // TOPK).to(tl.int64)
-        else:
-            slot = srow
-            a_idx = srow.to(tl.int64)
-        c_idx = srow.to(tl.int64)
-        g0 = 0
-        m0 = start + pid_m * BLOCK_M
-    else:
-        slot = offs_m
-        a_idx = offs_m.to(tl.int64)
-        c_idx = a_idx
-        g0 = e
-        m0 = pid_m * BLOCK_M
-    return a_idx, c_idx, slot, g0, m0
+def _slot_offsets(offs, s_it, s_ik, TOPK: tl.constexpr):
+    """Element offsets in ``topk_ids`` of flattened (token, k) slots (the kernels load them themselves:
+    a pointer handed to a helper counts as written in Inductor's mutation analysis)."""
+    return (offs // TOPK).to(tl.int64) * s_it + (offs % TOPK) * s_ik
 
 
 @triton.jit
-def _route_weights(rw_ptr, slot, mask_m, s_rwt, s_rwk, TOPK: tl.constexpr):
-    """fp32 routing weight of each row's (token, k) slot."""
-    t = (slot // TOPK).to(tl.int64)
-    return tl.load(rw_ptr + t * s_rwt + (slot % TOPK) * s_rwk, mask=mask_m, other=0.0).to(tl.float32)
+def _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M: tl.constexpr, SORTED: tl.constexpr):
+    """A tile's rows in its row buffers, and the (group, row) origin of its TMA loads.
+
+    Masked layout: row ``r`` of expert ``e`` is row ``r`` of group ``e`` (the caller adds ``e * s_g``).
+    Contiguous (sorted) layout: expert ``e`` owns rows ``[start[e], start[e] + rows[e])`` of one group
+    (group strides 0); with GATHER_A the kernel then reads its A rows through the sorted slots
+    (the tokens ``sorted[row] // TOPK``: GEMM1 reads the tokens where they are, no permuted copy).
+    """
+    if SORTED:
+        start = tl.reduce(tl.where(offs_e == e, starts, 0), 0, _add)
+        return start + offs_m, 0, start + pid_m * BLOCK_M
+    return offs_m, e, pid_m * BLOCK_M
 
 
 @triton.jit
@@ -181,9 +164,14 @@ def masked_gemm_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < m_e
         mask_n = offs_n < N
-        a_idx, c_idx, slot, g0, m0 = _row_index(
-            e, offs_m, mask_m, pid_m, starts, offs_e, sorted_ptr, BLOCK_M, SORTED, GATHER_A, TOPK
-        )
+        srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
+        c_idx = srow.to(tl.int64)
+        if GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
+            slot = tl.load(sorted_ptr + srow, mask=mask_m, other=0)
+            a_idx = (slot // TOPK).to(tl.int64)
+        else:
+            slot = srow
+            a_idx = c_idx
         if not (TMA and not GATHER_A):
             a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
         if not TMA:
@@ -213,8 +201,9 @@ def masked_gemm_kernel(
                 a_ptrs += BLOCK_K * s_ak
             if not TMA:
                 b_ptrs += BLOCK_K * s_bk
-        if ROUTE_W:
-            acc = acc * _route_weights(rw_ptr, slot, mask_m, s_rwt, s_rwk, TOPK)[:, None]
+        if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)
+            rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0)
+            acc = acc * rw.to(tl.float32)[:, None]
         if HAS_BIAS:  # bias [G, N], contiguous along N
             acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
@@ -293,9 +282,14 @@ def masked_gemm_fp8_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < m_e
         mask_n = offs_n < N
-        a_idx, c_idx, slot, g0, m0 = _row_index(
-            e, offs_m, mask_m, pid_m, starts, offs_e, sorted_ptr, BLOCK_M, SORTED, GATHER_A, TOPK
-        )
+        srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
+        c_idx = srow.to(tl.int64)
+        if GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
+            slot = tl.load(sorted_ptr + srow, mask=mask_m, other=0)
+            a_idx = (slot // TOPK).to(tl.int64)
+        else:
+            slot = srow
+            a_idx = c_idx
         if not (TMA and not GATHER_A):
             a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
         if not TMA:
@@ -334,8 +328,9 @@ def masked_gemm_fp8_kernel(
                 a_ptrs += BLOCK_K * s_ak
             if not TMA:
                 b_ptrs += BLOCK_K * s_bk
-        if ROUTE_W:
-            acc = acc * _route_weights(rw_ptr, slot, mask_m, s_rwt, s_rwk, TOPK)[:, None]
+        if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)
+            rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0)
+            acc = acc * rw.to(tl.float32)[:, None]
         if HAS_BIAS:  # bias [G, N], contiguous along N
             acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
@@ -402,6 +397,7 @@ def activation_kernel(
     alpha,
     limit,
     up_offset,
+    mm_off,
     ACT: tl.constexpr,
     GATED: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -429,7 +425,7 @@ def activation_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
-    rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
+    rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + mm_off + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
     num_n = (I + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
     for t in range(pid, total, nprog):
@@ -642,14 +638,6 @@ def unpermute_kernel(
 
 
 @triton.jit
-def _slot_ids(ids_ptr, offs, smask, E, s_it, s_ik, TOPK: tl.constexpr):
-    """Expert id of each flattened (token, k) slot and whether it names a computed expert."""
-    t = (offs // TOPK).to(tl.int64)
-    ids = tl.load(ids_ptr + t * s_it + (offs % TOPK) * s_ik, mask=smask, other=-1).to(tl.int32)
-    return ids, smask & (ids >= 0) & (ids < E)
-
-
-@triton.jit
 def expert_counts_kernel(
     ids_ptr,
     counts_ptr,
@@ -669,7 +657,8 @@ def expert_counts_kernel(
     expert: contention stays low when many tokens pick few experts (Mixtral: 8).
     """
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ids, valid = _slot_ids(ids_ptr, offs, offs < N, E, s_it, s_ik, TOPK)
+    ids = tl.load(ids_ptr + _slot_offsets(offs, s_it, s_ik, TOPK), mask=offs < N, other=-1).to(tl.int32)
+    valid = (offs < N) & (ids >= 0) & (ids < E)
     # invalid slots land in a bin past the experts (histogram's mask argument is newer than triton 3.6)
     hist = tl.histogram(tl.where(valid, ids, E_POW2), 2 * E_POW2)
     bins = tl.arange(0, 2 * E_POW2)
@@ -701,7 +690,8 @@ def sort_slots_kernel(
     """
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     smask = offs < N
-    ids, valid = _slot_ids(ids_ptr, offs, smask, E, s_it, s_ik, TOPK)
+    ids = tl.load(ids_ptr + _slot_offsets(offs, s_it, s_ik, TOPK), mask=smask, other=-1).to(tl.int32)
+    valid = smask & (ids >= 0) & (ids < E)
     offs_e = tl.arange(0, E_POW2)
     counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
     start = tl.reduce(tl.where(offs_e[None, :] < ids[:, None], counts[None, :], 0), 1, _add)

@@ -136,18 +136,18 @@ def _operands(
 ) -> tuple[object, object, bool]:
     """``(a, b, tma)``: TMA descriptors when the config asks for them and the tensors allow it.
 
-    ``a`` is 3-D (a 2-D row buffer of the sorted layout as ``[1, rows, K]``); a gathered ``a`` (rows
-    picked through the sorted ids) stays a tensor and only ``b`` gets a descriptor. Not while traced
+    ``a`` is 3-D (the sorted layout's rows are ``[1, rows, K]``); a gathered ``a`` (tokens picked
+    through the sorted ids) stays a tensor and only ``b`` gets a descriptor. Not while traced
     for Inductor: host-side descriptors cannot be recorded outside Dynamo's own tracing (torch
     2.11-2.13), so compiled graphs load tiles through pointers.
     """
     if is_traced(a) or not (cfg.tma and _tma_capable(a.device) and (gather or _tma_ok(a)) and _tma_ok(b)):
-        return a.squeeze(0) if gather else a, b, False
+        return a, b, False
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     b_desc = TensorDescriptor.from_tensor(b, [1, cfg.block_n, cfg.block_k])
     if gather:
-        return a.squeeze(0), b_desc, True
+        return a, b_desc, True
     return TensorDescriptor.from_tensor(a, [1, cfg.block_m, cfg.block_k]), b_desc, True
 
 
@@ -182,19 +182,30 @@ class SortedRows:
     :func:`moe_fx.lowering.triton.sort.sort_by_expert`.
 
     Attributes:
-        counts: ``[E]`` int32 rows per expert (a view of the sort's scratch).
-        total: ``[1]`` int32 rows in all (``sum(counts)``).
-        sorted_slots: ``[N]`` int32, slot ``t * K + k`` of each row (rows past ``total`` unspecified).
+        scratch: ``[2E + 1]`` int32: rows per expert (``[:E]``, what the GEMMs read as their counts), rows
+            in all (``[E]``, the activation's), then the sort's cursors. One buffer that kernels take
+            whole: a traced graph holds no view of a buffer its kernels write.
+        sorted_slots: ``[N]`` int32, slot ``t * K + k`` of each row (rows past the total unspecified).
         slot_pos: ``[N]`` int64, the row of each slot (-1: the slot sends no row).
-        topk: K. num_rows: N = T * K, the static bound on ``total`` (may be symbolic).
+        topk: K. num_rows: N = T * K, the static bound on the total (may be symbolic). num_experts: E.
     """
 
-    counts: torch.Tensor
-    total: torch.Tensor
+    scratch: torch.Tensor
     sorted_slots: torch.Tensor
     slot_pos: torch.Tensor
     topk: int
     num_rows: object
+    num_experts: int
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """``[E]`` int32 rows per expert (a view: for eager code and tests)."""
+        return self.scratch[: self.num_experts]
+
+    @property
+    def total(self) -> torch.Tensor:
+        """``[1]`` int32 rows in all (a view: for eager code and tests)."""
+        return self.scratch[self.num_experts : self.num_experts + 1]
 
 
 def _gemm_config(kind: str, a: torch.Tensor, n: int, k: int, hints: dict, layout: str) -> configs.TileConfig:
@@ -214,8 +225,7 @@ def _launch_gemm(
 ) -> None:
     """One launch of the masked / sorted GEMM kernel of ``kind`` (the layouts differ only in row offsets)."""
     nprog = num_programs(a.device, cfg, tile_bound)
-    a3 = a if a.dim() == 3 else a.unsqueeze(0)
-    a_in, b_in, tma = _operands(cfg, a3, b, gather=gather)
+    a_in, b_in, tma = _operands(cfg, a, b, gather=gather)
     if sorted_rows is not None:
         rw = route_weights
         extra = dict(sorted_ptr=sorted_rows.sorted_slots if gather else None, rw_ptr=rw,
@@ -246,9 +256,9 @@ def _launch_gemm(
         )  # fmt: skip
 
 
-def _check_operands(name: str, a: torch.Tensor, b: torch.Tensor, fp8: bool, a_dim: int) -> None:
-    if a.dim() != a_dim or b.dim() != 3 or a.shape[-1] != b.shape[2] or (a_dim == 3 and a.shape[0] != b.shape[0]):
-        want = "a [G, M, K]" if a_dim == 3 else "a [rows, K]"
+def _check_operands(name: str, a: torch.Tensor, b: torch.Tensor, fp8: bool, a_dim: int, grouped: bool = True) -> None:
+    if a.dim() != a_dim or b.dim() != 3 or a.shape[-1] != b.shape[2] or (grouped and a.shape[0] != b.shape[0]):
+        want = "a [G, M, K]" if grouped else "a [T, K] or [1, N, K]"
         raise ValueError(f"{name}: want {want} and b [G, N, K], got {list(a.shape)} and {list(b.shape)}")
     if fp8:
         if a.dtype != _FP8 or b.dtype != _FP8:
@@ -387,41 +397,47 @@ def sorted_gemm(
     regime: int | None = None,
     config: configs.TileConfig | None = None,
 ) -> torch.Tensor:
-    """Grouped GEMM on the contiguous layout: row ``j`` of expert ``e``'s segment times ``b[e]^T``.
+    """Grouped GEMM on the contiguous layout: each sorted row times its expert's ``b[e]^T``.
 
-    ``out[start[e] + r] = A[row] @ b[e]^T (* w) (+ bias[e])`` for ``r < counts[e]``, where ``A[row]`` is
-    ``a[start[e] + r]``, or with ``gather`` the token ``a[sorted_slots[start[e] + r] // K]`` (GEMM1
-    reads ``hidden`` in place). fp8 when ``a_scale`` / ``b_scale`` are given (1x128 / 128x128, as in
-    :func:`masked_gemm_fp8`; a's scales follow a's rows).
+    ``out[0, start[e] + r] = A[row] @ b[e]^T (* w) (+ bias[e])`` for ``r < counts[e]``, where ``A[row]``
+    is ``a[0, start[e] + r]``, or with ``gather`` the token ``a[sorted_slots[start[e] + r] // K]``
+    (GEMM1 reads ``hidden`` in place). fp8 when ``a_scale`` / ``b_scale`` are given (1x128 / 128x128,
+    as in :func:`masked_gemm_fp8`; a's scales follow a's rows). Sorted row buffers are ``[1, N, *]``
+    (one group of rows): the pipeline hands them from kernel to kernel with no view in between.
 
     Args:
-        a: ``[T, K]`` tokens (gather) or ``[N, K]`` sorted rows; bf16/fp16/fp32, or float8_e4m3fn.
+        a: tokens ``[T, K]`` (gather) or sorted rows ``[1, N, K]``; bf16/fp16/fp32, or float8_e4m3fn.
         b: ``[E, N_out, K]`` weights, any strides.
         rows: the layout (:class:`SortedRows`), ``N = rows.num_rows``.
-        out: optional ``[N, N_out]`` (a's dtype, bf16 for fp8); rows past ``rows.total`` are not written.
+        out: optional ``[1, N, N_out]`` (a's dtype, bf16 for fp8); rows past the total are not written.
+        a_scale: fp32 ``[T, K/128]`` or ``[1, N, K/128]`` (a's rows), any strides.
         route_weights: ``[T, K]`` routing weights that multiply each row (weights on the input).
         bias: float ``[E, N_out]``. expected_m, active_groups, regime, config: as in :func:`masked_gemm`.
 
     Returns:
-        ``[N, N_out]``.
+        ``[1, N, N_out]``.
     """
     fp8 = b_scale is not None
     name = "sorted_gemm"
-    _check_operands(name, a, b, fp8, 2)
+    _check_operands(name, a, b, fp8, 2 if gather else 3, grouped=False)
     e, n, k = b.shape
     num_rows = rows.num_rows
-    _check_masked(name, rows.counts, e, a.device)
+    if rows.num_experts != e or rows.scratch.dtype != torch.int32 or rows.scratch.device != a.device:
+        raise ValueError(f"{name}: rows were sorted for {rows.num_experts} experts on {rows.scratch.device}, "
+                         f"b has {e} on {a.device}")
+    if not gather and tuple(a.shape[:2]) != (1, num_rows):
+        raise ValueError(f"{name}: sorted rows must be [1, {num_rows}, K], got {list(a.shape)}")
     _check_bias(name, bias, e, n, a.device)
     if fp8:
         if a_scale is None:
             raise ValueError(f"{name}: fp8 weights need a_scale")
-        _check_scales(name, a_scale, (a.shape[0],), b_scale, e, n, k)
+        _check_scales(name, a_scale, tuple(a.shape[:-1]), b_scale, e, n, k)
     if route_weights is not None and (route_weights.dim() != 2 or route_weights.shape[1] != rows.topk):
         raise ValueError(f"{name}: route_weights must be [T, {rows.topk}], got {list(route_weights.shape)}")
     if route_weights is not None and not gather:
         raise ValueError(f"{name}: route_weights apply to the gathered GEMM (the first) only")
-    out = _out(name, out, (num_rows, n), torch.bfloat16 if fp8 else a.dtype, a.device)
-    check_offsets(name, a.unsqueeze(0), out.unsqueeze(0))
+    out = _out(name, out, (1, num_rows, n), torch.bfloat16 if fp8 else a.dtype, a.device)
+    check_offsets(name, a if a.dim() == 3 else a.unsqueeze(0), out)
     if _known_empty(num_rows, n):
         return out
     kind = "fp8" if fp8 else "bf16"
@@ -429,11 +445,13 @@ def sorted_gemm(
     cfg = config or _gemm_config(kind, a, n, k, hints, "sorted")
     if fp8:
         _check_fp8_block_k(name, cfg)
-    a_strides = (0, *a.stride())
-    as_strides = (0, *a_scale.stride()) if fp8 else ()
-    _launch_gemm(kind, a, a_scale, b, b_scale, rows.counts, out, e, num_rows, n, k, cfg,
+    # group strides 0: row offsets come from the expert's start (the kernels' SORTED mode)
+    a_strides = (0, *a.stride()) if gather else (0, *a.stride()[1:])
+    as_strides = () if not fp8 else (0, *a_scale.stride()) if gather else (0, *a_scale.stride()[1:])
+    _launch_gemm(kind, a, a_scale, b, b_scale, rows.scratch, out, e, num_rows, n, k, cfg,
                  _tile_bound(e, num_rows, n, cfg, num_rows), a_strides=a_strides, as_strides=as_strides,
-                 c_strides=(0, *out.stride()), bias=bias, sorted_rows=rows, gather=gather, route_weights=route_weights)
+                 c_strides=(0, *out.stride()[1:]), bias=bias, sorted_rows=rows, gather=gather,
+                 route_weights=route_weights)
     return out
 
 

@@ -55,8 +55,7 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> SortedRows:
                TOPK=int(k), BLOCK=block, E_POW2=e_pow2, num_warps=4)
         launch("sort_slots_kernel", dev, grid, topk_ids, scratch, sorted_slots, slot_pos, n, num_experts,
                *topk_ids.stride(), TOPK=int(k), BLOCK=block, E_POW2=e_pow2, num_warps=4)
-    # views taken after the kernels wrote the scratch (what a traced graph reads is the written buffer)
-    return SortedRows(scratch[:num_experts], scratch[num_experts:num_experts + 1], sorted_slots, slot_pos, int(k), n)
+    return SortedRows(scratch, sorted_slots, slot_pos, int(k), n, num_experts)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
