@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-__all__ = ["TileConfig", "cache_path", "candidates", "fit_smem", "get_config", "m_bucket", "regime_bucket", "regime_key",
-           "tune"]
+__all__ = ["TileConfig", "cache_path", "candidates", "fit_smem", "get_config", "m_bucket", "pick_regime_config",
+           "regime_bucket", "regime_candidates", "regime_key", "store", "tune"]
 
 log = logging.getLogger("moe_fx.lowering.triton")
 
@@ -148,6 +148,75 @@ def candidates(kind: str, bucket: int) -> list[TileConfig]:
         TileConfig(128, 128, 64, 8, 4, 3, 2, tma=True),
         TileConfig(64, 256, 64, 8, 4, 4, 1, tma=True),
     ]
+
+
+def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
+    """The configurations ``bench/tune_tiles.py --sorted`` tries for a rows-per-expert regime.
+
+    Short lists (tuning runs on a lease): every candidate is timed at every token count of the
+    regime and the one with the best worst case is kept (:func:`pick_regime_config`).
+    """
+    from moe_fx.lowering.problem import regime_bounds
+
+    fp8 = kind == "fp8"
+    _, hi = regime_bounds(regime)
+    if hi is not None and hi <= 16:  # the weights stream: bytes in flight per SM decide
+        if fp8:
+            return [TileConfig(16, 64, 128, 1, 4, 5, 2), TileConfig(16, 128, 128, 1, 4, 5, 1),
+                    TileConfig(16, 32, 128, 1, 4, 5, 4)]
+        return [TileConfig(16, 64, 128, 1, 4, 4, 2), TileConfig(16, 32, 256, 1, 4, 4, 2),
+                TileConfig(16, 128, 128, 1, 4, 4, 1), TileConfig(16, 64, 256, 1, 4, 3, 1)]
+    if hi is not None and hi <= 64:
+        if fp8:
+            return [TileConfig(32, 128, 128, 4, 4, 4, 2), TileConfig(64, 128, 128, 4, 4, 4, 2),
+                    TileConfig(16, 128, 128, 1, 4, 5, 1)]
+        return [TileConfig(32, 64, 128, 4, 4, 4, 2), TileConfig(64, 128, 64, 4, 4, 4, 1),
+                TileConfig(64, 64, 128, 4, 4, 4, 2)]
+    if hi is not None:
+        if fp8:
+            return [TileConfig(64, 128, 128, 8, 4, 4, 2), TileConfig(128, 128, 128, 8, 8, 4, 1)]
+        return [TileConfig(64, 128, 64, 8, 4, 4, 2), TileConfig(128, 128, 64, 8, 8, 4, 1),
+                TileConfig(128, 256, 64, 8, 8, 3, 1)]
+    if fp8:
+        return [TileConfig(128, 128, 128, 8, 8, 4, 1), TileConfig(64, 128, 128, 8, 4, 4, 2)]
+    return [TileConfig(128, 256, 64, 8, 8, 3, 1), TileConfig(128, 128, 64, 8, 8, 4, 1),
+            TileConfig(128, 128, 64, 8, 4, 3, 2)]
+
+
+def pick_regime_config(timings: dict[int, dict[TileConfig, float]]) -> tuple[TileConfig, float]:
+    """The configuration whose worst slowdown over the token counts of a regime is least.
+
+    ``timings[T][cfg]`` = time of ``cfg`` at token count T (any unit; a failed candidate is absent).
+    Returns ``(config, worst)`` with ``worst = max_T time(config, T) / min_cfg time(cfg, T)`` (1.0 =
+    the best at every T). Only candidates timed at every T compete.
+    """
+    if not timings:
+        raise ValueError("pick_regime_config: no timings")
+    common = set.intersection(*(set(per) for per in timings.values()))
+    if not common:
+        raise ValueError("pick_regime_config: no candidate was timed at every token count")
+    best_at = {t: min(per.values()) for t, per in timings.items()}
+
+    def worst(cfg: TileConfig) -> float:
+        return max(per[cfg] / best_at[t] for t, per in timings.items())
+
+    cfg = min(sorted(common, key=lambda c: asdict(c).__repr__()), key=worst)
+    return cfg, worst(cfg)
+
+
+def store(entries: dict[str, TileConfig]) -> None:
+    """Write tuned entries to the user cache (merged with what another process wrote meanwhile)."""
+    for key, cfg in entries.items():
+        _memory.pop(key, None)
+        _disk()[key] = asdict(cfg)
+    _memory.clear()  # lookups memoise by call site; a new entry must be seen
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    merged = _read(path)
+    merged.update(_disk())
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
+    os.replace(tmp, path)
 
 
 def cache_path() -> pathlib.Path:
@@ -316,14 +385,6 @@ def tune(
         if best is None or ms < best[0]:
             best = (ms, cfg)
     cfg = _heuristic(kind, n, k, bucket, active_groups) if best is None else best[1]
+    store({key: cfg})
     _memory[key] = cfg
-    _disk()[key] = asdict(cfg)
-    path = cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Merge with what another process may have written meanwhile, then replace atomically.
-    merged = _read(path)
-    merged.update(_disk())
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
-    os.replace(tmp, path)
     return cfg
