@@ -47,7 +47,7 @@ def _kernels():
 
 GEMM = {"GROUP_M": 8, "E_POW2": 128, "EVEN_K": True, "UPCAST": False, "s_ak": 1, "s_bk": 1, "s_cn": 1,
         "bias_ptr": None, "HAS_BIAS": False, "sorted_ptr": None, "rw_ptr": None, "SORTED": False, "GATHER_A": False,
-        "TOPK": 1, "ROUTE_W": False}
+        "TOPK": 1, "ROUTE_W": False, "SWAP_AB": False, "DEVICE_TMA": False}
 
 
 @pytest.mark.parametrize(
@@ -188,5 +188,36 @@ def test_sort_kernels_compile():
         ptx = _compile(k.sort_slots_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
                                              "pos_ptr": "*i64"}, consts).asm["ptx"]
         assert "atom.global" in ptx and "ld.local" not in ptx
+        ptx = _compile(k.sort_small_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
+                                             "pos_ptr": "*i64"}, {"TOPK": 8, "CHUNK": max(16, min(64, 8192 // e_pow2)),
+                                                                  "E_POW2": e_pow2}).asm["ptx"]
+        assert "atom.global" not in ptx and "ld.local" not in ptx  # one program: no atomics, no spills
     _compile(k.quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
              {"BLOCK_T": 8, "INTERP": False})
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("swap_ab,device_tma,gather", [(True, False, True), (False, True, False), (False, True, True)])
+def test_sorted_gemm_swap_and_device_descriptors_compile(fp8, swap_ab, device_tma, gather):
+    """Swapped decode tiles reach wgmma with 16 rows; device-made descriptors load through TMA."""
+    k = _kernels()
+    bm, bn, bk = (16, 64, 128) if swap_ab else (128, 128, 128 if fp8 else 64)
+    consts = dict(GEMM, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, TMA=device_tma, SORTED=True, GATHER_A=gather, TOPK=8,
+                  s_ag=0, s_cg=0, SWAP_AB=swap_ab, DEVICE_TMA=device_tma, s_ak=1, s_bk=1)
+    elem = "fp8e4nv" if fp8 else "bf16"
+    types = {"a_ptr": f"*{elem}", "b_ptr": f"*{elem}", "c_ptr": "*bf16", "masked_m_ptr": "*i32"}
+    if gather:
+        types["sorted_ptr"] = "*i32"
+        del consts["sorted_ptr"]
+    if fp8:
+        fn = k.masked_gemm_fp8_kernel
+        types.update({"as_ptr": "*fp32", "bs_ptr": "*fp32"})
+        consts.update(s_ask=1, s_asg=0, SCALAR_BS=True)
+    else:
+        fn = k.masked_gemm_kernel
+        consts["IEEE"] = False
+    ptx = _compile(fn, types, consts, 4 if swap_ab else 8, 4 if fp8 else 3).asm["ptx"]
+    assert "wgmma.mma_async" in ptx, "Hopper MMA expected (the swapped 16-row tile too)"
+    if device_tma:
+        assert "cp.async.bulk.tensor" in ptx, "TMA loads expected"
+    assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"

@@ -189,7 +189,8 @@ def run_experts(
     hints = GemmHints(expected_m=rows, max_total_m=t * k, active_groups=torch.sym_min(e, t * k),
                       regime=plan.problem.regime)
     if plan.layout == "sorted":
-        sorted_rows = sort_by_expert(topk_ids, e)
+        # decode (regime 0: at most 4 rows per expert, so T * K <= 4E slots): the one-program sort
+        sorted_rows = sort_by_expert(topk_ids, e, small=plan.problem.regime == 0)
         y = run_sorted_experts(hidden, sorted_rows, weights, spec, gemms, hints,
                                route_weights=topk_weights if weights_on_input else None)
         slot_pos = sorted_rows.slot_pos

@@ -159,29 +159,56 @@ def explain_kernel(
     k_major: bool = True,
     caps: Capabilities | None = None,
 ) -> tuple[str, dict[str, str]]:
-    """For ``moe_fx.explain()``: ``(kernel, {other kernel: why not})`` for one experts layer.
+    """For ``moe_fx.explain()``: ``(kernel, {other kernel: why not, "layout": ...})`` for one experts layer.
 
-    explain sees no batch, so the answer is for prefill-sized batches, and a note says what
-    decode-sized batches run. ``activation`` is a name or a :class:`moe_fx.ops.ExpertActivation`.
-    An explicit request that cannot run is reported as ``"<request> (cannot run)"`` with the reason
-    under the request's own name; a Triton request on CPU as ``"triton (interpreted on CPU)"``.
+    explain sees no batch: the kernel is the one prefill-sized batches run, and ``reasons["layout"]``
+    says which kernel and row layout each rows-per-expert regime runs and why, all computed by the
+    lowering's own rule (:func:`moe_fx.lowering.experts.decide_experts_plan`). ``activation`` is a
+    name or a :class:`moe_fx.ops.ExpertActivation`. An explicit request that cannot run is reported
+    as ``"<request> (cannot run)"`` with the reason under the request's own name; a Triton request on
+    CPU as ``"triton (interpreted on CPU)"``.
     """
-    from moe_fx.lowering.problem import ROW_REGIMES, ExpertsProblem, dtype_name
+    from moe_fx.lowering.experts import decide_experts_plan
+    from moe_fx.lowering.problem import ROW_REGIMES, ExpertsProblem, dtype_name, regime_bounds
     from moe_fx.ops import ExpertActivation
 
     spec = activation if isinstance(activation, ExpertActivation) else ExpertActivation(str(activation))
     block = (tuple(fp8_block) if fp8_block is not None else (128, 128)) if fp8 else None
-    problem = ExpertsProblem(device_type, dtype_name(dtype), num_experts, hidden, intermediate, spec, block,
-                             w13_bias, w2_bias, k_major, len(ROW_REGIMES))
-    choice = choose("experts", problem, request=request, caps=caps, device=device_type)
+    caps = caps or probe_capabilities(device_type)
+
+    def problem(regime: int) -> ExpertsProblem:
+        return ExpertsProblem(device_type, dtype_name(dtype), num_experts, hidden, intermediate, spec, block,
+                              w13_bias, w2_bias, k_major, regime)
+
+    prefill = len(ROW_REGIMES)
+    choice = choose("experts", problem(prefill), request=request, caps=caps)
     if choice.error is not None:
         return f"{choice.name} (cannot run)", {choice.name: choice.error, **choice.reasons}
     reasons = dict(choice.reasons)
     if choice.name == "triton" and device_type == "cpu":
         return "triton (interpreted on CPU)", reasons
-    if choice.name == "deepgemm" and request == "auto":
-        decode = decide("experts", ExpertsProblem(**{**problem.__dict__, "regime": 0}),
-                        caps or probe_capabilities(device_type))
-        if decode.name != "deepgemm":
-            reasons[decode.name] = f"deepgemm preferred; {decode.name} runs batches of <= {ROW_REGIMES[0]} rows per expert"
+    if choice.name == "reference":
+        return choice.name, reasons
+    plans = [decide_experts_plan(problem(r), 0, request, caps=caps) for r in range(prefill + 1)]
+    if choice.name == "deepgemm" and request == "auto" and plans[0].experts.name != "deepgemm":
+        reasons[plans[0].experts.name] = (f"deepgemm preferred; {plans[0].experts.name} runs batches of <= "
+                                          f"{ROW_REGIMES[0]} rows per expert")
+    reasons["layout"] = _layout_summary(plans, regime_bounds)
     return choice.name, reasons
+
+
+def _layout_summary(plans: list, regime_bounds) -> str:
+    """``"rows per expert 1..4: triton, sorted layout; 5..: deepgemm, masked layout (why)"``: runs of equal plans."""
+    parts: list[str] = []
+    start = 0
+    for r in range(1, len(plans) + 1):
+        if r < len(plans) and plans[r].summary() == plans[start].summary():
+            continue
+        lo, _ = regime_bounds(start)
+        _, hi = regime_bounds(r - 1)
+        plan = plans[start]
+        why = "; ".join(f"{k}: {v}" for k, v in plan.prepare.reasons.items() if not k.startswith(("deepep", "torch_dist")))
+        span = f"{lo}..{hi}" if hi is not None else f"{lo}.."
+        parts.append(f"rows per expert {span}: {plan.summary()}" + (f" ({why})" if why else ""))
+        start = r
+    return "; ".join(parts)

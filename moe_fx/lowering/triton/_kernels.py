@@ -136,6 +136,8 @@ def masked_gemm_kernel(
     GATHER_A: tl.constexpr = False,
     TOPK: tl.constexpr = 1,
     ROUTE_W: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
+    DEVICE_TMA: tl.constexpr = False,
 ):
     """c[g, :m_g, :] = a[g, :m_g, :] @ b[g]^T (+ bias[g]), fp32 accumulation, stored in c's dtype.
 
@@ -149,6 +151,17 @@ def masked_gemm_kernel(
     ``rw[slot // TOPK, slot % TOPK]`` before the bias (weights applied to the expert's input:
     ``(w x) W^T = w (x W^T)``).
     """
+    if DEVICE_TMA:  # tensor descriptors made on the device (what Inductor-launched kernels can use)
+        # the unit last stride is written as a literal (the host checked it): TMA needs it static
+        b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[s_bg, s_bn, 1],
+                                          block_shape=[1, BLOCK_N, BLOCK_K])
+        if not GATHER_A:
+            if SORTED:  # one group of rows (its group stride is never used)
+                a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[1, M, K], strides=[M * s_am, s_am, 1],
+                                                  block_shape=[1, BLOCK_M, BLOCK_K])
+            else:
+                a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[E, M, K], strides=[s_ag, s_am, 1],
+                                                  block_shape=[1, BLOCK_M, BLOCK_K])
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
@@ -176,7 +189,10 @@ def masked_gemm_kernel(
             a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
         if not TMA:
             b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        if SWAP_AB:  # acc^T = b^T a^T: the weight tile is the MMA's M (wgmma needs 64+), the few rows its N
+            acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+        else:
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if TMA and not GATHER_A:
                 a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
@@ -193,7 +209,12 @@ def masked_gemm_kernel(
             if UPCAST:  # the CPU interpreter's dot mis-reads bf16 / fp8 operands; fp32 is exact there
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            if IEEE or UPCAST:
+            if SWAP_AB:
+                if IEEE or UPCAST:
+                    acc = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(tl.trans(b), tl.trans(a), acc)
+            elif IEEE or UPCAST:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
@@ -201,6 +222,8 @@ def masked_gemm_kernel(
                 a_ptrs += BLOCK_K * s_ak
             if not TMA:
                 b_ptrs += BLOCK_K * s_bk
+        if SWAP_AB:
+            acc = tl.trans(acc)
         if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)
             rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0)
             acc = acc * rw.to(tl.float32)[:, None]
@@ -257,6 +280,8 @@ def masked_gemm_fp8_kernel(
     GATHER_A: tl.constexpr = False,
     TOPK: tl.constexpr = 1,
     ROUTE_W: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
+    DEVICE_TMA: tl.constexpr = False,
 ):
     """fp8 x fp8 -> bf16 (+ bias[g]): a with 1x128 per-row group scales, b with 128x128 block scales.
 
@@ -267,6 +292,17 @@ def masked_gemm_fp8_kernel(
     that promotion runs on the CUDA cores beside the tensor cores and bounds this kernel's speed.
     TMA, SORTED, GATHER_A, ROUTE_W: as in :func:`masked_gemm_kernel` (``as`` rows follow ``a``'s).
     """
+    if DEVICE_TMA:  # tensor descriptors made on the device (what Inductor-launched kernels can use)
+        # the unit last stride is written as a literal (the host checked it): TMA needs it static
+        b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[s_bg, s_bn, 1],
+                                          block_shape=[1, BLOCK_N, BLOCK_K])
+        if not GATHER_A:
+            if SORTED:  # one group of rows (its group stride is never used)
+                a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[1, M, K], strides=[M * s_am, s_am, 1],
+                                                  block_shape=[1, BLOCK_M, BLOCK_K])
+            else:
+                a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[E, M, K], strides=[s_ag, s_am, 1],
+                                                  block_shape=[1, BLOCK_M, BLOCK_K])
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
@@ -299,7 +335,10 @@ def masked_gemm_fp8_kernel(
             bs_ptrs = bs_ptr + e64 * s_bsg + ((pid_n * BLOCK_N) // 128) * s_bsn
         else:
             bs_ptrs = bs_ptr + e64 * s_bsg + (offs_n // 128) * s_bsn
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        if SWAP_AB:  # acc^T = b^T a^T: the weight tile is the MMA's M (wgmma needs 64+), the few rows its N
+            acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+        else:
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if TMA and not GATHER_A:
                 a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
@@ -315,19 +354,32 @@ def masked_gemm_fp8_kernel(
                 b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
             kg = k0 // 128
             a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_m, other=0.0)
-            if SCALAR_BS:
-                scale = (a_s * tl.load(bs_ptrs + kg * s_bsk))[:, None]
+            if SWAP_AB:  # the same step transposed: rows are the accumulator's columns
+                if SCALAR_BS:
+                    scale = (a_s * tl.load(bs_ptrs + kg * s_bsk))[None, :]
+                else:
+                    scale = tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)[:, None] * a_s[None, :]
+                if UPCAST:
+                    step = tl.dot(tl.trans(b).to(tl.float32), tl.trans(a).to(tl.float32), input_precision="ieee")
+                else:
+                    step = tl.dot(tl.trans(b), tl.trans(a))
+                acc = tl.fma(step, scale, acc)
             else:
-                scale = a_s[:, None] * tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)[None, :]
-            # an explicit FMA: Triton stops fusing a multiply and an add by default after 3.9
-            if UPCAST:
-                acc = tl.fma(tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee"), scale, acc)
-            else:
-                acc = tl.fma(tl.dot(a, b), scale, acc)
+                if SCALAR_BS:
+                    scale = (a_s * tl.load(bs_ptrs + kg * s_bsk))[:, None]
+                else:
+                    scale = a_s[:, None] * tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)[None, :]
+                # an explicit FMA: Triton stops fusing a multiply and an add by default after 3.9
+                if UPCAST:
+                    acc = tl.fma(tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee"), scale, acc)
+                else:
+                    acc = tl.fma(tl.dot(a, b), scale, acc)
             if not (TMA and not GATHER_A):
                 a_ptrs += BLOCK_K * s_ak
             if not TMA:
                 b_ptrs += BLOCK_K * s_bk
+        if SWAP_AB:
+            acc = tl.trans(acc)
         if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)
             rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0)
             acc = acc * rw.to(tl.float32)[:, None]
@@ -734,3 +786,47 @@ def quantize_rows_kernel(
         q = _e4m3_grid(q)
     tl.store(q_ptr + t64[:, None] * s_qt + offs_h[None, :] * s_qh, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + t64 * s_st + tl.program_id(1) * s_sh, scale, mask=offs_t < T)
+
+
+@triton.jit
+def sort_small_kernel(
+    ids_ptr,
+    counts_ptr,
+    sorted_ptr,
+    pos_ptr,
+    N,
+    E,
+    s_it,
+    s_ik,
+    TOPK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    E_POW2: tl.constexpr,
+):
+    """:func:`expert_counts_kernel` + :func:`sort_slots_kernel` in ONE program, for decode-sized batches.
+
+    No atomics, so no zeroed scratch: the counts are written, not accumulated (one memset and one
+    launch fewer, which is what a decode step pays for). Two passes over the slots in chunks: the
+    counts, then each slot's row ``start[e] + rank`` with its rank among earlier slots of the same
+    expert (a stable counting sort: the row order is deterministic here).
+    """
+    offs_e = tl.arange(0, E_POW2)
+    counts = tl.full((E_POW2,), 0, tl.int32)
+    for c0 in range(0, N, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + _slot_offsets(offs, s_it, s_ik, TOPK), mask=offs < N, other=-1).to(tl.int32)
+        hit = (ids[:, None] == offs_e[None, :]) & ((offs < N) & (ids >= 0) & (ids < E))[:, None]
+        counts += tl.reduce(hit.to(tl.int32), 0, _add)
+    tl.store(counts_ptr + offs_e, counts, mask=offs_e < E)
+    tl.store(counts_ptr + E, tl.reduce(counts, 0, _add))
+    seen = tl.associative_scan(counts, 0, _add) - counts  # start[e], then start[e] + slots placed so far
+    for c0 in range(0, N, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        smask = offs < N
+        ids = tl.load(ids_ptr + _slot_offsets(offs, s_it, s_ik, TOPK), mask=smask, other=-1).to(tl.int32)
+        valid = smask & (ids >= 0) & (ids < E)
+        hit = ((ids[:, None] == offs_e[None, :]) & valid[:, None]).to(tl.int32)
+        before = tl.associative_scan(hit, 0, _add) - hit  # earlier slots of the chunk with the same expert
+        row = tl.reduce(hit * (seen[None, :] + before), 1, _add)
+        tl.store(sorted_ptr + row, offs, mask=valid)
+        tl.store(pos_ptr + offs, tl.where(valid, row, -1).to(tl.int64), mask=smask)
+        seen += tl.reduce(hit, 0, _add)

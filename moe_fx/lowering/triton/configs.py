@@ -41,8 +41,13 @@ class TileConfig:
     num_stages: int = 4
     programs_per_sm: int = 1
     #: load A and B tiles through TMA tensor descriptors (Hopper's copy engine) instead of pointer
-    #: arithmetic; used only where the tensors meet TMA's alignment rules (else pointers, silently)
+    #: arithmetic; used only where the tensors meet TMA's alignment rules (else pointers, silently).
+    #: The sorted layout makes its descriptors on the device (also in Inductor-launched kernels; a
+    #: gathered A stays on pointers), the masked layout on the host (eager calls only).
     tma: bool = False
+    #: compute ``acc^T = b^T a^T``: with few rows per tile (decode) the weight tile becomes the MMA's
+    #: M dimension, so Hopper's wgmma (64+ rows) runs instead of the older mma for 16-row tiles
+    swap_ab: bool = False
 
     def smem_bytes(self, elem_bytes: int) -> int:
         """Shared memory the pipelined A and B tiles take (the kernel's dominant use)."""
@@ -154,33 +159,46 @@ def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
     """The configurations ``bench/tune_tiles.py --sorted`` tries for a rows-per-expert regime.
 
     Short lists (tuning runs on a lease): every candidate is timed at every token count of the
-    regime and the one with the best worst case is kept (:func:`pick_regime_config`).
+    regime and the one with the best worst case is kept (:func:`pick_regime_config`). Real routings
+    are uneven: an expert of a regime that expects up to 16 rows gets 20 and more, so each regime
+    also tries row tiles twice its bound (a second row tile streams the expert's weights again).
+    Swapped tiles (``swap_ab``) put decode tiles on wgmma; ``tma`` tiles make their descriptors on
+    the device.
     """
     from moe_fx.lowering.problem import regime_bounds
 
     fp8 = kind == "fp8"
     _, hi = regime_bounds(regime)
-    if hi is not None and hi <= 16:  # the weights stream: bytes in flight per SM decide
+    T = TileConfig
+    if hi is not None and hi <= 4:  # decode: the weights stream; bytes in flight per SM decide
         if fp8:
-            return [TileConfig(16, 64, 128, 1, 4, 5, 2), TileConfig(16, 128, 128, 1, 4, 5, 1),
-                    TileConfig(16, 32, 128, 1, 4, 5, 4)]
-        return [TileConfig(16, 64, 128, 1, 4, 4, 2), TileConfig(16, 32, 256, 1, 4, 4, 2),
-                TileConfig(16, 128, 128, 1, 4, 4, 1), TileConfig(16, 64, 256, 1, 4, 3, 1)]
+            return [T(16, 64, 128, 1, 4, 5, 2), T(16, 128, 128, 1, 4, 5, 1), T(16, 32, 128, 1, 4, 5, 4),
+                    T(16, 64, 128, 1, 4, 5, 2, swap_ab=True), T(16, 128, 128, 1, 4, 4, 1, swap_ab=True)]
+        return [T(16, 64, 128, 1, 4, 4, 2), T(16, 32, 256, 1, 4, 4, 2), T(16, 128, 128, 1, 4, 4, 1),
+                T(16, 64, 256, 1, 4, 3, 1), T(16, 64, 128, 1, 4, 4, 2, swap_ab=True)]
+    if hi is not None and hi <= 16:
+        if fp8:
+            return [T(16, 64, 128, 1, 4, 5, 2), T(32, 128, 128, 4, 4, 4, 2), T(32, 64, 128, 1, 4, 4, 2, swap_ab=True),
+                    T(16, 128, 128, 1, 4, 4, 1, swap_ab=True)]
+        return [T(16, 64, 128, 1, 4, 4, 2), T(16, 32, 256, 1, 4, 4, 2), T(32, 64, 128, 1, 4, 4, 2),
+                T(32, 128, 128, 1, 4, 3, 1), T(32, 64, 128, 1, 4, 4, 2, swap_ab=True)]
     if hi is not None and hi <= 64:
         if fp8:
-            return [TileConfig(32, 128, 128, 4, 4, 4, 2), TileConfig(64, 128, 128, 4, 4, 4, 2),
-                    TileConfig(16, 128, 128, 1, 4, 5, 1)]
-        return [TileConfig(32, 64, 128, 4, 4, 4, 2), TileConfig(64, 128, 64, 4, 4, 4, 1),
-                TileConfig(64, 64, 128, 4, 4, 4, 2)]
+            return [T(32, 128, 128, 4, 4, 4, 2), T(64, 128, 128, 4, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1),
+                    T(64, 128, 128, 4, 4, 4, 2, tma=True)]
+        return [T(32, 64, 128, 4, 4, 4, 2), T(64, 128, 64, 4, 4, 4, 1), T(64, 64, 128, 4, 4, 4, 2),
+                T(128, 128, 64, 8, 8, 4, 1), T(64, 128, 64, 4, 4, 4, 1, tma=True)]
     if hi is not None:
         if fp8:
-            return [TileConfig(64, 128, 128, 8, 4, 4, 2), TileConfig(128, 128, 128, 8, 8, 4, 1)]
-        return [TileConfig(64, 128, 64, 8, 4, 4, 2), TileConfig(128, 128, 64, 8, 8, 4, 1),
-                TileConfig(128, 256, 64, 8, 8, 3, 1)]
+            return [T(64, 128, 128, 8, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1), T(128, 128, 128, 8, 8, 4, 1, tma=True),
+                    T(64, 128, 128, 8, 4, 4, 2, tma=True)]
+        return [T(64, 128, 64, 8, 4, 4, 2), T(128, 128, 64, 8, 8, 4, 1), T(128, 256, 64, 8, 8, 3, 1),
+                T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True)]
     if fp8:
-        return [TileConfig(128, 128, 128, 8, 8, 4, 1), TileConfig(64, 128, 128, 8, 4, 4, 2)]
-    return [TileConfig(128, 256, 64, 8, 8, 3, 1), TileConfig(128, 128, 64, 8, 8, 4, 1),
-            TileConfig(128, 128, 64, 8, 4, 3, 2)]
+        return [T(128, 128, 128, 8, 8, 4, 1), T(64, 128, 128, 8, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1, tma=True),
+                T(64, 128, 128, 8, 4, 4, 2, tma=True)]
+    return [T(128, 256, 64, 8, 8, 3, 1), T(128, 128, 64, 8, 8, 4, 1), T(128, 128, 64, 8, 4, 3, 2),
+            T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 4, 3, 2, tma=True)]
 
 
 def pick_regime_config(timings: dict[int, dict[TileConfig, float]]) -> tuple[TileConfig, float]:
@@ -310,8 +328,9 @@ def get_config(
     ``expected_m`` — the regime's bucket when the token count is ``symbolic`` (never the size a graph
     happened to be traced with) — in the user cache, then the shipped table; then the heuristic.
     ``active_groups`` (host-side estimate of the groups with rows, ``min(E, T * K)``) keys decode
-    buckets. ``allow_tma=False`` (compiled graphs, see ``grouped_gemm._operands``) prefers the best
-    tuned tile that loads through pointers, and never returns a TMA tile.
+    buckets. ``allow_tma=False`` (compiled graphs, see ``grouped_gemm._operands``) prefers, for the
+    masked layout (host-made descriptors), the best tuned tile that loads through pointers, and never
+    returns a TMA tile there; the sorted layout makes its descriptors on the device and keeps its tile.
     """
     if device.type == "cpu":
         # Interpreter: few, small programs keep the emulation quick; speed is not measured there.
@@ -333,7 +352,7 @@ def get_config(
             keys += (_key(name, kind, n, k, bucket, active_groups), _key(name, kind, n, k, bucket))
         raw = next((table[key] for table in (_disk(), _shipped()) for key in keys if key in table), None)
         cfg = _from_dict(raw) if raw else _heuristic(kind, n, k, bucket, active_groups, num_sms)
-        if not allow_tma:
+        if not allow_tma and layout == "masked":  # the sorted layout makes its descriptors on the device
             cfg = replace(cfg, tma=False)
         _memory[mkey] = cfg
     return cfg

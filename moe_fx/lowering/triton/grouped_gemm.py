@@ -8,7 +8,6 @@ they were (unwritten).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -122,13 +121,10 @@ def _tma_ok(t: torch.Tensor) -> bool:
 def _tma_capable(device: torch.device) -> bool:
     if device.type == "cpu":
         return True  # the interpreter emulates descriptors (tests exercise the TMA branch there)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= (9, 0)
+    from moe_fx.lowering.problem import probe_capabilities
 
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(index))
+    cap = probe_capabilities(device).capability  # the assumed GPU while tracing for one this machine lacks
+    return cap is not None and tuple(cap) >= (9, 0)
 
 
 def _operands(
@@ -149,6 +145,27 @@ def _operands(
     if gather:
         return a, b_desc, True
     return TensorDescriptor.from_tensor(a, [1, cfg.block_m, cfg.block_k]), b_desc, True
+
+
+def _device_tma_ok(a: torch.Tensor, b: torch.Tensor, gather: bool) -> bool:
+    """Whether the kernels can make TMA descriptors of ``b`` (and of ``a`` unless gathered) on the device.
+
+    Unit last stride, 16-byte aligned strides and rows (TMA's rules); base addresses are checked on
+    real tensors (a traced stand-in has none: its buffers come from the allocator, weights are
+    parameters, both aligned).
+    """
+    if a.device.type == "cuda" and not _tma_capable(a.device):
+        return False
+    ts = [b] if gather else [b, a]
+    for t in ts:
+        size = t.element_size()
+        if t.dim() != 3 or t.stride(2) != 1 or t.shape[2] * size < 16:
+            return False
+        if any(isinstance(st, int) and (st * size) % 16 for st in t.stride()[:2] if st):
+            return False
+        if not is_traced(t) and t.data_ptr() % 16:
+            return False
+    return True
 
 
 def _tile_bound(groups: int, m: object, n: int, cfg: configs.TileConfig, max_total_m: object) -> object:
@@ -225,7 +242,13 @@ def _launch_gemm(
 ) -> None:
     """One launch of the masked / sorted GEMM kernel of ``kind`` (the layouts differ only in row offsets)."""
     nprog = num_programs(a.device, cfg, tile_bound)
-    a_in, b_in, tma = _operands(cfg, a, b, gather=gather)
+    device_tma = sorted_rows is not None and cfg.tma and _device_tma_ok(a, b, gather)
+    if device_tma:
+        a_in, b_in, tma = a, b, True
+    elif sorted_rows is not None:
+        a_in, b_in, tma = a, b, False
+    else:
+        a_in, b_in, tma = _operands(cfg, a, b, gather=gather)
     if sorted_rows is not None:
         rw = route_weights
         extra = dict(sorted_ptr=sorted_rows.sorted_slots if gather else None, rw_ptr=rw,
@@ -236,6 +259,7 @@ def _launch_gemm(
     common = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, E_POW2=_pow2(groups),
         EVEN_K=k % cfg.block_k == 0, UPCAST=a.device.type == "cpu", TMA=tma, **_bias_args(bias), **extra,
+        SWAP_AB=cfg.swap_ab, DEVICE_TMA=device_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if kind == "fp8":

@@ -30,11 +30,17 @@ def _slots_per_program(e_pow2: int) -> int:
     return max(16, min(1024, 16384 // e_pow2))
 
 
-def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> SortedRows:
+#: decode-sized sorts (at most this many slots, or the decode regime) run in one program
+SMALL_SORT_SLOTS = 1024
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, *, small: bool | None = None) -> SortedRows:
     """Rows of the contiguous layout for ``topk_ids [T, K]`` (int32/int64, any strides).
 
-    Returns a :class:`SortedRows` with ``num_rows = T * K``. Two launches and one memset; the order of
-    rows inside an expert is not deterministic (atomics), every result computed from them is.
+    Returns a :class:`SortedRows` with ``num_rows = T * K``. ``small`` (default: ``T * K <=``
+    :data:`SMALL_SORT_SLOTS` when T is known) sorts in one program, a stable counting sort with no
+    memset (decode: the pipeline passes its regime); otherwise two launches over the slots and one
+    memset, with rows inside an expert in no set order (atomics). Every result is deterministic.
     """
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"sort_by_expert: topk_ids must be int32/int64 [T, K], got {topk_ids.dtype} {list(topk_ids.shape)}")
@@ -43,12 +49,19 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> SortedRows:
     t, k = topk_ids.shape
     n = t * k
     dev = topk_ids.device
-    # counts [E], total, cursors [E]: one buffer, one memset
-    scratch = torch.zeros(2 * num_experts + 1, dtype=torch.int32, device=dev)
+    if small is None:
+        small = isinstance(n, int) and n <= SMALL_SORT_SLOTS
+    e_pow2 = _pow2(num_experts)
     sorted_slots = torch.empty(n, dtype=torch.int32, device=dev)
     slot_pos = torch.empty(n, dtype=torch.int64, device=dev)
+    if small:  # counts and total written whole: no memset
+        scratch = torch.empty(2 * num_experts + 1, dtype=torch.int32, device=dev)
+        launch("sort_small_kernel", dev, (1,), topk_ids, scratch, sorted_slots, slot_pos, n, num_experts,
+               *topk_ids.stride(), TOPK=int(k), CHUNK=max(16, min(64, 8192 // e_pow2)), E_POW2=e_pow2, num_warps=4)
+        return SortedRows(scratch, sorted_slots, slot_pos, int(k), n, num_experts)
+    # counts [E], total, cursors [E]: one buffer, one memset
+    scratch = torch.zeros(2 * num_experts + 1, dtype=torch.int32, device=dev)
     if not _known_empty(t, k):
-        e_pow2 = _pow2(num_experts)
         block = _slots_per_program(e_pow2)
         grid = (cdiv(n, block),)
         launch("expert_counts_kernel", dev, grid, topk_ids, scratch, n, num_experts, *topk_ids.stride(),
