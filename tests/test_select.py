@@ -166,6 +166,16 @@ def test_explain_kernel_plain_values():
     assert explain_kernel("cpu", "float32", 8, 32, 16, request="triton", caps=CPU)[0] == "triton (interpreted on CPU)"
 
 
+def test_explain_says_layout_and_kernel_per_regime():
+    """explain's layout line is the lowering's own plan for every regime (decide_experts_plan)."""
+    _, reasons = explain_kernel("cuda", torch.bfloat16, 8, 4096, 1024, caps=H100)
+    assert reasons["layout"].startswith("rows per expert 1..4: triton, sorted layout")
+    assert "5..: deepgemm, masked layout (local_sorted: the experts kernel reads the masked layout only)" in reasons["layout"]
+    no_dg = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "x", 132, "NVIDIA H200")
+    _, reasons = explain_kernel("cuda", torch.bfloat16, 128, 2048, 768, caps=no_dg)
+    assert reasons["layout"] == "rows per expert 1..: triton, sorted layout (local_permute: local_sorted preferred)"
+
+
 def test_choice_is_logged_once_per_problem(caplog):
     caplog.set_level(logging.INFO, logger="moe_fx.lowering")
     for _ in range(3):
