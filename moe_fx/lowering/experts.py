@@ -186,11 +186,11 @@ def run_experts(
     gemms = gemms_of(plan.experts)
     weights = ExpertWeights(w13, w2, w13_scale, w2_scale, w13_bias, w2_bias)
     rows = rows_per_expert(t, k, e)
-    hints = GemmHints(expected_m=rows, max_total_m=t * k, active_groups=torch.sym_min(e, t * k),
-                      regime=plan.problem.regime)
+    regime = plan.problem.regime if plan.problem is not None else None
+    hints = GemmHints(expected_m=rows, max_total_m=t * k, active_groups=torch.sym_min(e, t * k), regime=regime)
     if plan.layout == "sorted":
         # decode (regime 0: at most 4 rows per expert, so T * K <= 4E slots): the one-program sort
-        sorted_rows = sort_by_expert(topk_ids, e, small=plan.problem.regime == 0)
+        sorted_rows = sort_by_expert(topk_ids, e, small=(regime == 0) if regime is not None else None)
         y = run_sorted_experts(hidden, sorted_rows, weights, spec, gemms, hints,
                                route_weights=topk_weights if weights_on_input else None)
         slot_pos = sorted_rows.slot_pos
