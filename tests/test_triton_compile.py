@@ -143,6 +143,24 @@ def test_elementwise_kernels_compile(quant, gpt_oss):
     _compile(k.unpermute_kernel, types, consts)
 
 
+def _sorted_gemm(fp8: bool, gather: bool, route_w: bool = False, **consts):
+    """(kernel, types, constants) of a sorted-layout GEMM launch on contiguous tensors."""
+    k = _kernels()
+    consts = dict(GEMM, TMA=False, SORTED=True, GATHER_A=gather, TOPK=8, ROUTE_W=route_w, s_ag=0, s_cg=0, **consts)
+    elem = "fp8e4nv" if fp8 else "bf16"
+    types = {"a_ptr": f"*{elem}", "b_ptr": f"*{elem}", "c_ptr": "*bf16", "masked_m_ptr": "*i32"}
+    for name, on, t in (("sorted_ptr", gather, "*i32"), ("rw_ptr", route_w, "*fp32")):
+        if on:
+            types[name] = t
+            del consts[name]
+    if fp8:
+        types.update({"as_ptr": "*fp32", "bs_ptr": "*fp32"})
+        consts.update(s_ask=1, s_asg=0, SCALAR_BS=consts["BLOCK_N"] <= 128)
+        return k.masked_gemm_fp8_kernel, types, consts
+    consts["IEEE"] = False
+    return k.masked_gemm_kernel, types, consts
+
+
 @pytest.mark.parametrize(
     "fp8,bm,bn,bk,warps,stages,gather,route_w",
     [
@@ -155,24 +173,7 @@ def test_elementwise_kernels_compile(quant, gpt_oss):
 )
 def test_sorted_gemm_compiles_pipelined(fp8, bm, bn, bk, warps, stages, gather, route_w):
     """The contiguous layout's modes of the GEMM kernels: still pipelined, wgmma, no spills."""
-    k = _kernels()
-    consts = dict(GEMM, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, TMA=False, SORTED=True, GATHER_A=gather, TOPK=8,
-                  ROUTE_W=route_w, s_ag=0, s_cg=0)
-    elem = "fp8e4nv" if fp8 else "bf16"
-    types = {"a_ptr": f"*{elem}", "b_ptr": f"*{elem}", "c_ptr": "*bf16", "masked_m_ptr": "*i32"}
-    if gather:
-        types["sorted_ptr"] = "*i32"
-        del consts["sorted_ptr"]
-    if route_w:
-        types["rw_ptr"] = "*fp32"
-        del consts["rw_ptr"]
-    if fp8:
-        fn = k.masked_gemm_fp8_kernel
-        types.update({"as_ptr": "*fp32", "bs_ptr": "*fp32"})
-        consts.update(s_ask=1, s_asg=0, SCALAR_BS=bn <= 128)
-    else:
-        fn = k.masked_gemm_kernel
-        consts["IEEE"] = False
+    fn, types, consts = _sorted_gemm(fp8, gather, route_w, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     ptx = _compile(fn, types, consts, warps, stages).asm["ptx"]
     assert "cp.async" in ptx, "main loop not pipelined (no async copies)"
     assert ("wgmma.mma_async" in ptx) == (bm >= 64)
@@ -200,22 +201,9 @@ def test_sort_kernels_compile():
 @pytest.mark.parametrize("swap_ab,device_tma,gather", [(True, False, True), (False, True, False), (False, True, True)])
 def test_sorted_gemm_swap_and_device_descriptors_compile(fp8, swap_ab, device_tma, gather):
     """Swapped decode tiles reach wgmma with 16 rows; device-made descriptors load through TMA."""
-    k = _kernels()
     bm, bn, bk = (16, 64, 128) if swap_ab else (128, 128, 128 if fp8 else 64)
-    consts = dict(GEMM, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, TMA=device_tma, SORTED=True, GATHER_A=gather, TOPK=8,
-                  s_ag=0, s_cg=0, SWAP_AB=swap_ab, DEVICE_TMA=device_tma, s_ak=1, s_bk=1)
-    elem = "fp8e4nv" if fp8 else "bf16"
-    types = {"a_ptr": f"*{elem}", "b_ptr": f"*{elem}", "c_ptr": "*bf16", "masked_m_ptr": "*i32"}
-    if gather:
-        types["sorted_ptr"] = "*i32"
-        del consts["sorted_ptr"]
-    if fp8:
-        fn = k.masked_gemm_fp8_kernel
-        types.update({"as_ptr": "*fp32", "bs_ptr": "*fp32"})
-        consts.update(s_ask=1, s_asg=0, SCALAR_BS=True)
-    else:
-        fn = k.masked_gemm_kernel
-        consts["IEEE"] = False
+    fn, types, consts = _sorted_gemm(fp8, gather, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    consts.update(TMA=device_tma, SWAP_AB=swap_ab, DEVICE_TMA=device_tma)
     ptx = _compile(fn, types, consts, 4 if swap_ab else 8, 4 if fp8 else 3).asm["ptx"]
     assert "wgmma.mma_async" in ptx, "Hopper MMA expected (the swapped 16-row tile too)"
     if device_tma:

@@ -10,6 +10,7 @@ vLLM's "standard" experts format, without block padding (the GEMMs walk each exp
 
 from __future__ import annotations
 
+from moe_fx.lowering.prepare_finalize import local_permute
 from moe_fx.lowering.problem import Capabilities, DispatchProblem
 
 __all__ = ["NAME", "prefer", "supports"]
@@ -18,13 +19,10 @@ NAME = "local_sorted"
 
 
 def supports(problem: DispatchProblem, caps: Capabilities) -> tuple[bool, str]:
-    """One device, Triton present, and an experts kernel that reads the sorted layout."""
-    if problem.expert_parallel:
-        return False, "expert parallelism needs a communication backend"
-    if caps.triton_error is not None:
-        return False, caps.triton_error
-    if problem.device_type not in ("cuda", "cpu"):
-        return False, f"needs a CUDA GPU (or the CPU interpreter), device is {problem.device_type}"
+    """What the local permute needs (one device, Triton), and an experts kernel that reads the sorted layout."""
+    ok, why = local_permute.supports(problem, caps)
+    if not ok:
+        return ok, why
     if "sorted" not in problem.experts_layouts:
         return False, "the experts kernel reads the masked layout only"
     return True, ""
