@@ -24,8 +24,8 @@ from moe_fx.lowering.masked_experts.pipeline import (
     run_masked_experts,
     run_sorted_experts,
 )
-from moe_fx.lowering.problem import Capabilities, DispatchProblem, ExpertsProblem, dtype_name, row_regime, rows_per_expert
-from moe_fx.lowering.select import Choice, choose, decide
+from moe_fx.lowering.problem import Capabilities, ExpertsProblem, dtype_name, row_regime, rows_per_expert
+from moe_fx.lowering.select import Choice, choose, choose_layout, layout_of
 from moe_fx.ops import ExpertActivation
 from moe_fx.ops.ep import masked_output_dtype
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE
@@ -50,9 +50,7 @@ class ExpertsPlan:
     @property
     def layout(self) -> str:
         """``"sorted"``, ``"masked"`` or ``"reference"``: the row layout the call runs on."""
-        if self.prepare is None:
-            return "reference" if self.reference else "masked"
-        return "sorted" if self.prepare.name == "local_sorted" else "masked"
+        return "reference" if self.reference else layout_of(self.prepare)
 
     def summary(self) -> str:
         """One line: kernel and layout, e.g. ``"triton, sorted layout"``."""
@@ -97,26 +95,17 @@ def decide_experts_plan(
     """The kernel and the row layout of one ``moe_fx::experts`` problem: the lowering's rule, also explain's.
 
     The experts kernel first (:mod:`moe_fx.lowering.select`, family ``"experts"``), then the local
-    layout among those it reads (family ``"prepare_finalize"``: ``local_sorted`` or
-    ``local_permute``). ``caps`` makes it pure (explain for a device this machine lacks; tests);
+    layout among those it reads (:func:`~moe_fx.lowering.select.choose_layout`: ``local_sorted`` or
+    ``local_permute``); explain runs the same two. ``caps`` makes it pure (explain for a device this machine lacks; tests);
     ``layout`` requests one (benchmarks; ``"auto"`` otherwise).
     """
-    if caps is None:
-        experts = choose("experts", problem, request=impl, device=problem.device_type)
-    else:
-        experts = decide("experts", problem, caps, impl)
-    experts = _checked(experts, "experts", problem)
+    experts = _checked(choose("experts", problem, request=impl, caps=caps, device=problem.device_type), "experts",
+                       problem)
     if experts.name == "reference":
         return ExpertsPlan(experts, None, problem)
-    local = DispatchProblem(1, problem.device_type, problem.dtype, problem.hidden, int(top_k), problem.num_experts,
-                            use_fp8=problem.fp8, expert_parallel=False, experts_layouts=gemms_of(experts).layouts,
-                            regime=problem.regime)
-    if caps is None:
-        prepare = choose("prepare_finalize", local, request=layout, device=problem.device_type)
-    else:
-        prepare = decide("prepare_finalize", local, caps, layout)
+    prepare = choose_layout(problem, top_k, experts, request=layout, caps=caps)
     if prepare.error is not None:
-        raise RuntimeError(f"moe_fx.experts: layout {layout!r} cannot run: {prepare.error} ({local.describe()})")
+        raise RuntimeError(f"moe_fx.experts: layout {layout!r} cannot run: {prepare.error} ({problem.describe()})")
     return ExpertsPlan(experts, prepare, problem)
 
 

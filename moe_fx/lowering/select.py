@@ -26,7 +26,8 @@ from types import ModuleType
 
 from moe_fx.lowering.problem import Capabilities, probe_capabilities
 
-__all__ = ["FAMILIES", "REQUEST_ALIASES", "Choice", "candidates", "choose", "decide", "explain_kernel"]
+__all__ = ["FAMILIES", "REQUEST_ALIASES", "Choice", "candidates", "choose", "choose_layout", "decide", "explain_kernel",
+           "layout_of"]
 
 log = logging.getLogger("moe_fx.lowering")
 
@@ -143,6 +144,29 @@ def choose(
     return choice
 
 
+def choose_layout(
+    problem: object, top_k: int, experts: Choice, *, request: str = "auto", caps: Capabilities | None = None
+) -> Choice:
+    """The local row layout of a one-device experts problem once its experts kernel is chosen.
+
+    Family ``"prepare_finalize"`` on a :class:`~moe_fx.lowering.problem.DispatchProblem` that carries
+    the layouts the chosen kernel reads (its module's ``LAYOUTS``) and the problem's regime: the
+    lowering's rule (:func:`moe_fx.lowering.experts.decide_experts_plan`) and explain's.
+    """
+    from moe_fx.lowering.problem import DispatchProblem
+
+    mod = next(m for m in candidates("experts") if m.NAME == experts.name)
+    local = DispatchProblem(1, problem.device_type, problem.dtype, problem.hidden, int(top_k), problem.num_experts,
+                            use_fp8=problem.fp8, expert_parallel=False, experts_layouts=getattr(mod, "LAYOUTS", ()),
+                            regime=problem.regime)
+    return choose("prepare_finalize", local, request=request, caps=caps, device=problem.device_type)
+
+
+def layout_of(prepare: Choice | None) -> str:
+    """``"sorted"`` or ``"masked"``: the row layout a prepare/finalize choice runs (masked without one)."""
+    return "sorted" if prepare is not None and prepare.name == "local_sorted" else "masked"
+
+
 def explain_kernel(
     device_type: str,
     dtype: object,
@@ -162,13 +186,12 @@ def explain_kernel(
     """For ``moe_fx.explain()``: ``(kernel, {other kernel: why not, "layout": ...})`` for one experts layer.
 
     explain sees no batch: the kernel is the one prefill-sized batches run, and ``reasons["layout"]``
-    says which kernel and row layout each rows-per-expert regime runs and why, all computed by the
-    lowering's own rule (:func:`moe_fx.lowering.experts.decide_experts_plan`). ``activation`` is a
+    says which kernel and row layout each rows-per-expert regime runs and why, computed by the
+    functions the lowering's rule is made of (:func:`choose`, :func:`choose_layout`). ``activation`` is a
     name or a :class:`moe_fx.ops.ExpertActivation`. An explicit request that cannot run is reported
     as ``"<request> (cannot run)"`` with the reason under the request's own name; a Triton request on
     CPU as ``"triton (interpreted on CPU)"``.
     """
-    from moe_fx.lowering.experts import decide_experts_plan
     from moe_fx.lowering.problem import ROW_REGIMES, ExpertsProblem, dtype_name, regime_bounds
     from moe_fx.ops import ExpertActivation
 
@@ -189,26 +212,32 @@ def explain_kernel(
         return "triton (interpreted on CPU)", reasons
     if choice.name == "reference":
         return choice.name, reasons
-    plans = [decide_experts_plan(problem(r), 0, request, caps=caps) for r in range(prefill + 1)]
-    if choice.name == "deepgemm" and request == "auto" and plans[0].experts.name != "deepgemm":
-        reasons[plans[0].experts.name] = (f"deepgemm preferred; {plans[0].experts.name} runs batches of <= "
-                                          f"{ROW_REGIMES[0]} rows per expert")
+    plans = []
+    for r in range(prefill + 1):
+        experts = choose("experts", problem(r), request=request, caps=caps)
+        plans.append((experts, choose_layout(problem(r), 0, experts, request="auto", caps=caps)))
+    if choice.name == "deepgemm" and request == "auto" and plans[0][0].name != "deepgemm":
+        reasons[plans[0][0].name] = (f"deepgemm preferred; {plans[0][0].name} runs batches of <= "
+                                     f"{ROW_REGIMES[0]} rows per expert")
     reasons["layout"] = _layout_summary(plans, regime_bounds)
     return choice.name, reasons
 
 
-def _layout_summary(plans: list, regime_bounds) -> str:
+def _layout_summary(plans: list[tuple[Choice, Choice]], regime_bounds) -> str:
     """``"rows per expert 1..4: triton, sorted layout; 5..: deepgemm, masked layout (why)"``: runs of equal plans."""
+    def head(plan: tuple[Choice, Choice]) -> str:
+        return f"{plan[0].name}, {layout_of(plan[1])} layout"
+
     parts: list[str] = []
     start = 0
     for r in range(1, len(plans) + 1):
-        if r < len(plans) and plans[r].summary() == plans[start].summary():
+        if r < len(plans) and head(plans[r]) == head(plans[start]):
             continue
         lo, _ = regime_bounds(start)
         _, hi = regime_bounds(r - 1)
-        plan = plans[start]
-        why = "; ".join(f"{k}: {v}" for k, v in plan.prepare.reasons.items() if not k.startswith(("deepep", "torch_dist")))
+        prepare = plans[start][1]
+        why = "; ".join(f"{k}: {v}" for k, v in prepare.reasons.items() if not k.startswith(("deepep", "torch_dist")))
         span = f"{lo}..{hi}" if hi is not None else f"{lo}.."
-        parts.append(f"rows per expert {span}: {plan.summary()}" + (f" ({why})" if why else ""))
+        parts.append(f"rows per expert {span}: {head(plans[start])}" + (f" ({why})" if why else ""))
         start = r
     return "; ".join(parts)

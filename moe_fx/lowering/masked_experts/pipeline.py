@@ -7,9 +7,11 @@ It runs on one of two row layouts (vLLM's "batched" and "standard" experts forma
   it), on DeepGEMM's or Triton's GEMMs (:class:`MaskedGemms`);
 * sorted (:func:`run_sorted_experts`): one row per (token, k) slot, grouped by expert
   (:class:`~moe_fx.lowering.triton.grouped_gemm.SortedRows`); GEMM1 reads the tokens in place,
-  no ``[E, M, H]`` buffer. Only GEMMs whose ``layouts`` name it (Triton's). It runs in two ways: eagerly on real tensors, and while
-Inductor traces a moe_fx op into its graph, where every kernel launch becomes a node of the graph
-and Inductor's generated code launches the kernels itself (see :mod:`moe_fx.lowering.register`).
+  no ``[E, M, H]`` buffer. Only GEMMs whose ``layouts`` name it (Triton's).
+
+It runs in two ways: eagerly on real tensors, and while Inductor traces a moe_fx op into its graph,
+where every kernel launch becomes a node of the graph and Inductor's generated code launches the
+kernels itself (see :mod:`moe_fx.lowering.register`).
 So everything here that depends on shapes only is decided once, when the graph is compiled.
 """
 

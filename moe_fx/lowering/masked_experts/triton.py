@@ -13,9 +13,11 @@ from moe_fx.lowering.masked_experts.pipeline import GemmHints
 from moe_fx.lowering.problem import Capabilities, ExpertsProblem
 from moe_fx.ops.recipe import FP8_BLOCK
 
-__all__ = ["GEMMS", "NAME", "TritonGemms", "prefer", "supports"]
+__all__ = ["GEMMS", "LAYOUTS", "NAME", "TritonGemms", "prefer", "supports"]
 
 NAME = "triton"
+#: the row layouts its GEMMs read: masked (``gemm``) and contiguous (``sorted_gemm``) row layouts
+LAYOUTS = ("masked", "sorted")
 _DTYPES = ("bfloat16", "float16", "float32")
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 
@@ -57,8 +59,7 @@ class TritonGemms:
     scale_layout = "any"
     #: GEMM2's bias is added in the GEMM's epilogue
     bias_epilogue = True
-    #: masked (``gemm``) and contiguous (``sorted_gemm``) row layouts
-    layouts = ("masked", "sorted")
+    layouts = LAYOUTS
 
     def rows(self, needed: object) -> object:
         """``max_m`` for ``needed`` rows per expert: exactly that (every kernel masks partial tiles)."""
