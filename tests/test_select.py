@@ -58,7 +58,7 @@ def _fresh_state(monkeypatch):
 
 def test_rows_per_expert_and_regimes():
     assert rows_per_expert(1, 8, 128) == 1 and rows_per_expert(4096, 8, 32) == 1024 and rows_per_expert(0, 2, 8) == 1
-    assert [row_regime(r) for r in (1, 4, 5, 32, 33, 4096)] == [0, 0, 1, 1, 2, 2]
+    assert [row_regime(r) for r in (1, 4, 5, 16, 17, 64, 65, 256, 257, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -164,6 +164,16 @@ def test_explain_kernel_plain_values():
     kernel, reasons = explain_kernel("cuda", "bfloat16", 8, 4000, 1024, request="deepgemm", caps=H100)
     assert kernel == "deepgemm (cannot run)" and "gemm1 K=4000" in reasons["deepgemm"]
     assert explain_kernel("cpu", "float32", 8, 32, 16, request="triton", caps=CPU)[0] == "triton (interpreted on CPU)"
+
+
+def test_explain_says_layout_and_kernel_per_regime():
+    """explain's layout line is the lowering's own plan for every regime (decide_experts_plan)."""
+    _, reasons = explain_kernel("cuda", torch.bfloat16, 8, 4096, 1024, caps=H100)
+    assert reasons["layout"].startswith("rows per expert 1..4: triton, sorted layout")
+    assert "5..: deepgemm, masked layout (local_sorted: the experts kernel reads the masked layout only)" in reasons["layout"]
+    no_dg = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "x", 132, "NVIDIA H200")
+    _, reasons = explain_kernel("cuda", torch.bfloat16, 128, 2048, 768, caps=no_dg)
+    assert reasons["layout"] == "rows per expert 1..: triton, sorted layout (local_permute: local_sorted preferred)"
 
 
 def test_choice_is_logged_once_per_problem(caplog):
