@@ -239,3 +239,30 @@ def test_backend_name_works_from_a_checkout_without_entry_points(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, check=False)
     assert out.returncode == 0 and "OK True" in out.stdout, out.stderr[-2000:]
+
+
+def test_compiled_model_pickles_like_plain_torch_compile():
+    """``pickle.dumps(moe_fx.compile(m))`` works as it does for ``torch.compile(m)`` (before: "Can't pickle
+    local object 'make_backend.<locals>.backend'"), and what comes back compiles with the same config."""
+    import pickle
+
+    from moe_fx.backend import MoEFxBackend, make_backend
+
+    torch.manual_seed(0)
+    model, x = DenseBmmMoE().eval(), torch.randn(5, 32)
+    pickle.loads(pickle.dumps(torch.compile(model)))  # the reference behaviour
+    config = moe_fx.MoEConfig(verify="always", verify_max_flops=1e9)
+    backend = pickle.loads(pickle.dumps(make_backend(config, inductor=False)))
+    assert isinstance(backend, MoEFxBackend) and backend.config == config and backend.inductor is False
+    torch._dynamo.reset()
+    compiled = moe_fx.compile(model, config)
+    with torch.no_grad():
+        want = model(x)
+        torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-5)
+        loaded = pickle.loads(pickle.dumps(compiled))
+        torch._dynamo.reset()
+        torch.testing.assert_close(loaded(x), want, rtol=1e-5, atol=1e-5)
+    inner = loaded.dynamo_ctx.callback
+    while hasattr(inner, "_torchdynamo_orig_backend"):  # Dynamo's wrappers around the backend
+        inner = inner._torchdynamo_orig_backend
+    assert isinstance(inner, MoEFxBackend) and inner.config == config
