@@ -241,7 +241,7 @@ def test_backend_name_works_from_a_checkout_without_entry_points(tmp_path):
     assert out.returncode == 0 and "OK True" in out.stdout, out.stderr[-2000:]
 
 
-def test_compiled_model_pickles_like_plain_torch_compile():
+def test_compiled_model_pickles_like_plain_torch_compile(caplog):
     """``pickle.dumps(moe_fx.compile(m))`` works as it does for ``torch.compile(m)`` (before: "Can't pickle
     local object 'make_backend.<locals>.backend'"), and what comes back compiles with the same config."""
     import pickle
@@ -251,7 +251,7 @@ def test_compiled_model_pickles_like_plain_torch_compile():
     torch.manual_seed(0)
     model, x = DenseBmmMoE().eval(), torch.randn(5, 32)
     pickle.loads(pickle.dumps(torch.compile(model)))  # the reference behaviour
-    config = moe_fx.MoEConfig(verify="always", verify_max_flops=1e9)
+    config = moe_fx.MoEConfig(verify="never", verify_max_flops=1e9)  # "never": said in the log
     backend = pickle.loads(pickle.dumps(make_backend(config, inductor=False)))
     assert isinstance(backend, MoEFxBackend) and backend.config == config and backend.inductor is False
     torch._dynamo.reset()
@@ -261,8 +261,7 @@ def test_compiled_model_pickles_like_plain_torch_compile():
         torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-5)
         loaded = pickle.loads(pickle.dumps(compiled))
         torch._dynamo.reset()
-        torch.testing.assert_close(loaded(x), want, rtol=1e-5, atol=1e-5)
-    inner = loaded.dynamo_ctx.callback
-    while hasattr(inner, "_torchdynamo_orig_backend"):  # Dynamo's wrappers around the backend
-        inner = inner._torchdynamo_orig_backend
-    assert isinstance(inner, MoEFxBackend) and inner.config == config
+        with caplog.at_level("INFO", logger="moe_fx.passes"):
+            torch.testing.assert_close(loaded(x), want, rtol=1e-5, atol=1e-5)
+    # The loaded model compiled again through the moe_fx passes, with the pickled config.
+    assert any("rewritten without a numerical check" in r.getMessage() for r in caplog.records), caplog.text
