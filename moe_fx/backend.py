@@ -147,6 +147,7 @@ class MoEFxBackend:
             compiled = compile_fx(gm, list(example_inputs), config_patches=patches)
         for action in ctx.after_compile:
             action()
+        ctx.after_compile.clear()  # they may hold the example inputs; nothing of the compile outlives it
         return CheckedCall(compiled, ctx.call_checks) if ctx.call_checks else compiled
 
 

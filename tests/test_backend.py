@@ -265,3 +265,34 @@ def test_compiled_model_pickles_like_plain_torch_compile(caplog):
             torch.testing.assert_close(loaded(x), want, rtol=1e-5, atol=1e-5)
     # The loaded model compiled again through the moe_fx passes, with the pickled config.
     assert any("rewritten without a numerical check" in r.getMessage() for r in caplog.records), caplog.text
+
+
+@pytest.mark.parametrize("form, inductor", [("fp8", False), ("fp8", True), ("loop", False)])
+def test_compiled_graph_keeps_no_input_of_its_first_call_alive(form, inductor):
+    """Nothing the passes leave behind (weight checks, fp8 re-quantisation) holds the pass context or the
+    example inputs (before, with fp8: the ``refresh`` closure held the context and so the first call's inputs)."""
+    import gc
+    import weakref
+
+    from moe_fx.api import enable_capture
+    from moe_fx.backend import make_backend
+    from moe_fx.testing import LoopMoE
+
+    torch._dynamo.reset()
+    enable_capture()
+    if form == "fp8":
+        model = tiny_hf_model("qwen3_moe", num_layers=1, dtype=torch.bfloat16, hidden=128, intermediate=128)
+        x = torch.randint(0, 128, (1, 5))
+    else:
+        model, x = LoopMoE().eval(), torch.randn(5, 32)
+    sink: list = []
+    config = moe_fx.MoEConfig(quantize="fp8" if form == "fp8" else None)
+    compiled = torch.compile(model, backend=make_backend(config, sink=sink, inductor=inductor), dynamic=False)
+    first = weakref.ref(x)
+    with torch.no_grad():
+        compiled(x)
+        del x
+        gc.collect()
+        assert first() is None, "the first call's input is still alive"
+        assert [r.fp8 for r in sink if r.matched] == [form == "fp8"]
+        compiled(torch.randint(0, 128, (1, 5)) if form == "fp8" else torch.randn(5, 32))  # still runs

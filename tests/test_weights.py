@@ -13,7 +13,8 @@ from moe_fx.config import MoEConfig
 from moe_fx.testing import DenseBmmMoE, LoopMoE, TitanGroupedMoE, tiny_hf_model
 
 OP = "torch.ops.moe_fx.experts.default("
-FORMS = ("hf_grouped_mm", "titan", "dense", "loop", "fp8")
+FORMS = ("hf_grouped_mm", "titan", "dense", "loop", "fp8", "fp8_loop")
+SCENARIOS = ("recompile_then_load", "load", "load_assign", "inplace", "to_and_back", "data_edit", "data_copy")
 
 
 def _make(form: str, seed: int):
@@ -25,6 +26,10 @@ def _make(form: str, seed: int):
         t5, t7 = (torch.randint(0, 128, (1, t), generator=torch.Generator().manual_seed(t)) for t in (5, 7))
         config = MoEConfig(quantize="fp8") if form == "fp8" else MoEConfig()
         return model, t5, t7, kw.get("dtype", torch.float32), config
+    if form == "fp8_loop":  # ModuleList experts, stacked then quantised
+        model = LoopMoE(hidden=128, inter=128, num_experts=4).to(torch.bfloat16)
+        t5, t7 = (torch.randn(t, 128, generator=torch.Generator().manual_seed(t)).bfloat16() for t in (5, 7))
+        return model, t5, t7, torch.bfloat16, MoEConfig(quantize="fp8")
     dtype = torch.bfloat16 if form == "titan" else torch.float32
     model = {"titan": TitanGroupedMoE, "dense": DenseBmmMoE, "loop": LoopMoE}[form]().to(dtype)
     t5, t7 = (torch.randn(t, 32, generator=torch.Generator().manual_seed(t)).to(dtype) for t in (5, 7))
@@ -53,8 +58,23 @@ def _change(model, scenario: str, other_state: dict, dtype: torch.dtype, compile
             model.to(dtype)  # fresh tensors with the same values: then edited in place
             for p in _expert_params(model):
                 p.mul_(-0.5)
+        elif scenario == "data_edit":  # a .data alias has its own version counter: the parameter's does not move
+            for p in _expert_params(model):
+                p.data.mul_(2)
+        elif scenario == "data_copy":  # new weights copied in through .data (how RL weight syncs write)
+            for p, new in zip(_expert_params(model), _expert_params(_make_like(model, other_state)), strict=True):
+                p.data.copy_(new)
         else:
             raise ValueError(scenario)
+
+
+def _make_like(model, state: dict):
+    """A copy of ``model`` holding ``state``."""
+    import copy
+
+    other = copy.deepcopy(model)
+    other.load_state_dict(state)
+    return other
 
 
 def _compile(model, config):
@@ -64,7 +84,7 @@ def _compile(model, config):
     return torch.compile(model, backend=backend, dynamic=False), cap
 
 
-@pytest.mark.parametrize("scenario", ["recompile_then_load", "load", "load_assign", "inplace", "to_and_back"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("form", FORMS)
 def test_compiled_graph_sees_weight_changes(form, scenario):
     model, t5, t7, dtype, config = _make(form, seed=0)
@@ -74,13 +94,13 @@ def test_compiled_graph_sees_weight_changes(form, scenario):
         compiled(t5)
         _change(model, scenario, other_state, dtype, compiled, t7)
         got = logits(compiled(t5))
-        if form == "fp8":
+        if form.startswith("fp8"):
             # fp8 weights are not eager's: a fresh compile of the changed model is the reference.
             want = logits(_compile(model, config)[0](t5))
         else:
             want = logits(model(t5))
     assert cap.count(OP) >= 1
-    tol = 3e-2 if dtype == torch.bfloat16 and form != "fp8" else 1e-5
+    tol = 3e-2 if dtype == torch.bfloat16 and not form.startswith("fp8") else 1e-5
     assert rel_err(got, want) < tol, f"{form}/{scenario}: the compiled graph kept stale expert weights"
 
 

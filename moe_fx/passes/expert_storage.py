@@ -26,11 +26,15 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["PerExpertSync", "SourceWatch", "TensorRef", "existing_stacks", "share_storage", "stack_per_expert"]
+__all__ = [
+    "SAMPLES_PER_EXPERT", "PerExpertSync", "SourceWatch", "TensorRef", "WeightSources", "existing_stacks",
+    "sample_index", "share_storage", "stack_per_expert",
+]
 
 log = logging.getLogger("moe_fx.passes")
 
@@ -138,28 +142,118 @@ class PerExpertSync:
         log.debug("moe_fx: per-expert parameters re-pointed into the stacked expert weights")
 
 
-class SourceWatch:
-    """Before a call: re-run ``refresh(sources)`` when a source tensor changed since the last time
-    (its data pointer or its version counter: in-place edits, loads, replaced parameters).
+@dataclass
+class WeightSources:
+    """Where a rewritten region's op weights come from (for passes that make new weights from them: fp8).
 
-    ``refresh`` rebuilds what was made from the sources (fp8 weights) in place, so the compiled graph
-    keeps reading the same buffers.
+    Attributes:
+        refs: the model's own weight tensors (graph input positions or tensors, :data:`TensorRef`);
+            their data pointers and version counters are tracked exactly.
+        build: ``build(tensors) -> (w13, w2)``, the op's weights from the tensors behind ``refs``.
+        sampled: the tensors whose contents are sampled (the same as ``refs`` for stacked weights; the
+            stacks for per-expert weights, which their parameters view).
     """
 
-    def __init__(self, refs: Sequence[TensorRef], refresh: Callable[[list[torch.Tensor]], None]) -> None:
-        self.refs, self.refresh = list(refs), refresh
-        self.state: list[tuple[int, int]] | None = None
+    refs: list[TensorRef]
+    build: Callable[[list[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+    sampled: list[TensorRef]
+
+
+#: Elements of every expert whose bits :class:`SourceWatch` compares before each call.
+SAMPLES_PER_EXPERT = 64
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def sample_index(t: torch.Tensor, per_expert: int = SAMPLES_PER_EXPERT) -> torch.Tensor:
+    """Flat (logical, any strides) indices of ``per_expert`` fixed pseudo-random elements of every expert
+    (``t[e]`` for a 3-D ``t``; the whole tensor otherwise), for :func:`torch.take`, on ``t``'s device."""
+    experts = t.shape[0] if t.dim() == 3 else 1
+    inner = t.numel() // max(experts, 1)
+    if inner == 0:
+        return torch.zeros(0, dtype=torch.long, device=t.device)
+    offsets = torch.randint(0, inner, (experts, per_expert), generator=torch.Generator().manual_seed(inner))
+    return (torch.arange(experts).unsqueeze(1) * inner + offsets).flatten().to(t.device)
+
+
+def _sample_bits(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``t``'s sampled elements as int64 (so that NaN equals NaN and -0 differs from 0)."""
+    return torch.take(t.detach(), index).view(_BITS[t.element_size()]).long()
+
+
+@dataclass
+class _Watched:
+    sources: WeightSources
+    refresh: Callable[[list[torch.Tensor]], None]
+    index: list[torch.Tensor | None] = field(default_factory=list)
+    state: list[tuple[int, int]] = field(default_factory=list)
+
+    def exact_state(self, args: Sequence[Any]) -> list[tuple[int, int]]:
+        return [(t.data_ptr(), t._version) for t in resolve(self.sources.refs, args)]
+
+    def sample(self, args: Sequence[Any]) -> torch.Tensor:
+        parts = []
+        for i, t in enumerate(resolve(self.sources.sampled, args)):
+            if self.index[i] is None or self.index[i].device != t.device:
+                self.index[i] = sample_index(t)
+            parts.append(_sample_bits(t, self.index[i]))
+        return torch.cat(parts)
+
+
+class SourceWatch:
+    """Before a call: rebuild what was made from the model's weights (fp8 copies) when they changed.
+
+    What is tracked, per watched region (see :class:`WeightSources`):
+
+    * exactly: every write through the parameter itself or a view of it (its version counter: in-place
+      edits, ``load_state_dict``), and a parameter replaced or moved (its data pointer:
+      ``load_state_dict(assign=True)``, ``.to()``, a new ``nn.Parameter``, ``p.data = t``);
+    * by sampling: writes that bypass the version counter (``p.data.mul_(2)``, ``p.data.copy_(w)``: a
+      ``.data`` alias has a version counter of its own; writes through another alias of the storage):
+      the bits of :data:`SAMPLES_PER_EXPERT` fixed elements of every expert are compared with those of
+      the last quantisation. Rewriting whole experts or tensors (a new checkpoint, a scale) is seen; an
+      edit of a few elements that misses every sampled one is not.
+
+    ``add`` registers a region; ``record`` (after compiling) remembers the current state; a call checks
+    every region at once: the exact states in Python, then one comparison of all regions' samples.
+    On CPU that comparison is a few microseconds per region (bench/weight_watch.py); on a GPU it is one
+    small gather per watched tensor, one ``cat`` and one device-to-host read of the result per call of
+    the compiled graph (a host sync, once per call, whatever the number of layers).
+    """
+
+    def __init__(self) -> None:
+        self.watched: list[_Watched] = []
+        self.samples: torch.Tensor | None = None
+        self._sizes: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.watched)
+
+    def add(self, sources: WeightSources, refresh: Callable[[list[torch.Tensor]], None]) -> None:
+        """Watch ``sources``; ``refresh(tensors)`` rebuilds, in place, what was made from them."""
+        self.watched.append(_Watched(sources, refresh, [None] * len(sources.sampled)))
+
+    def _samples(self, args: Sequence[Any]) -> list[torch.Tensor]:
+        return [w.sample(args) for w in self.watched]
 
     def record(self, args: Sequence[Any]) -> None:
         """Remember the sources' current state (call when what was made from them is up to date)."""
-        self.state = [(t.data_ptr(), t._version) for t in resolve(self.refs, args)]
+        for w in self.watched:
+            w.state = w.exact_state(args)
+        parts = self._samples(args)
+        self.samples = torch.cat(parts) if parts else None
+        self._sizes = [p.numel() for p in parts]
 
     def __call__(self, args: Sequence[Any]) -> None:
-        sources = resolve(self.refs, args)
-        state = [(t.data_ptr(), t._version) for t in sources]
-        if state == self.state:
+        moved = [w.exact_state(args) != w.state for w in self.watched]
+        parts = self._samples(args)
+        now = torch.cat(parts) if parts else None
+        if not any(moved) and (now is None or torch.equal(now, self.samples)):
             return
+        old = self.samples.split(self._sizes) if self.samples is not None else [None] * len(parts)
         with torch.no_grad():
-            self.refresh(sources)
-        self.state = [(t.data_ptr(), t._version) for t in sources]
-        log.debug("moe_fx: expert weights changed since they were packed; packed again")
+            for w, was_moved, part, before in zip(self.watched, moved, parts, old, strict=True):
+                if was_moved or before is None or not torch.equal(part, before):
+                    w.refresh(resolve(w.sources.refs, args))
+                    w.state = w.exact_state(args)
+                    log.debug("moe_fx: expert weights changed since they were packed; packed again")
+        self.samples = now

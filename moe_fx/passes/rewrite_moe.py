@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from moe_fx.ops import ExpertActivation
 from moe_fx.passes.autocast_guard import check_autocast
-from moe_fx.passes.expert_storage import PerExpertSync, share_storage, stack_per_expert
+from moe_fx.passes.expert_storage import PerExpertSync, WeightSources, share_storage, stack_per_expert
 from moe_fx.passes.extract_region import Region, expert_products, extract_region
 from moe_fx.passes.find_experts import ExpertWeights, find_expert_weights
 from moe_fx.passes.graph_utils import DataFlow, add_weight_buffer, fake_mode_of, tensor_value
@@ -133,19 +133,20 @@ def _keep_weights_in_step(region: Region, ctx: PassContext, stacked: tuple[torch
     return ""
 
 
-def _weight_sources(region: Region, ctx: PassContext) -> tuple[list, Callable[[list[torch.Tensor]], tuple]]:
+def _weight_sources(region: Region, ctx: PassContext, stacked: tuple[torch.Tensor, torch.Tensor]) -> WeightSources:
     """The model's own weight tensors the op's weights come from (as graph input positions or
-    tensors, see :data:`~moe_fx.passes.expert_storage.TensorRef`) and how to build the op's
-    ``(w13, w2)`` from them: what a later pass that makes new weights (fp8) re-reads."""
+    tensors, see :data:`~moe_fx.passes.expert_storage.TensorRef`), how to build the op's ``(w13, w2)``
+    from them, and what to sample: what a later pass that makes new weights (fp8) re-reads."""
     a = region.anchors
     if a.kind == "per_expert":
         refs = [ctx.input_ref(n) for n in a.gate + a.up + a.down]
         e = a.num_experts
-        return refs, lambda ts: stack_per_expert(ts[:e], ts[e : 2 * e], ts[2 * e :])
+        # The parameters view the stacks (kept so by PerExpertSync, which runs first): sample the stacks.
+        return WeightSources(refs, lambda ts: stack_per_expert(ts[:e], ts[e : 2 * e], ts[2 * e :]), list(stacked))
     refs = [ctx.input_ref(a.w13), ctx.input_ref(a.w2)]
     if a.transposed:
-        return refs, lambda ts: (ts[0].transpose(1, 2), ts[1].transpose(1, 2))
-    return refs, lambda ts: (ts[0], ts[1])
+        return WeightSources(refs, lambda ts: (ts[0].transpose(1, 2), ts[1].transpose(1, 2)), refs)
+    return WeightSources(refs, lambda ts: (ts[0], ts[1]), refs)
 
 
 def _insert_op(
@@ -378,7 +379,7 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         if warning:
             report.warnings.append(warning)
         _insert_op(gm, flow, region, probe, ctx, stacked, count, len(ctx.report) - 1)
-        ctx.weight_sources[len(ctx.report) - 1] = _weight_sources(region, ctx)
+        ctx.weight_sources[len(ctx.report) - 1] = _weight_sources(region, ctx, stacked)
         report.matched, report.activation, report.weights_on_input = True, probe.activation, probe.weights_on_input
         report.details = _details(region, probe.spec)
         count += 1
