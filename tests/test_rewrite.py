@@ -228,3 +228,31 @@ def test_other_hf_families(family, matched):
     else:
         _, plain = run_captured(model, ids, passes=False)
         assert cap.code == plain.code and cap.reports[0].reason
+
+
+@pytest.mark.parametrize("tie", ["up_across_experts", "gate_is_up", "whole_expert_twice"])
+def test_tied_expert_weights_left_as_written_with_the_reason(tie):
+    """Experts sharing a Parameter (before: ``BackendCompilerFailed: SyntaxError: duplicate argument`` from
+    the probe subgraph): the block stays as written, the reason names the tie, outputs equal eager's."""
+    import moe_fx
+
+    torch.manual_seed(0)
+    model, x = LoopMoE(num_experts=4).eval(), torch.randn(9, 32)
+    if tie == "up_across_experts":
+        model.experts[1].up_proj.weight = model.experts[0].up_proj.weight
+    elif tie == "gate_is_up":
+        model.experts[2].up_proj.weight = model.experts[2].gate_proj.weight
+    else:
+        model.experts[3] = model.experts[1]
+    with torch.no_grad():
+        want = model(x)
+    got, cap = run_captured(model, x)
+    assert cap.count(OP) == 0 and torch.equal(got, want)
+    (report,) = cap.reports
+    assert not report.matched and report.reason.startswith("tied expert weights:"), report.reason
+    # The same module twice: Dynamo names its weights once, by the first slot (before: rewritten with E=3,
+    # expert 3's tokens then dropped).
+    assert ("more than one expert slot" if tie == "whole_expert_twice" else "one parameter") in report.reason
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(moe_fx.compile(model)(x), want, rtol=1e-5, atol=1e-5)  # compiles (Inductor)

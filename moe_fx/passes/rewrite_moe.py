@@ -228,6 +228,30 @@ def _param_path(node: fx.Node) -> str:
     return re.sub(r"_(modules|parameters|buffers)_", ".", "_" + name).lstrip("._")
 
 
+def _tied_weights(anchors: ExpertWeights) -> str | None:
+    """Why a group whose experts share a weight (one Parameter in two slots) is left as written, or None.
+
+    The op reads one stacked ``[E, 2I, H]`` / ``[E, H, I]`` copy with a slot per expert: a tie would need
+    the shared weight twice in the stacks (a second copy), and an in-place edit of the shared parameter
+    would then reach one slot only. Ties are rare enough that leaving the block as written is the sound
+    answer; the numerical probe could not run them either (one graph input in two places).
+    """
+    if anchors.kind != "per_expert":
+        return None
+    if anchors.repeated:
+        return (f"tied expert weights: the graph runs expert {anchors.repeated[0]}'s weights in more than one "
+                "expert slot (one module in two places of the ModuleList); stacking them would need a second copy")
+    seen: dict[fx.Node, str] = {}
+    for role, nodes in (("gate", anchors.gate), ("up", anchors.up), ("down", anchors.down)):
+        for e, node in enumerate(nodes):
+            here = f"expert {e}'s {role}"
+            if node in seen:
+                return (f"tied expert weights: {seen[node]} and {here} projection are one parameter "
+                        f"({_param_path(node)}); stacking them would need a second copy of it")
+            seen[node] = here
+    return None
+
+
 def _report_for(anchors: ExpertWeights, region: Region | None) -> RegionReport:
     path, cls = _module_of(region.output) if region is not None else ("", "")
     if not cls.endswith("Experts"):
@@ -347,6 +371,13 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         ctx.report.append(near_miss)
         log.info("moe_fx: left %s untouched: %s", near_miss.layer, near_miss.reason)
     for anchors in groups:
+        tied = _tied_weights(anchors)
+        if tied is not None:
+            report = _report_for(anchors, None)
+            report.form, report.reason = "expert_loop", tied
+            ctx.report.append(report)
+            log.info("moe_fx: left %s untouched: %s", report.layer, tied)
+            continue
         found = extract_region(flow, anchors, _next_layer_start(flow, anchors, groups))
         region = found if isinstance(found, Region) else None
         if region is None and anchors.kind == "per_expert" and "expert" not in anchors.name.lower():
