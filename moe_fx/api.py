@@ -175,7 +175,7 @@ class _ModuleState:
 
     attrs: dict[str, Any]
     tables: dict[str, dict[str, Any]]
-    data: list[tuple[torch.Tensor, torch.Tensor]]
+    data: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]
 
 
 _TABLES = ("_parameters", "_buffers", "_modules")
@@ -184,12 +184,13 @@ _MISSING = object()
 
 def _snapshot(root: torch.nn.Module) -> dict[torch.nn.Module, _ModuleState]:
     """Every module's attributes (instance ``forward`` included), parameter / buffer / child tables and
-    each tensor's ``.data`` (its storage and strides), to restore after explain."""
+    each tensor's ``.data`` (its storage and strides) and attributes (Dynamo tags the parameters it
+    traces), to restore after explain."""
     states = {}
     for module in root.modules():
         tables = {name: dict(getattr(module, name)) for name in _TABLES}
         tensors = [t for name in ("_parameters", "_buffers") for t in tables[name].values() if t is not None]
-        states[module] = _ModuleState(dict(vars(module)), tables, [(t, t.data) for t in tensors])
+        states[module] = _ModuleState(dict(vars(module)), tables, [(t, t.data, dict(vars(t))) for t in tensors])
     return states
 
 
@@ -213,11 +214,15 @@ def _restore(states: dict[torch.nn.Module, _ModuleState]) -> int:
                     table.update(saved)
                     touched = True
         with torch.no_grad():
-            for tensor, data in state.data:
+            for tensor, data, tensor_attrs in state.data:
                 same = (tensor.data_ptr() == data.data_ptr() and tensor.shape == data.shape
                         and tensor.stride() == data.stride() and tensor.dtype == data.dtype)
                 if not same:  # re-pointed into a stack made for the report: back to its own storage
                     tensor.data = data
+                    touched = True
+                if vars(tensor) != tensor_attrs:
+                    vars(tensor).clear()
+                    vars(tensor).update(tensor_attrs)
                     touched = True
         changed += touched
     return changed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -209,6 +211,8 @@ def test_explain_has_no_side_effects(kind):
     values = {n: p.detach().clone() for n, p in params.items()}
     layout = {n: (p.data_ptr(), p.stride()) for n, p in params.items()}
     attrs = {name: set(vars(m)) for name, m in model.named_modules()}
+    tensor_attrs = {n: dict(vars(p)) for n, p in params.items()}
+    pickled = len(pickle.dumps(model))
     # transformers' FP8Experts cannot run eagerly on CPU without the `kernels` package: compare outputs
     # for the other kinds (for it, the forward left on the module is what changed them).
     with torch.no_grad():
@@ -221,6 +225,8 @@ def test_explain_has_no_side_effects(kind):
     assert {n: (p.data_ptr(), p.stride()) for n, p in after.items()} == layout, "parameters re-pointed"
     assert {name: set(vars(m)) for name, m in model.named_modules()} == attrs, "attributes added"
     assert not any("forward" in vars(m) for m in model.modules()), "a forward left on a module"
+    assert {n: dict(vars(p)) for n, p in after.items()} == tensor_attrs, "attributes added to parameters"
+    assert len(pickle.dumps(model)) == pickled
     if want is not None:
         with torch.no_grad():
             assert torch.equal(logits(model(x)), want)

@@ -5,9 +5,10 @@ combined output (:mod:`extract_region`), check it (:mod:`verify_region`), and if
 yes, insert one ``torch.ops.moe_fx.experts`` call and delete the region. Routing stays as written.
 
 Per-expert weights (``nn.ModuleList`` experts) are stacked once into ``w13 [E, 2I, H]`` and
-``w2 [E, H, I]``; the module's own parameters are then made views into the stacked tensors, so no
-second copy of the experts stays in memory, and a check before every call keeps it so
-(:mod:`moe_fx.passes.expert_storage`). Stacked weights are used as they are (a transposed layout is
+``w2 [E, H, I]``; the module's own parameters are then made to alias their slots of the stacked
+tensors, so no second copy of the experts stays in memory, and a check before every call keeps it so
+(:mod:`moe_fx.passes.expert_storage`). Experts that share a weight (tied parameters) are left as
+written: their stack would need a second copy of it. Stacked weights are used as they are (a transposed layout is
 passed as a transposed view, not copied).
 """
 
@@ -116,8 +117,8 @@ def _stacked_weights(region: Region, ctx: PassContext) -> tuple[torch.Tensor, to
 
 
 def _keep_weights_in_step(region: Region, ctx: PassContext, stacked: tuple[torch.Tensor, torch.Tensor]) -> str:
-    """Per-expert weights: after compiling, make the parameters views of the stacks, and check before
-    every call that they still are (:mod:`expert_storage`). Returns a warning when that cannot be
+    """Per-expert weights: after compiling, make the parameters alias their slots of the stacks, and check
+    before every call that they still do (:mod:`expert_storage`). Returns a warning when that cannot be
     guaranteed (a parameter the pass cannot find again at call time), else ``""``."""
     a = region.anchors
     if a.kind != "per_expert":
