@@ -33,7 +33,7 @@ def demo(args: argparse.Namespace) -> int:
     model = _tiny_model("qwen3_moe", args.impl, args.layers, torch.float32)
     prompt = torch.randint(0, model.config.vocab_size, (1, 12))
     print(f"tiny Qwen3-MoE: {args.layers} layers, E=8, K=2, H=32, I=16, experts_implementation={args.impl}")
-    print(moe_fx.explain(model, prompt))
+    print(moe_fx.explain(model, prompt, dynamic=True))  # as compiled below
 
     compiled = _tiny_model("qwen3_moe", args.impl, args.layers, torch.float32)
     compiled.load_state_dict(model.state_dict())
@@ -60,7 +60,7 @@ def explain_cmd(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     model = _tiny_model(args.family, args.impl, args.layers, dtype)
     prompt = torch.randint(0, model.config.vocab_size, (1, 8))
-    print(moe_fx.explain(model, prompt))
+    print(moe_fx.explain(model, prompt, dynamic=True if args.dynamic else None))
     return 0
 
 
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--impl", default="grouped_mm", choices=["grouped_mm", "batched_mm"])
     p.add_argument("--layers", type=layers, default=2, help=f"decoder layers, 1 to {MAX_LAYERS} (default 2)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dynamic", action="store_true", help="trace for any token count, as compile(..., dynamic=True)")
     p.set_defaults(fn=explain_cmd)
     args = parser.parse_args(argv)
     return args.fn(args)

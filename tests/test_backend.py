@@ -100,6 +100,9 @@ def test_cli_explain_prints_report(capsys):
     assert main(["explain", "--family", "mixtral", "--layers", "1"]) == 0
     out = capsys.readouterr().out
     assert "model.layers.0.mlp.experts" in out and "Mixtral/grouped_mm" in out and "1 of 1" in out
+    torch._dynamo.reset()
+    assert main(["explain", "--family", "mixtral", "--layers", "1", "--dynamic"]) == 0
+    assert "symbolic (traced at 8)" in capsys.readouterr().out
 
 
 def test_compile_rejects_backend_kwarg_and_bad_config():
