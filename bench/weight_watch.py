@@ -93,10 +93,10 @@ def main() -> None:
     lines += [
         "",
         "The check runs before every call of the compiled graph: the exact version/pointer state of every source "
-        "tensor (Python), then the bits of 64 sampled elements per expert of every layer compared in one "
-        "`torch.equal`. 'full read instead' sums every bf16 expert weight once (the least a complete content "
-        "check reads). On a GPU the check is one small gather per watched tensor, one cat and one "
-        "device-to-host read (a host sync) per compiled call.",
+        "tensor (Python), then the bits of an 8x8 grid of elements of every expert of every layer (views, one "
+        "`cat`) compared in one `torch.equal`. 'full read instead' sums every bf16 expert weight once (the least "
+        "a complete content check reads). On a GPU the check is one cat and one equal per compiled call, whose "
+        "answer the host reads (one host sync per call).",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

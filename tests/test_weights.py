@@ -182,3 +182,34 @@ def test_pickled_and_saved_sizes_unchanged_after_compiling_module_list_experts()
         fresh.experts[2].load_state_dict(_reloaded(model.experts[2].state_dict()))
         assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), model.parameters(), strict=True))
         torch.testing.assert_close(_compile(loaded, MoEConfig())[0](x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_source_watch_rebuilds_only_when_the_weights_changed():
+    """The fp8 check: nothing changed, nothing rebuilt; a write through ``.data`` of one expert, or one that
+    bumps the version counter, or a replaced tensor: rebuilt once. What it cannot see is said in its
+    docstring: a write of elements off the sampled grid, through ``.data``."""
+    from moe_fx.passes.expert_storage import SAMPLE_GRID, SourceWatch, WeightSources, sample_view
+
+    w13, w2 = torch.randn(4, 32, 16), torch.randn(4, 16, 16)
+    built: list[int] = []
+    watch = SourceWatch()
+    watch.add(WeightSources([0, 1], lambda ts: (ts[0], ts[1]), [0, 1]), lambda ts: built.append(len(ts)))
+    args = [w13, w2]
+    watch.record(args)
+    for _ in range(3):
+        watch(args)
+    assert built == [] and sample_view(w13).shape == (4, SAMPLE_GRID, SAMPLE_GRID)
+    w13.data[2].mul_(2)  # one expert, through .data: the version counter of w13 does not move
+    watch(args)
+    watch(args)
+    assert built == [2]
+    w2.mul_(-1)  # in place: version counter
+    watch(args)
+    assert built == [2, 2]
+    args = [w13, w2.clone()]  # same values, another tensor (pointer)
+    watch(args)
+    watch(args)
+    assert built == [2, 2, 2]
+    w13.data[0, 0, 0] += 1.0  # off the grid (it starts half a step from the edges): not seen
+    watch(args)
+    assert built == [2, 2, 2]

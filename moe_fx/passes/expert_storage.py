@@ -38,8 +38,8 @@ import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 __all__ = [
-    "SAMPLES_PER_EXPERT", "PerExpertSync", "SourceWatch", "TensorRef", "WeightSources", "existing_stacks",
-    "sample_index", "share_storage", "slot_alias", "stack_per_expert",
+    "SAMPLE_GRID", "PerExpertSync", "SourceWatch", "TensorRef", "WeightSources", "existing_stacks",
+    "sample_view", "share_storage", "slot_alias", "stack_per_expert",
 ]
 
 log = logging.getLogger("moe_fx.passes")
@@ -186,44 +186,47 @@ class WeightSources:
     sampled: list[TensorRef]
 
 
-#: Elements of every expert whose bits :class:`SourceWatch` compares before each call.
-SAMPLES_PER_EXPERT = 64
+#: Rows and columns of every expert's grid of sampled elements (SAMPLE_GRID ** 2 elements per expert).
+SAMPLE_GRID = 8
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def sample_index(t: torch.Tensor, per_expert: int = SAMPLES_PER_EXPERT) -> torch.Tensor:
-    """Flat (logical, any strides) indices of ``per_expert`` fixed pseudo-random elements of every expert
-    (``t[e]`` for a 3-D ``t``; the whole tensor otherwise), for :func:`torch.take`, on ``t``'s device."""
-    experts = t.shape[0] if t.dim() == 3 else 1
-    inner = t.numel() // max(experts, 1)
-    if inner == 0:
-        return torch.zeros(0, dtype=torch.long, device=t.device)
-    offsets = torch.randint(0, inner, (experts, per_expert), generator=torch.Generator().manual_seed(inner))
-    return (torch.arange(experts).unsqueeze(1) * inner + offsets).flatten().to(t.device)
+def sample_view(t: torch.Tensor) -> torch.Tensor:
+    """A ``[E, a, b]`` view (no copy; ``a, b <= SAMPLE_GRID``) of a grid of elements of every expert of a
+    3-D ``t`` (a 2-D ``t`` is one expert): rows and columns evenly spread, offset from the edges."""
+    if t.dim() == 2:
+        t = t.unsqueeze(0)
+    _, n, k = t.shape
+    a, b = min(SAMPLE_GRID, n), min(SAMPLE_GRID, k)
+    rows, cols = n // a, k // b
+    return t.detach()[:, rows // 2 :: rows, cols // 2 :: cols][:, :a, :b]
 
 
-def _sample_bits(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The raw bits of ``t``'s sampled elements as int64 (so that NaN equals NaN and -0 differs from 0)."""
-    return torch.take(t.detach(), index).view(_BITS[t.element_size()]).long()
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s raw bits (so that NaN equals NaN and -0 differs from 0)."""
+    return t.view(_BITS[t.element_size()])
 
 
 @dataclass
 class _Watched:
     sources: WeightSources
     refresh: Callable[[list[torch.Tensor]], None]
-    index: list[torch.Tensor | None] = field(default_factory=list)
     state: list[tuple[int, int]] = field(default_factory=list)
+    grids: dict[int, tuple[tuple, tuple]] = field(default_factory=dict)
 
     def exact_state(self, args: Sequence[Any]) -> list[tuple[int, int]]:
         return [(t.data_ptr(), t._version) for t in resolve(self.sources.refs, args)]
 
-    def sample(self, args: Sequence[Any]) -> torch.Tensor:
-        parts = []
-        for i, t in enumerate(resolve(self.sources.sampled, args)):
-            if self.index[i] is None or self.index[i].device != t.device:
-                self.index[i] = sample_index(t)
-            parts.append(_sample_bits(t, self.index[i]))
-        return torch.cat(parts)
+    def grid(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """:func:`sample_view` of the ``i``-th sampled tensor, as one ``as_strided`` whose geometry is
+        kept (no tensor is: the watch keeps no graph input alive) until ``t`` changes layout."""
+        layout = (t.data_ptr(), tuple(t.shape), t.stride())
+        cached = self.grids.get(i)
+        if cached is None or cached[0] != layout:
+            view = sample_view(t)
+            cached = (layout, (tuple(view.shape), view.stride(), view.storage_offset()))
+            self.grids[i] = cached
+        return t.detach().as_strided(*cached[1])
 
 
 class SourceWatch:
@@ -236,50 +239,65 @@ class SourceWatch:
       ``load_state_dict(assign=True)``, ``.to()``, a new ``nn.Parameter``, ``p.data = t``);
     * by sampling: writes that bypass the version counter (``p.data.mul_(2)``, ``p.data.copy_(w)``: a
       ``.data`` alias has a version counter of its own; writes through another alias of the storage):
-      the bits of :data:`SAMPLES_PER_EXPERT` fixed elements of every expert are compared with those of
-      the last quantisation. Rewriting whole experts or tensors (a new checkpoint, a scale) is seen; an
+      the bits of a fixed grid of ``SAMPLE_GRID x SAMPLE_GRID`` elements of every expert (rows and
+      columns evenly spread) are compared with those of the last quantisation. Rewriting whole experts or tensors (a new checkpoint, a scale) is seen; an
       edit of a few elements that misses every sampled one is not.
 
     ``add`` registers a region; ``record`` (after compiling) remembers the current state; a call checks
-    every region at once: the exact states in Python, then one comparison of all regions' samples.
-    On CPU that comparison is a few microseconds per region (bench/weight_watch.py); on a GPU it is one
-    small gather per watched tensor, one ``cat`` and one device-to-host read of the result per call of
-    the compiled graph (a host sync, once per call, whatever the number of layers).
+    every region at once: the exact states in Python, then one comparison of all regions' samples (the
+    grids are views; one ``cat`` copies them all). On CPU that costs a few microseconds per layer
+    (bench/weight_watch.py); on a GPU it is one ``cat`` and one ``torch.equal`` per call of the compiled
+    graph whatever the number of layers, and the equal's answer is read on the host: one host sync per
+    call (the only one moe_fx adds; none without ``quantize="fp8"``).
     """
 
     def __init__(self) -> None:
         self.watched: list[_Watched] = []
-        self.samples: torch.Tensor | None = None
-        self._sizes: list[int] = []
+        self.samples: dict[tuple, torch.Tensor] = {}  # one tensor per (dtype, device, grid shape)
 
     def __len__(self) -> int:
         return len(self.watched)
 
     def add(self, sources: WeightSources, refresh: Callable[[list[torch.Tensor]], None]) -> None:
         """Watch ``sources``; ``refresh(tensors)`` rebuilds, in place, what was made from them."""
-        self.watched.append(_Watched(sources, refresh, [None] * len(sources.sampled)))
+        self.watched.append(_Watched(sources, refresh))
 
-    def _samples(self, args: Sequence[Any]) -> list[torch.Tensor]:
-        return [w.sample(args) for w in self.watched]
+    def _sample(self, args: Sequence[Any]) -> tuple[dict[tuple, torch.Tensor], list[list[tuple[tuple, int, int]]]]:
+        """Every watched tensor's grid, concatenated per (dtype, device, grid shape): one copy kernel per
+        group on a GPU, whatever the number of layers; and where each region's grids lie in them."""
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        where: list[list[tuple[tuple, int, int]]] = []
+        for w in self.watched:
+            spots = []
+            for i, t in enumerate(resolve(w.sources.sampled, args)):
+                view = w.grid(i, t)
+                key = (t.dtype, t.device, tuple(view.shape[1:]))
+                group = groups.setdefault(key, [])
+                start = sum(v.shape[0] for v in group)
+                group.append(view)
+                spots.append((key, start, view.shape[0]))
+            where.append(spots)
+        return {key: _bits(torch.cat(views)) for key, views in groups.items()}, where
 
     def record(self, args: Sequence[Any]) -> None:
         """Remember the sources' current state (call when what was made from them is up to date)."""
         for w in self.watched:
             w.state = w.exact_state(args)
-        parts = self._samples(args)
-        self.samples = torch.cat(parts) if parts else None
-        self._sizes = [p.numel() for p in parts]
+        self.samples = self._sample(args)[0]
 
     def __call__(self, args: Sequence[Any]) -> None:
         moved = [w.exact_state(args) != w.state for w in self.watched]
-        parts = self._samples(args)
-        now = torch.cat(parts) if parts else None
-        if not any(moved) and (now is None or torch.equal(now, self.samples)):
+        now, where = self._sample(args)
+        same = now.keys() == self.samples.keys() and all(torch.equal(v, self.samples[k]) for k, v in now.items())
+        if same and not any(moved):
             return
-        old = self.samples.split(self._sizes) if self.samples is not None else [None] * len(parts)
         with torch.no_grad():
-            for w, was_moved, part, before in zip(self.watched, moved, parts, old, strict=True):
-                if was_moved or before is None or not torch.equal(part, before):
+            for w, was_moved, spots in zip(self.watched, moved, where, strict=True):
+                unchanged = not was_moved and all(
+                    key in self.samples and self.samples[key].shape == now[key].shape
+                    and torch.equal(now[key][lo : lo + n], self.samples[key][lo : lo + n]) for key, lo, n in spots
+                )
+                if not unchanged:
                     w.refresh(resolve(w.sources.refs, args))
                     w.state = w.exact_state(args)
                     log.debug("moe_fx: expert weights changed since they were packed; packed again")
