@@ -9,9 +9,8 @@ Public API::
 
 from moe_fx import ops  # noqa: F401  (registers the custom ops)
 from moe_fx import lowering  # noqa: F401  (registers their device implementations)
+from moe_fx._version import __version__
 from moe_fx.config import MoEConfig
-
-__version__ = "0.1.0"
 
 __all__ = ["MoEConfig", "__version__", "compile", "explain"]
 

@@ -94,14 +94,16 @@ class ExplainReport:
         return out
 
     def __str__(self) -> str:
-        head = ("layer", "match", "family/form", "E", "K", "H", "I", "T", "dtype", "verified", "kernel / reason")
+        head = ("layer", "match", "family/form", "E", "K", "H", "I", "T", "dtype", "weights", "verified",
+                "kernel / reason")
         rows = []
         for r in self.regions:
             what = f"{r.family or '-'}/{r.form or '?'}"
             last = r.kernel if r.matched else r.reason
+            weights = "-" if not r.matched else ("fp8 128x128" if r.fp8 else r.dtype or "-")
             rows.append((r.layer, "yes" if r.matched else "no", what, str(r.num_experts or "-"),
                          str(r.top_k or "-"), str(r.hidden or "-"), str(r.intermediate or "-"), r.tokens or "-",
-                         r.dtype or "-", r.verification() if r.matched else (r.probe or "-"), last))
+                         r.dtype or "-", weights, r.verification() if r.matched else (r.probe or "-"), last))
         widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
         widths[-1] = 0
         lines = [f"note: {n}" for n in self.notes]
@@ -111,6 +113,11 @@ class ExplainReport:
             f"{len(self.matched)} of {len(self.regions)} MoE region(s) rewritten in {self.graphs} graph(s); "
             f"passes took {self.pass_ms:.1f} ms"
         )
+        forms = [(r.layer, r.details) for r in self.matched if r.details]
+        if forms:
+            # what the op computes beyond plain SwiGLU (activation variant, clamps, biases, dense scores)
+            lines.append("forms beyond plain SwiGLU:")
+            lines += [f"  {layer}: {details}" for layer, details in forms]
         if self.warnings:
             lines.append("warnings:")
             lines += [f"  {w}" for w in self.warnings]

@@ -36,9 +36,9 @@ def _fingerprint_of(root: Path, version: str) -> str:
 @functools.cache
 def passes_fingerprint() -> str:
     """A hash of moe_fx's own source (passes, ops, lowering): changes whenever the rewrite may change."""
-    import moe_fx
+    from moe_fx._version import __version__
 
-    return _fingerprint_of(Path(moe_fx.__file__).parent, moe_fx.__version__)
+    return _fingerprint_of(Path(__file__).parent, __version__)
 
 
 def _cache_salt():

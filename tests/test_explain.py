@@ -163,7 +163,7 @@ def test_triton_request_on_cpu_reports_what_runs():
         (["explain", "--layers", "0"], "--layers must be between 1 and 48, got 0"),
         (["explain", "--layers", "1000"], "--layers must be between 1 and 48, got 1000"),
         (["demo", "--layers", "-3"], "--layers must be between 1 and 48, got -3"),
-        (["explain", "--family", "gpt_oss"], "invalid choice: 'gpt_oss'"),
+        (["explain", "--family", "not_a_family"], "invalid choice: 'not_a_family'"),
     ],
 )
 def test_cli_rejects_bad_sizes(argv, message, capsys):
@@ -175,13 +175,34 @@ def test_cli_rejects_bad_sizes(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("family, cls", [("olmoe", "Olmoe/grouped_mm"), ("qwen2_moe", "Qwen2Moe/grouped_mm")])
-def test_cli_offers_every_rewritten_family(family, cls, capsys):
+@pytest.mark.parametrize("family, impl, cls", [
+    ("olmoe", "grouped_mm", "Olmoe/grouped_mm"), ("qwen2_moe", "grouped_mm", "Qwen2Moe/grouped_mm"),
+    ("gpt_oss", "grouped_mm", "GptOss/grouped_mm"), ("dbrx", "eager", "Dbrx/hit_loop"),
+])
+def test_cli_offers_every_rewritten_family(family, impl, cls, capsys):
     from moe_fx.__main__ import main
 
-    assert main(["explain", "--family", family, "--layers", "1"]) == 0
-    out = capsys.readouterr().out
-    assert cls in out and "1 of 1 MoE region(s)" in out
+    assert main(["explain", "--family", family, "--impl", impl, "--layers", "1"]) == 0
+    captured = capsys.readouterr()
+    assert cls in captured.out and "1 of 1 MoE region(s)" in captured.out
+    assert f"[explain] building a tiny {family} model" in captured.err  # a progress line before the wait
+
+
+def test_cli_help_is_plain_text_and_lists_every_family(capsys):
+    from moe_fx.__main__ import main
+    from moe_fx.testing_families import TEXT_MOE_FAMILIES
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    assert "``" not in top and "demo" in top and "explain" in top  # no raw reST markup
+    with pytest.raises(SystemExit):
+        main(["explain", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(f in text for f in TEXT_MOE_FAMILIES)
+    for option in ("--impl", "--dtype", "--family", "--layers"):
+        # every option has help text after it (not only its choices)
+        assert option in text
 
 
 def _side_effect_model(kind: str):

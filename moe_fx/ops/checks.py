@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_fx.ops.activation import ExpertActivation
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
 __all__ = ["FLOAT_DTYPES", "FP8_DTYPES", "ID_DTYPES", "KERNELS", "check_experts_inputs", "check_weight_scale"]
@@ -54,8 +55,6 @@ def check_activation(
     up_offset: float,
 ) -> None:
     """Raise ``ValueError`` for an activation spec the op does not define (see ``ExpertActivation``)."""
-    from moe_fx.ops.experts import ExpertActivation  # local: experts.py imports this module
-
     bad = ExpertActivation(activation, gated, gate_up_layout, alpha, limit, up_offset).problems()
     if bad:
         raise ValueError(f"moe_fx.{where}: {'; '.join(bad)}")

@@ -28,7 +28,7 @@ from moe_fx.passes.expert_storage import PerExpertSync, WeightSources, share_sto
 from moe_fx.passes.extract_region import Region, expert_products, extract_region
 from moe_fx.passes.find_experts import ExpertWeights, find_expert_weights
 from moe_fx.passes.graph_utils import DataFlow, add_weight_buffer, fake_mode_of, tensor_value
-from moe_fx.passes.manager import PassContext
+from moe_fx.passes.context import PassContext
 from moe_fx.passes.near_misses import per_expert_near_misses
 from moe_fx.passes.probe_plan import ProbePlan, plan_probe, token_hint
 from moe_fx.passes.report import RegionReport
