@@ -2,8 +2,10 @@
 
 Every field is validated when a :class:`MoEConfig` is built: a wrong type is a ``TypeError`` and a bad
 value a ``ValueError``, both naming the field. Each field names its check in its ``metadata`` (one small
-checker per kind of field: :func:`choice`, :func:`flag`, :func:`positive_number`, :func:`positive_int`,
-:func:`str_keyed_dict`, :func:`process_group`), so a new field is one line plus its check.
+checker per kind of field: :func:`choice`, :func:`flag`, :func:`positive_number`, :func:`int_at_least`,
+:func:`str_keyed_dict`, :func:`process_group`), so a new field is one line plus its check; a field that
+only means something with a flag on says so (``int_at_least(0, requires="eplb")``), checked after all
+fields.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 from typing import Any, Literal
 
-__all__ = ["MoEConfig", "choice", "flag", "positive_int", "positive_number", "process_group", "str_keyed_dict"]
+__all__ = ["MoEConfig", "choice", "flag", "int_at_least", "positive_number", "process_group", "str_keyed_dict"]
 
 #: A field check: ``check(name, value)`` raises ``TypeError`` / ``ValueError`` naming ``name``.
 Check = Callable[[str, Any], None]
@@ -60,16 +62,16 @@ def positive_number() -> dict[str, Check]:
     return {"check": check}
 
 
-def positive_int() -> dict[str, Check]:
-    """Field metadata: an integer >= 1."""
+def int_at_least(low: int, *, requires: str | None = None) -> dict[str, Any]:
+    """Field metadata: an integer >= ``low``; ``requires`` names a flag field that a non-zero value needs."""
 
     def check(name: str, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, Integral):
-            raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value!r}")
+            raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__} {value!r}")
+        if value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
-    return {"check": check}
+    return {"check": check, "requires": requires}
 
 
 def str_keyed_dict() -> dict[str, Check]:
@@ -129,10 +131,18 @@ class MoEConfig:
             (torch.distributed's default group), a ``ProcessGroup``, or a group's c10d name. Each rank
             then keeps only its ``E / world_size`` experts (``E % world_size != 0`` is an error at
             compile time) and every rank runs the model on its own tokens.
-        max_tokens_per_rank: the most tokens one rank may have in one step under expert parallelism; it
-            sizes the masked layout (``[E_local, max_tokens_per_rank * world_size, H]``) and DeepEP's
-            buffer. More tokens on any rank is a ``ValueError`` on every rank (not chunked; see
-            :mod:`moe_fx.lowering.prepare_finalize.ep`). An int >= 1.
+        max_tokens_per_rank: tokens per rank in one expert-parallel exchange (a *round*); it sizes the
+            masked layout (``[E_local, max_tokens_per_rank * world_size, H]``) and DeepEP's buffer. A
+            step with more tokens on some rank runs in rounds every rank agrees on (not inside CUDA
+            graphs; see docs/ep.md). An int >= 1.
+        eplb: expert-parallel load balancing: count each expert's tokens on the device every step,
+            map logical experts to physical copies at dispatch, and move experts between ranks when
+            ``moe_fx.rebalance_experts()`` is called (or every ``eplb_interval`` calls). Costs a few
+            fused index ops per layer and step (docs/ep.md). A bool.
+        eplb_redundant_slots: extra physical experts per rank for copies of hot experts (``eplb``
+            only); each costs one expert's weights of memory per rank and layer. An int >= 0.
+        eplb_interval: rebalance before every N-th call of a compiled graph (``eplb`` only); 0 means
+            only when the user calls ``moe_fx.rebalance_experts()``. An int >= 0.
         inductor_options: extra options handed to Inductor's ``compile_fx`` (a dict keyed by option name).
     """
 
@@ -143,7 +153,10 @@ class MoEConfig:
     verify_max_flops: float = field(default=2e10, metadata=positive_number())
     enabled: bool = field(default=True, metadata=flag())
     ep_group: Any = field(default=None, metadata=process_group())
-    max_tokens_per_rank: int = field(default=128, metadata=positive_int())
+    max_tokens_per_rank: int = field(default=128, metadata=int_at_least(1))
+    eplb: bool = field(default=False, metadata=flag())
+    eplb_redundant_slots: int = field(default=0, metadata=int_at_least(0, requires="eplb"))
+    eplb_interval: int = field(default=0, metadata=int_at_least(0, requires="eplb"))
     inductor_options: dict[str, Any] = field(default_factory=dict, metadata=str_keyed_dict())
 
     def __post_init__(self) -> None:
@@ -152,3 +165,7 @@ class MoEConfig:
             if check is None:  # every field says how it is checked (tests/test_config.py holds it to that)
                 raise TypeError(f"MoEConfig.{f.name} has no check in its field metadata")
             check(f"MoEConfig.{f.name}", getattr(self, f.name))
+        for f in fields(self):  # options that only mean something with another one on
+            needs, value = f.metadata.get("requires"), getattr(self, f.name)
+            if needs is not None and value and not getattr(self, needs):
+                raise ValueError(f"MoEConfig.{f.name}={value!r} needs {needs}=True")

@@ -18,6 +18,9 @@ CASES = {
     "enabled": (["no", 0, 1, None], [], [True, False]),
     "ep_group": ([3, 1.5, ["default"]], [""], [None, "default", "tp0"]),
     "max_tokens_per_rank": (["8", 8.0, True, None], [0, -4], [1, 128]),
+    "eplb": (["yes", 1, None], [], [True, False]),
+    "eplb_redundant_slots": (["2", 2.0, False], [-1], [0]),  # > 0 needs eplb=True: below
+    "eplb_interval": ([None, 1.5], [-3], [0]),
     "inductor_options": ([None, [("a", 1)], {1: True}], [], [{}, {"max_autotune": True}]),
 }
 
@@ -48,3 +51,10 @@ def test_a_process_group_object_is_accepted():
 
     group = FakeGroup()
     assert MoEConfig(ep_group=group).ep_group is group
+
+
+def test_options_that_need_a_flag_say_so():
+    for name in ("eplb_redundant_slots", "eplb_interval"):
+        with pytest.raises(ValueError, match=rf"MoEConfig\.{name}=2 needs eplb=True"):
+            MoEConfig(**{name: 2})
+        assert getattr(MoEConfig(eplb=True, **{name: 2}), name) == 2

@@ -20,7 +20,7 @@ from moe_fx.lowering.masked_experts.pipeline import ExpertWeights, GemmHints, Ma
 from moe_fx.lowering.problem import DispatchProblem, ExpertsProblem, dtype_name, row_regime, rows_per_expert
 from moe_fx.lowering.select import Choice, choose
 from moe_fx.ops import ExpertActivation
-from moe_fx.ops.ep import masked_output_dtype
+from moe_fx.ops.masked_experts import masked_output_dtype
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE
 
 __all__ = ["ExpertsPlan", "gemms_of", "plan_experts", "plan_masked_experts", "run_experts", "run_masked_experts_op"]

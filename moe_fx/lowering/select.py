@@ -6,8 +6,8 @@ Families, each an ordered list of candidates (best first for ``request="auto"``)
   :mod:`~moe_fx.lowering.masked_experts.deepgemm`, :mod:`~moe_fx.lowering.masked_experts.triton`,
   :mod:`~moe_fx.lowering.masked_experts.reference`;
 * ``"prepare_finalize"`` — getting tokens into and out of that layout:
-  :mod:`~moe_fx.lowering.prepare_finalize.deepep_ll`, :mod:`~moe_fx.lowering.prepare_finalize.torch_dist`
-  (expert parallelism), :mod:`~moe_fx.lowering.prepare_finalize.local_permute` (one device).
+  :mod:`~moe_fx.lowering.prepare_finalize.deepep_ll`, :mod:`~moe_fx.lowering.prepare_finalize.torch_dist_fixed`,
+  :mod:`~moe_fx.lowering.prepare_finalize.torch_dist` (expert parallelism), :mod:`~moe_fx.lowering.prepare_finalize.local_permute` (one device).
 
 Every candidate module has ``NAME``, ``supports(problem, caps) -> (ok, reason)`` (can it run: a pure
 function of plain values) and, optionally, ``prefer(problem, caps) -> reason | None`` (is it worth
@@ -38,6 +38,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     ),
     "prepare_finalize": (
         "moe_fx.lowering.prepare_finalize.deepep_ll",
+        "moe_fx.lowering.prepare_finalize.torch_dist_fixed",
         "moe_fx.lowering.prepare_finalize.torch_dist",
         "moe_fx.lowering.prepare_finalize.local_permute",
     ),

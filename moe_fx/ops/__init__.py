@@ -5,7 +5,7 @@ implementations). Kernels for devices are registered by :mod:`moe_fx.lowering`, 
 also imports.
 """
 
-from moe_fx.ops import ep  # noqa: F401  (registers moe_fx::ep_dispatch / masked_experts / ep_combine)
+from moe_fx.ops import ep, masked_experts  # noqa: F401  (register the expert-parallel ops and masked_experts)
 from moe_fx.ops.checks import KERNELS
 from moe_fx.ops.experts import (
     ACTIVATIONS,

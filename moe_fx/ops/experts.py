@@ -51,6 +51,7 @@ __all__ = [
     "GATE_UP_LAYOUTS",
     "ExpertActivation",
     "dequantize_blockwise",
+    "expert_mlp_fp32",
     "experts",
     "experts_reference",
 ]
@@ -65,6 +66,29 @@ def dequantize_blockwise(w: torch.Tensor, scale: torch.Tensor, block: int = FP8_
 
 def _expert_weights_fp32(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return w.float() if scale is None else dequantize_blockwise(w, scale)
+
+
+def expert_mlp_fp32(
+    x: torch.Tensor,
+    e: int,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    spec: ExpertActivation,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Expert ``e``'s MLP in fp32 on fp32 rows ``x [n, H]`` -> ``[n, H]`` (the references' one copy of it)."""
+    w13_e = _expert_weights_fp32(w13[e], None if w13_scale is None else w13_scale[e])
+    w2_e = _expert_weights_fp32(w2[e], None if w2_scale is None else w2_scale[e])
+    h1 = x @ w13_e.t()
+    if w13_bias is not None:
+        h1 = h1 + w13_bias[e].float()
+    y = spec.apply(h1) @ w2_e.t()
+    if w2_bias is not None:
+        y = y + w2_bias[e].float()
+    return y
 
 
 def experts_reference(
@@ -122,14 +146,7 @@ def experts_reference(
         if e >= num_experts:
             y = x  # identity (zero-computation) expert
         else:
-            w13_e = _expert_weights_fp32(w13[e], None if w13_scale is None else w13_scale[e])
-            w2_e = _expert_weights_fp32(w2[e], None if w2_scale is None else w2_scale[e])
-            h1 = x @ w13_e.t()
-            if w13_bias is not None:
-                h1 = h1 + w13_bias[e].float()
-            y = spec.apply(h1) @ w2_e.t()
-            if w2_bias is not None:
-                y = y + w2_bias[e].float()
+            y = expert_mlp_fp32(x, e, w13, w2, spec, w13_scale, w2_scale, w13_bias, w2_bias)
         if not weights_on_input:
             y = y * r
         out.index_add_(0, tok, y)

@@ -17,7 +17,7 @@ import torch
 
 from moe_fx.lowering.quant import quantize_fp8_per_token_group
 from moe_fx.ops import ExpertActivation
-from moe_fx.ops.ep import dequantize_activations
+from moe_fx.ops.masked_experts import dequantize_activations
 from moe_fx.ops.recipe import FP8_DTYPE
 
 __all__ = ["ExpertWeights", "GemmHints", "MaskedGemms", "run_masked_experts"]
