@@ -41,7 +41,7 @@ def flag() -> dict[str, Check]:
 
     def check(name: str, value: Any) -> None:
         if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+            raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
 
     return {"check": check}
 
