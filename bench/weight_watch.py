@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import statistics
 import time
@@ -78,7 +79,7 @@ def main() -> None:
         f"# fp8 weight watch: cost per call (CPU, bf16 Qwen3-MoE, {args.layers} layers, H=I=128, E=8)",
         "",
         f"{datetime.datetime.now().isoformat(timespec='seconds')} · {platform.machine()} "
-        f"({torch.get_num_threads()} threads) · torch {torch.__version__} · "
+        f"({torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} at the end) · torch {torch.__version__} · "
         f"`python bench/weight_watch.py --layers {args.layers} --tokens {' '.join(map(str, args.tokens))}`",
         "",
         "| T | regions | compiled call (µs) | check (µs) | check / call | exact part (µs) | full read instead (µs) "
