@@ -34,7 +34,7 @@ def demo(args: argparse.Namespace) -> int:
     model = _tiny_model("qwen3_moe", args.impl, args.layers, torch.float32)
     prompt = torch.randint(0, model.config.vocab_size, (1, 12))
     print(f"tiny Qwen3-MoE: {args.layers} layers, E=8, K=2, H=32, I=16, experts_implementation={args.impl}")
-    print(moe_fx.explain(model, prompt))
+    print(moe_fx.explain(model, prompt, dynamic=True))  # as compiled below
 
     _progress("[demo] compiling with moe_fx (Inductor on CPU: this takes most of the minute) ...")
     compiled = _tiny_model("qwen3_moe", args.impl, args.layers, torch.float32)
@@ -70,7 +70,7 @@ def explain_cmd(args: argparse.Namespace) -> int:
     _progress(f"[explain] building a tiny {args.family} model ({args.layers} layers) and tracing it ...")
     model = tiny_family_model(args.family, dtype=dtype, experts_implementation=args.impl, num_layers=args.layers)
     prompt = torch.randint(0, model.config.vocab_size, (1, 8))
-    print(moe_fx.explain(model, prompt))
+    print(moe_fx.explain(model, prompt, dynamic=True if args.dynamic else None))
     return 0
 
 
@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=layers, default=2, help=f"decoder layers, 1 to {MAX_LAYERS} (default 2)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the tiny model's weights and activations (default float32)")
+    p.add_argument("--dynamic", action="store_true",
+                   help="trace for any token count, as moe_fx.compile(..., dynamic=True) does")
     p.set_defaults(fn=explain_cmd)
     args = parser.parse_args(argv)
     return args.fn(args)

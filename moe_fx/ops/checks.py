@@ -96,7 +96,8 @@ def check_experts_inputs(
 ) -> None:
     """Raise a clear error if the inputs break the ``moe_fx::experts`` contract (see ``ops/experts.py``).
 
-    Checks shapes, dtypes, devices and arguments only; ids are data (the reference checks their range).
+    Checks shapes, dtypes, devices and arguments only; ids are data, never checked (an id that names no
+    expert contributes nothing).
     """
     if hidden.dim() != 2 or hidden.dtype not in FLOAT_DTYPES:
         raise ValueError(

@@ -14,6 +14,7 @@ import torch
 from torch import fx
 
 from moe_fx.config import MoEConfig
+from moe_fx.passes.expert_storage import WeightSources
 from moe_fx.passes.report import RegionReport
 
 __all__ = ["Pass", "PassContext"]
@@ -36,8 +37,8 @@ class PassContext:
             (they keep tensors made at rewrite time in step with the model's parameters:
             :mod:`moe_fx.passes.expert_storage`).
         weight_sources: per rewritten region (by its index in ``report``): the model's own weight
-            tensors its op's weights come from, as graph input positions or tensors, and a function
-            building the op's ``(w13, w2)`` from them (for passes that make new weights, e.g. fp8).
+            tensors its op's weights come from and how to build them
+            (:class:`~moe_fx.passes.expert_storage.WeightSources`; for passes that make new weights, e.g. fp8).
     """
 
     config: MoEConfig = field(default_factory=MoEConfig)
@@ -47,7 +48,7 @@ class PassContext:
     pack_weights: Callable[..., tuple] | None = None
     after_compile: list[Callable[[], None]] = field(default_factory=list)
     call_checks: list[Callable[[Sequence[Any]], None]] = field(default_factory=list)
-    weight_sources: dict[int, tuple[list[Any], Callable[[list[torch.Tensor]], tuple]]] = field(default_factory=dict)
+    weight_sources: dict[int, WeightSources] = field(default_factory=dict)
     _placeholder_values: dict[str, Any] | None = None
     _placeholder_index: dict[str, int] = field(default_factory=dict)
 
