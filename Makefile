@@ -3,16 +3,19 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
+# One transformers for the demo and the tests (the expect-inline graph tests print its code): the
+# version the `test` extra pins in pyproject.toml.
+TRANSFORMERS_VERSION ?= 5.24.0
 
 .PHONY: install install-test demo test
 
 install:
 	$(PIP) install -q "torch==$(TORCH_VERSION)"
-	$(PIP) install -q -e ".[hf]"
+	$(PIP) install -q -e ".[hf]" "transformers==$(TRANSFORMERS_VERSION)"
 
 install-test:
 	$(PIP) install -q "torch==$(TORCH_VERSION)"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test]" "transformers==$(TRANSFORMERS_VERSION)"
 
 demo: install
 	$(PYTHON) -m moe_fx demo

@@ -7,7 +7,12 @@ tokens. Timed per step (median over ``--iters`` steps, after warm-up), on rank 0
   the expert outputs precomputed;
 * ``EP step``: dispatch + ``moe_fx::masked_experts`` (reference) + combine;
 * ``single-process experts op``: ``moe_fx::experts`` on the same T tokens with all E experts, in one
-  process (no communication), the thing EP replaces.
+  process (no communication), the thing EP replaces;
+* ``ep_agree_step``: the per-call agreement on the step's rounds (one host all-reduce);
+* ``EP step, 2 rounds``: 2T tokens with ``max_tokens_per_rank = T`` (round 0 + ``ep_remaining_rounds``);
+* ``compiled EP layer, EPLB off / on``: a block calling ``moe_fx::experts``, compiled with the moe_fx
+  passes (``split_ep``; no Inductor, so the FX graph runs op by op), without and with ``eplb=True``
+  (the per-step map and counts).
 
 Usage: ``python bench/ep_gloo_roundtrip.py`` (writes ``ep_gloo_roundtrip_<date>.{json,md}`` to --out).
 """
@@ -41,6 +46,31 @@ def _median_ms(fn, iters: int, warmup: int = 3, sync=None) -> float:
     return statistics.median(times)
 
 
+def _compiled_layer_ms(x, w13, w2, k, max_tokens, iters, barrier) -> dict:
+    """A block calling moe_fx::experts, compiled with the passes (no Inductor), EPLB off and on."""
+    from moe_fx.backend import make_backend
+    from moe_fx.config import MoEConfig
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = torch.nn.Parameter(torch.randn(w13.shape[0], x.shape[1], generator=torch.Generator().manual_seed(5)))
+            self.w13, self.w2 = torch.nn.Parameter(w13.clone()), torch.nn.Parameter(w2.clone())
+
+        def forward(self, h):
+            weights, ids = torch.topk(torch.softmax(h @ self.router.t(), -1), k, dim=-1)
+            return torch.ops.moe_fx.experts(h, ids, weights, self.w13, self.w2)
+
+    out = {}
+    for name, eplb in (("compiled_layer_ms", False), ("compiled_layer_eplb_ms", True)):
+        torch._dynamo.reset()
+        config = MoEConfig(ep_group="default", max_tokens_per_rank=max_tokens, verify="never", eplb=eplb)
+        layer = torch.compile(Layer(), backend=make_backend(config, inductor=False), dynamic=False)
+        with torch.no_grad():
+            out[name] = _median_ms(lambda: layer(x), iters, sync=barrier)
+    return out
+
+
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -71,14 +101,30 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: st
         yy = ops.masked_experts(r[0], r[2], w13_l, w2_l)
         return ops.ep_combine(yy, ids, w, r[3], r[4], e, t, g, False, "torch_dist")
 
+    x2 = torch.randn(2 * t, h, generator=gen)
+    ids2 = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(2 * t)])
+    w2_ = torch.rand(2 * t, k, generator=gen)
+
+    def two_rounds():
+        ops.ep_agree_step(2 * t, t, g)
+        r = ops.ep_dispatch(x2[:t], ids2[:t], e, t, g, False, "torch_dist")
+        yy = ops.masked_experts(r[0], r[2], w13_l, w2_l)
+        first = ops.ep_combine(yy, ids2[:t], w2_[:t], r[3], r[4], e, t, g, False, "torch_dist")
+        return ops.ep_remaining_rounds(first, x2, ids2, w2_, w13_l, w2_l, e, t, g, False, "torch_dist")
+
     barrier = dist.barrier
     # Correctness of the timed path: EP step equals the single-process op on these tokens.
     err = float((step() - ops.experts(x, ids, w, w13, w2)).abs().max())
+    err2 = float((two_rounds() - ops.experts(x2, ids2, w2_, w13, w2)).abs().max())
     res = {
         "dispatch_combine_ms": _median_ms(dc, args.iters, sync=barrier),
         "ep_step_ms": _median_ms(step, args.iters, sync=barrier),
         "max_abs_err_vs_single_process": err,
+        "agree_step_ms": _median_ms(lambda: ops.ep_agree_step(t, t, g), args.iters, sync=barrier),
+        "two_rounds_ms": _median_ms(two_rounds, args.iters, sync=barrier),
+        "two_rounds_max_abs_err": err2,
     }
+    res.update(_compiled_layer_ms(x, w13, w2, k, t, args.iters, barrier))
     barrier()
     # The single-process reference, timed while the other ranks wait (one process computing alone).
     if rank == 0:
@@ -108,6 +154,8 @@ def main() -> None:
         res = json.load(f)
     res["ratio_dispatch_combine_to_single_process"] = res["dispatch_combine_ms"] / res["single_process_experts_ms"]
     res["ratio_ep_step_to_single_process"] = res["ep_step_ms"] / res["single_process_experts_ms"]
+    res["ratio_two_rounds_to_two_steps"] = res["two_rounds_ms"] / (2 * res["ep_step_ms"])
+    res["ratio_eplb_on_to_off"] = res["compiled_layer_eplb_ms"] / res["compiled_layer_ms"]
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), {platform.processor() or ''}".strip(", "),
@@ -137,12 +185,19 @@ def main() -> None:
         f.write(f"| ep_dispatch + ep_combine (torch.distributed, gloo) | {res['dispatch_combine_ms']:.3f} |\n")
         f.write(f"| EP step: dispatch + masked_experts (reference) + combine | {res['ep_step_ms']:.3f} |\n")
         f.write(
-            f"| single-process moe_fx::experts, same T tokens, all E experts | {res['single_process_experts_ms']:.3f} |\n\n"
+            f"| single-process moe_fx::experts, same T tokens, all E experts | {res['single_process_experts_ms']:.3f} |\n"
         )
+        f.write(f"| ep_agree_step (the per-call host all-reduce of the rounds) | {res['agree_step_ms']:.3f} |\n")
+        f.write(f"| EP step of 2T tokens in 2 rounds (max_tokens_per_rank = T) | {res['two_rounds_ms']:.3f} |\n")
+        f.write(f"| compiled EP layer (passes, no Inductor), EPLB off | {res['compiled_layer_ms']:.3f} |\n")
+        f.write(f"| compiled EP layer (passes, no Inductor), EPLB on (map + counts) | "
+                f"{res['compiled_layer_eplb_ms']:.3f} |\n\n")
         f.write(
             f"Ratio dispatch+combine / single-process op: {res['ratio_dispatch_combine_to_single_process']:.2f}; "
             f"EP step / single-process op: {res['ratio_ep_step_to_single_process']:.2f}. "
-            f"Max abs error of the EP step vs the single-process op: {res['max_abs_err_vs_single_process']:.2e}.\n"
+            f"Max abs error of the EP step vs the single-process op: {res['max_abs_err_vs_single_process']:.2e} "
+            f"(2 rounds: {res['two_rounds_max_abs_err']:.2e}). 2 rounds / 2 one-round steps: "
+            f"{res['ratio_two_rounds_to_two_steps']:.2f}; EPLB on / off: {res['ratio_eplb_on_to_off']:.2f}.\n"
         )
     print("wrote", base + ".md")
 

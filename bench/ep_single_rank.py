@@ -82,7 +82,8 @@ def main() -> None:
     import moe_fx  # noqa: F401
     from moe_fx.lowering.problem import probe_capabilities
     from moe_fx.ops import experts_reference
-    from moe_fx.ops.ep import ep_group_name, masked_experts_reference
+    from moe_fx.ops.ep import ep_group_name
+    from moe_fx.ops.masked_experts import masked_experts_reference
 
     g = ep_group_name("default")
     deep_ep_error = probe_capabilities("cuda").deep_ep_error

@@ -11,11 +11,21 @@ a second run does not tune again; ``--force`` tunes anew.
 
 Writes ``tune_tiles_<date>.md`` (every candidate: µs and TFLOP/s; the winner marked) to ``--out``;
 ``--ship`` also copies the cache into the package's ``tuned_tiles.json`` (the shipped table).
+
+``--sorted``: the contiguous layout's GEMMs (the default on one GPU), tuned per rows-per-expert
+*regime*: every candidate of a regime (``configs.regime_candidates``) is timed at every T of the
+regime on real routings (random top-k: uneven loads), and the one with the best worst case is kept
+(``configs.pick_regime_config``), so a compiled graph, which runs one tile per regime whatever T
+it was traced with, stays within that worst case of the best tile at every T. The report gives, per
+T, the best candidate, the chosen one and their ratio. ``--warm N`` compiles every candidate in N
+processes first (Triton's on-disk cache then serves the timing process): compiling, not timing,
+is what a tuning lease spends most of its time on.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -29,6 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from moe_layer import SHAPES, TOKENS  # noqa: E402
 
+#: where --sorted builds its operands (a CPU smoke run of the script sets it to "cpu")
+DEVICE = "cuda"
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,7 +52,14 @@ def main() -> None:
     ap.add_argument("--force", action="store_true", help="tune buckets the cache already holds")
     ap.add_argument("--ship", action="store_true", help="copy the cache to moe_fx/lowering/triton/tuned_tiles.json")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop tuning new buckets after this many seconds")
+    ap.add_argument("--sorted", action="store_true", help="tune the sorted layout's GEMMs per regime")
+    ap.add_argument("--warm", type=int, default=0, help="--sorted: compile the candidates in this many processes first")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "i/n": one compile-only worker
+    ap.add_argument("--tag", default="")
     args = ap.parse_args()
+    if args.sorted:
+        tune_sorted(args)
+        return
     if not torch.cuda.is_available():
         sys.exit("bench/tune_tiles.py needs a CUDA GPU")
     import triton
@@ -105,6 +125,197 @@ def main() -> None:
         dst = os.path.join(os.path.dirname(configs.__file__), "tuned_tiles.json")
         shutil.copy(configs.cache_path(), dst)
         print("shipped", dst, len(json.load(open(dst))), "entries")
+
+
+def _sorted_jobs(args):
+    """(shape, T, kind, gemm) cells of a --sorted run, in a fixed order (workers split them by index)."""
+    for shape in args.shapes.split(","):
+        for t in map(int, args.tokens.split(",")):
+            for kind in args.kinds.split(","):
+                for gemm in (1, 2):
+                    yield shape, t, kind, gemm
+
+
+def _sorted_cell(shape: str, t: int, kind: str, gemm: int, cache: dict):
+    """``(run(cfg), N, K, regime, flops)`` for one cell: real routing, the layer's operands."""
+    from moe_fx.lowering.problem import row_regime, rows_per_expert
+    from moe_fx.lowering.quant import quantize_fp8_blockwise
+    from moe_fx.lowering.triton.grouped_gemm import sorted_gemm
+    from moe_fx.lowering.triton.sort import quantize_rows, sort_by_expert
+
+    _, e, k, h, i = SHAPES[shape]
+    if cache.get("shape") != shape:
+        cache.clear()
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+        cache["shape"] = shape
+        w13 = torch.randn(e, 2 * i, h, device=DEVICE, generator=g, dtype=torch.bfloat16) / h**0.5
+        w2 = torch.randn(e, h, i, device=DEVICE, generator=g, dtype=torch.bfloat16) / i**0.5
+        cache["bf16"] = (w13, None, w2, None)
+        q13, s13 = quantize_fp8_blockwise(w13)
+        q2, s2 = quantize_fp8_blockwise(w2)
+        cache["fp8"] = (q13, s13, q2, s2)
+    if cache.get("t") != t:
+        g = torch.Generator(device=DEVICE).manual_seed(t)
+        scores = torch.randn(t, e, device=DEVICE, generator=g)
+        ids = scores.topk(k, dim=-1).indices
+        x = torch.randn(t, h, device=DEVICE, generator=g, dtype=torch.bfloat16)
+        a2 = torch.randn(1, t * k, i, device=DEVICE, generator=g, dtype=torch.bfloat16)
+        cache.update(t=t, rows=sort_by_expert(ids, e), x=x, a2=a2, xq=quantize_rows(x),
+                     a2q=quantize_rows(a2[0]))
+    w13, s13, w2, s2 = cache[kind]
+    rows = cache["rows"]
+    regime = row_regime(rows_per_expert(t, k, e))
+    fp8 = kind == "fp8"
+    if gemm == 1:
+        a, a_s = cache["xq"] if fp8 else (cache["x"], None)
+        w, w_s, gather = w13, s13, True
+    else:
+        a, a_s = (cache["a2q"][0].unsqueeze(0), cache["a2q"][1].unsqueeze(0)) if fp8 else (cache["a2"], None)
+        w, w_s, gather = w2, s2, False
+    n_, k_ = w.shape[1], w.shape[2]
+    out = torch.empty(1, t * k, n_, device=DEVICE, dtype=torch.bfloat16)
+
+    def run(cfg):
+        return sorted_gemm(a, w, rows, out, a_scale=a_s, b_scale=w_s, gather=gather, regime=regime, config=cfg)
+
+    return run, n_, k_, regime, 2 * t * k * n_ * k_
+
+
+def _warm_worker(args) -> None:
+    """Compile (run once) every candidate of this worker's share of the cells."""
+    from moe_fx.lowering.triton import configs
+
+    index, count = map(int, args.worker.split("/"))
+    cache: dict = {}
+    for j, (shape, t, kind, gemm) in enumerate(_sorted_jobs(args)):
+        if j % count != index:
+            continue
+        run, _, _, regime, _ = _sorted_cell(shape, t, kind, gemm, cache)
+        for cfg in configs.regime_candidates(kind, regime):
+            try:
+                run(cfg)
+            except Exception as err:  # noqa: BLE001 - a candidate that fails is reported by the timing pass
+                print(f"warm {shape} T={t} {kind} gemm{gemm} {cfg}: {type(err).__name__}", flush=True)
+    torch.cuda.synchronize()
+
+
+def tune_sorted(args) -> None:
+    """--sorted: per-regime tiles of the contiguous layout's GEMMs (see the module docstring)."""
+    import subprocess
+
+    import triton
+    import triton.testing
+
+    from moe_fx.lowering.triton import configs
+    from moe_fx.lowering.triton.configs import pick_regime_config, regime_candidates, regime_key
+
+    if args.worker:
+        _warm_worker(args)
+        return
+    t0 = time.time()
+    if args.warm:
+        cmd = [sys.executable, os.path.abspath(__file__), "--sorted", "--shapes", args.shapes, "--tokens", args.tokens,
+               "--kinds", args.kinds]
+        procs = [subprocess.Popen(cmd + ["--worker", f"{w}/{args.warm}"]) for w in range(args.warm)]
+        for p in procs:
+            p.wait()
+        print(f"warm compile: {time.time() - t0:.0f}s in {args.warm} processes", flush=True)
+    name = torch.cuda.get_device_name()
+    timings: dict = {}  # (shape, kind, gemm, regime) -> {T: {cfg: ms}}
+    meta: dict = {}
+    cache: dict = {}
+    for shape, t, kind, gemm in _sorted_jobs(args):
+        if time.time() - t0 > args.budget_s:
+            print(f"budget spent; not timed: {shape} T={t} {kind} gemm{gemm}", flush=True)
+            continue
+        run, n_, k_, regime, flops = _sorted_cell(shape, t, kind, gemm, cache)
+        key = (shape, kind, gemm, regime)
+        meta[key] = (n_, k_)
+        per = timings.setdefault(key, {}).setdefault(t, {})
+        for cfg in regime_candidates(kind, regime):
+            try:
+                per[cfg] = _graph_ms(lambda: run(cfg))
+            except (RuntimeError, ValueError) as err:
+                print(f"{shape} T={t} {kind} gemm{gemm} {cfg} failed: {str(err).splitlines()[0][:120]}", flush=True)
+        best = min(per, key=per.get) if per else None
+        print(f"{shape} T={t} {kind} gemm{gemm} r{regime}: best {best} {per.get(best, 0) * 1e3:.1f}us "
+              f"({flops / max(per.get(best, 1), 1e-9) / 1e9:.0f} TFLOP/s)", flush=True)
+    entries, rows = {}, []
+    for (shape, kind, gemm, regime), per_t in timings.items():
+        cfg, worst = pick_regime_config(per_t)
+        n_, k_ = meta[(shape, kind, gemm, regime)]
+        entries[regime_key(name, kind, n_, k_, "sorted", regime)] = cfg
+        for t, per in sorted(per_t.items()):
+            best = min(per, key=per.get)
+            rows.append({"shape": shape, "kind": kind, "gemm": gemm, "N": n_, "K": k_, "regime": regime, "T": t,
+                         "best": _tile(best), "best_us": per[best] * 1e3, "chosen": _tile(cfg),
+                         "chosen_us": per[cfg] * 1e3, "ratio": per[cfg] / per[best],
+                         "all_us": {_tile(c): v * 1e3 for c, v in per.items()}})
+    configs.store(entries)
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"tune_tiles_sorted_{stamp.strftime('%Y-%m-%d')}{'_' + args.tag if args.tag else ''}")
+    head = {"date": stamp.isoformat(timespec="seconds"), "gpu": name, "torch": torch.__version__,
+            "triton": triton.__version__, "command": " ".join(sys.argv), "seconds": round(time.time() - t0)}
+    with open(base + ".json", "w") as f:
+        json.dump({"meta": head, "rows": rows, "entries": {k: dataclasses.asdict(v) for k, v in entries.items()}}, f,
+                  indent=1)
+    lines = [f"# Sorted-layout GEMM tiles per regime, {head['date']} · {name} · torch {head['torch']} · "
+             f"triton {head['triton']}", "",
+             "µs: CUDA-graph replays of one GEMM on a real routing (random top-k). chosen = the regime's tile "
+             "(best worst case over the regime's T); ratio = chosen / best at that T.", "",
+             "| shape | kind | GEMM | N x K | regime | T | best | µs | chosen | µs | ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['kind']} | {r['gemm']} | {r['N']} x {r['K']} | {r['regime']} | {r['T']} | "
+                     f"{r['best']} | {r['best_us']:.1f} | {r['chosen']} | {r['chosen_us']:.1f} | {r['ratio']:.2f} |")
+    worst = max((r["ratio"] for r in rows), default=1.0)
+    lines += ["", f"Worst ratio over every row: {worst:.2f}."]
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {base}.md ({time.time() - t0:.0f}s); worst chosen/best {worst:.2f}", flush=True)
+    if args.ship:
+        dst = os.path.join(os.path.dirname(configs.__file__), "tuned_tiles.json")
+        shipped = json.load(open(dst))
+        shipped.update({k: dataclasses.asdict(v) for k, v in entries.items()})
+        with open(dst, "w") as f:
+            json.dump(shipped, f, indent=1, sort_keys=True)
+        print("shipped", dst, len(shipped), "entries")
+
+
+def _graph_ms(fn, target_ms: float = 2.0, replays: int = 5) -> float:
+    """Median ms per call of ``fn`` as CUDA-graph replays (GPU time, no launch cost), sized to ~``target_ms``.
+
+    Cheaper than ``do_bench_cudagraph`` (which retries ten times): a tuning run times ~1000 cells.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile / warm outside the capture
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    calls = max(1, min(100, int(target_ms / max(start.elapsed_time(end), 1e-3))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def _tile(cfg) -> str:
+    return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/{cfg.num_warps}/{cfg.num_stages}/{cfg.programs_per_sm}"
+            f"{'+tma' if cfg.tma else ''}")
 
 
 if __name__ == "__main__":

@@ -5,15 +5,15 @@ Public API::
     model = torch.compile(model, backend="moe_fx")     # or
     model = moe_fx.compile(model, config=moe_fx.MoEConfig(...))
     print(moe_fx.explain(model, *example_inputs))
+    moe_fx.rebalance_experts()                         # expert parallelism with MoEConfig(eplb=True)
 """
 
 from moe_fx import ops  # noqa: F401  (registers the custom ops)
 from moe_fx import lowering  # noqa: F401  (registers their device implementations)
+from moe_fx._version import __version__
 from moe_fx.config import MoEConfig
 
-__version__ = "0.1.0"
-
-__all__ = ["MoEConfig", "__version__", "compile", "explain"]
+__all__ = ["MoEConfig", "__version__", "compile", "explain", "rebalance_experts"]
 
 
 def _backend_from_checkout(gm, example_inputs, **compile_kwargs):
@@ -52,4 +52,8 @@ def __getattr__(name: str):
         from moe_fx.api import explain
 
         return explain
+    if name == "rebalance_experts":
+        from moe_fx.passes.eplb import rebalance
+
+        return rebalance
     raise AttributeError(f"module 'moe_fx' has no attribute {name!r}")

@@ -94,14 +94,16 @@ class ExplainReport:
         return out
 
     def __str__(self) -> str:
-        head = ("layer", "match", "family/form", "E", "K", "H", "I", "dtype", "verified", "kernel / reason")
+        head = ("layer", "match", "family/form", "E", "K", "H", "I", "T", "dtype", "weights", "verified",
+                "kernel / reason")
         rows = []
         for r in self.regions:
             what = f"{r.family or '-'}/{r.form or '?'}"
             last = r.kernel if r.matched else r.reason
+            weights = "-" if not r.matched else ("fp8 128x128" if r.fp8 else r.dtype or "-")
             rows.append((r.layer, "yes" if r.matched else "no", what, str(r.num_experts or "-"),
-                         str(r.top_k or "-"), str(r.hidden or "-"), str(r.intermediate or "-"), r.dtype or "-",
-                         r.verification() if r.matched else (r.probe or "-"), last))
+                         str(r.top_k or "-"), str(r.hidden or "-"), str(r.intermediate or "-"), r.tokens or "-",
+                         r.dtype or "-", weights, r.verification() if r.matched else (r.probe or "-"), last))
         widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
         widths[-1] = 0
         lines = [f"note: {n}" for n in self.notes]
@@ -111,6 +113,11 @@ class ExplainReport:
             f"{len(self.matched)} of {len(self.regions)} MoE region(s) rewritten in {self.graphs} graph(s); "
             f"passes took {self.pass_ms:.1f} ms"
         )
+        forms = [(r.layer, r.details) for r in self.matched if r.details]
+        if forms:
+            # what the op computes beyond plain SwiGLU (activation variant, clamps, biases, dense scores)
+            lines.append("forms beyond plain SwiGLU:")
+            lines += [f"  {layer}: {details}" for layer, details in forms]
         if self.warnings:
             lines.append("warnings:")
             lines += [f"  {w}" for w in self.warnings]
@@ -169,15 +176,86 @@ def _mode_notes(model: Callable) -> list[str]:
     ]
 
 
-def explain(model: Callable, *example_inputs: Any, config: MoEConfig | None = None, **example_kwargs: Any) -> ExplainReport:
+@dataclass
+class _ModuleState:
+    """What explain may change on one module, to put back: its attributes and its tensors' data."""
+
+    attrs: dict[str, Any]
+    tables: dict[str, dict[str, Any]]
+    data: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]
+
+
+_TABLES = ("_parameters", "_buffers", "_modules")
+_MISSING = object()
+
+
+def _snapshot(root: torch.nn.Module) -> dict[torch.nn.Module, _ModuleState]:
+    """Every module's attributes (instance ``forward`` included), parameter / buffer / child tables and
+    each tensor's ``.data`` (its storage and strides) and attributes (Dynamo tags the parameters it
+    traces), to restore after explain."""
+    states = {}
+    for module in root.modules():
+        tables = {name: dict(getattr(module, name)) for name in _TABLES}
+        tensors = [t for name in ("_parameters", "_buffers") for t in tables[name].values() if t is not None]
+        states[module] = _ModuleState(dict(vars(module)), tables, [(t, t.data, dict(vars(t))) for t in tensors])
+    return states
+
+
+def _restore(states: dict[torch.nn.Module, _ModuleState]) -> int:
+    """Put back what :func:`_snapshot` saw; returns how many modules had changed."""
+    changed = 0
+    for module, state in states.items():
+        touched = False
+        attrs = vars(module)
+        for name in set(attrs) - set(state.attrs):  # attributes explain added (a captured forward, ...)
+            del attrs[name]
+            touched = True
+        for name, value in state.attrs.items():
+            if attrs.get(name, _MISSING) is not value:
+                attrs[name] = value
+                touched = True
+            if name in _TABLES:
+                table, saved = attrs[name], state.tables[name]
+                if table.keys() != saved.keys() or any(table[k] is not v for k, v in saved.items()):
+                    table.clear()  # the same dict object, its entries as they were (parameter objects)
+                    table.update(saved)
+                    touched = True
+        with torch.no_grad():
+            for tensor, data, tensor_attrs in state.data:
+                same = (tensor.data_ptr() == data.data_ptr() and tensor.shape == data.shape
+                        and tensor.stride() == data.stride() and tensor.dtype == data.dtype)
+                if not same:  # re-pointed into a stack made for the report: back to its own storage
+                    tensor.data = data
+                    touched = True
+                if vars(tensor) != tensor_attrs:
+                    vars(tensor).clear()
+                    vars(tensor).update(tensor_attrs)
+                    touched = True
+        changed += touched
+    return changed
+
+
+def explain(
+    model: Callable, *example_inputs: Any, config: MoEConfig | None = None, dynamic: bool | None = None,
+    **example_kwargs: Any,
+) -> ExplainReport:
     """Trace ``model(*example_inputs, **example_kwargs)`` and report, per MoE layer, what moe_fx does.
 
     Nothing is compiled with Inductor and the model's outputs are discarded; the report says for every
-    candidate region whether it is rewritten, its family/form, E, K, H, I, dtype, the kernel that will
-    run (what really runs: on CPU the torch reference whatever was requested), how each rewritten region
-    was verified (probe size and error, or "UNVERIFIED" under ``verify="never"``), the reason for every
-    non-match, and warnings. Runs under ``torch.no_grad()``; a model in train mode gets a note saying
-    what that means for a compiled call with grad enabled.
+    candidate region whether it is rewritten, its family/form, E, K, H, I, the token count T as traced,
+    dtype, the kernel that will run (what really runs: on CPU the torch reference whatever was
+    requested), how each rewritten region was verified (probe size and error, or "UNVERIFIED" under
+    ``verify="never"``), the reason for every non-match, and warnings. Runs under ``torch.no_grad()``; a
+    model in train mode gets a note saying what that means for a compiled call with grad enabled.
+
+    ``dynamic`` is torch.compile's: ``dynamic=True`` shows what ``moe_fx.compile(model, dynamic=True)``
+    does (regions traced for any T: the T column says "symbolic"), the default what ``moe_fx.compile``
+    would do now (a first compile traces the example's T; after recompiles of the same code in this
+    process, Dynamo's automatic dynamic shapes may trace any T).
+
+    Free of side effects: the capture step's forwards, repacked parameters and stacked views it needs to
+    trace are undone afterwards (every module's attributes, parameter and buffer objects and their data
+    are as they were), so the model computes exactly what it computed before.
     """
     import time
 
@@ -186,23 +264,28 @@ def explain(model: Callable, *example_inputs: Any, config: MoEConfig | None = No
 
     config = config or MoEConfig()
     enable_capture()
-    sink: list[RegionReport] = _capture_modules(model, config)
-    report = ExplainReport()
-    inner = make_backend(config, sink=sink, inductor=False)
-
-    def counting_backend(gm, inputs):
-        report.graphs += 1
-        # explain only reports: the example call runs the graph as the model wrote it (a rewritten layer
-        # whose requested kernel cannot run here would raise, and the report must still come out)
-        original = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-        start = time.perf_counter()
-        inner(gm, inputs)
-        report.pass_ms += 1e3 * (time.perf_counter() - start)
-        return original.forward
-
-    with torch.no_grad():
-        torch.compile(model, backend=counting_backend)(*example_inputs, **example_kwargs)
     module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
+    states = _snapshot(module) if isinstance(module, torch.nn.Module) else {}
+    report = ExplainReport()
+    try:
+        sink: list[RegionReport] = _capture_modules(model, config)
+        inner = make_backend(config, sink=sink, inductor=False)
+
+        def counting_backend(gm, inputs):
+            report.graphs += 1
+            # explain only reports: the example call runs the graph as the model wrote it (a rewritten layer
+            # whose requested kernel cannot run here would raise, and the report must still come out)
+            original = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+            start = time.perf_counter()
+            inner(gm, inputs)
+            report.pass_ms += 1e3 * (time.perf_counter() - start)
+            return original.forward
+
+        with torch.no_grad():
+            torch.compile(model, backend=counting_backend, dynamic=dynamic)(*example_inputs, **example_kwargs)
+    finally:
+        restored = _restore(states)
+        log.debug("moe_fx: explain restored %d module(s)", restored)
     if isinstance(module, torch.nn.Module):
         qualify_layer_names(module, sink)
         sink += unseen_moe_layers(module, sink)

@@ -20,7 +20,7 @@ from moe_fx.config import MoEConfig
 from moe_fx.passes.manager import PassContext, run_passes
 from moe_fx.passes.report import RegionReport
 
-__all__ = ["make_backend", "moe_fx_backend", "passes_fingerprint"]
+__all__ = ["CheckedCall", "MoEFxBackend", "make_backend", "moe_fx_backend", "passes_fingerprint"]
 
 log = logging.getLogger("moe_fx")
 
@@ -36,9 +36,9 @@ def _fingerprint_of(root: Path, version: str) -> str:
 @functools.cache
 def passes_fingerprint() -> str:
     """A hash of moe_fx's own source (passes, ops, lowering): changes whenever the rewrite may change."""
-    import moe_fx
+    from moe_fx._version import __version__
 
-    return _fingerprint_of(Path(moe_fx.__file__).parent, moe_fx.__version__)
+    return _fingerprint_of(Path(__file__).parent, __version__)
 
 
 def _cache_salt():
@@ -75,35 +75,55 @@ def _run_moe_passes(
     return ctx
 
 
-def _with_call_checks(compiled: Callable, checks: list[Callable[[Sequence[Any]], None]]) -> Callable:
-    """``compiled``, running ``checks`` on the graph inputs before every call (none: ``compiled`` itself).
+class CheckedCall:
+    """``compiled``, running ``checks`` on the graph inputs before every call.
 
     The checks keep weights made at rewrite time in step with the model's parameters
     (:mod:`moe_fx.passes.expert_storage`). Dynamo calls what a backend returns with the graph inputs
-    as positional arguments.
+    as positional arguments. A module-level class, not a closure: it holds the compiled graph and the
+    checks, nothing of the compile (no example input).
     """
-    if not checks:
-        return compiled
 
-    def run(*args: Any) -> Any:
-        for check in checks:
+    def __init__(self, compiled: Callable, checks: Sequence[Callable[[Sequence[Any]], None]]) -> None:
+        self.compiled, self.checks = compiled, tuple(checks)
+
+    def __call__(self, *args: Any) -> Any:
+        for check in self.checks:
             check(args)
-        return compiled(*args)
-
-    return run
+        return self.compiled(*args)
 
 
-def make_backend(
-    config: MoEConfig | None = None, *, sink: list[RegionReport] | None = None, inductor: bool = True
-) -> Callable:
-    """A torch.compile backend that runs the moe_fx passes with ``config``, then Inductor.
+class MoEFxBackend:
+    """The torch.compile backend: the moe_fx passes with ``config`` on Dynamo's graph, then Inductor.
 
-    ``sink`` collects the pass reports of every graph compiled; ``inductor=False`` returns the
-    rewritten graph's Python code instead of compiling it (for explain and graph tests).
+    A module-level class whose state is its arguments, so that what ``torch.compile`` returns with it
+    pickles as it does with ``backend="inductor"`` (``pickle.dumps(moe_fx.compile(model))``).
+
+    Attributes:
+        config: the :class:`MoEConfig` the passes run with.
+        sink: a list that collects the pass reports of every graph compiled, or None.
+        inductor: False returns the rewritten graph's Python code instead of compiling it with
+            Inductor (explain and graph tests).
     """
-    config = config or MoEConfig()
 
-    def backend(
+    def __init__(
+        self, config: MoEConfig | None = None, *, sink: list[RegionReport] | None = None, inductor: bool = True
+    ) -> None:
+        if config is not None and not isinstance(config, MoEConfig):
+            raise TypeError(f"moe_fx backend: config must be a MoEConfig or None, got {type(config).__name__}")
+        self.config = config or MoEConfig()
+        self.sink, self.inductor = sink, inductor
+
+    @property
+    def moe_fx_config(self) -> MoEConfig:
+        """The config (the name earlier releases gave it on the backend function)."""
+        return self.config
+
+    def __repr__(self) -> str:
+        return f"MoEFxBackend({self.config!r}, inductor={self.inductor})"
+
+    def __call__(
+        self,
         gm: fx.GraphModule,
         example_inputs: Sequence[Any],
         mode: str | None = None,
@@ -111,8 +131,8 @@ def make_backend(
     ) -> Callable:
         # torch.compile(..., backend="moe_fx", mode=..., options=...) hands these on: honour them as
         # Inductor would (mode="reduce-overhead" is {"triton.cudagraphs": True}: CUDA graphs).
-        ctx = _run_moe_passes(gm, example_inputs, config, sink)
-        if not inductor:
+        ctx = _run_moe_passes(gm, example_inputs, self.config, self.sink)
+        if not self.inductor:
             compiled = gm.forward
         else:
             from torch._inductor import list_mode_options
@@ -122,15 +142,25 @@ def make_backend(
                 **(list_mode_options(mode) if mode else {}),
                 **(options or {}),
                 "post_grad_custom_post_pass": _cache_salt(),
-                **config.inductor_options,
+                **self.config.inductor_options,
             }
             compiled = compile_fx(gm, list(example_inputs), config_patches=patches)
         for action in ctx.after_compile:
             action()
-        return _with_call_checks(compiled, ctx.call_checks)
+        ctx.after_compile.clear()  # they may hold the example inputs; nothing of the compile outlives it
+        return CheckedCall(compiled, ctx.call_checks) if ctx.call_checks else compiled
 
-    backend.moe_fx_config = config  # type: ignore[attr-defined]
-    return backend
+
+def make_backend(
+    config: MoEConfig | None = None, *, sink: list[RegionReport] | None = None, inductor: bool = True
+) -> MoEFxBackend:
+    """A torch.compile backend that runs the moe_fx passes with ``config``, then Inductor (a picklable
+    :class:`MoEFxBackend`).
+
+    ``sink`` collects the pass reports of every graph compiled; ``inductor=False`` returns the
+    rewritten graph's Python code instead of compiling it (for explain and graph tests).
+    """
+    return MoEFxBackend(config, sink=sink, inductor=inductor)
 
 
 def moe_fx_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable:
@@ -139,4 +169,4 @@ def moe_fx_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_
     ``torch.compile``'s ``mode`` and ``options`` arrive here and go to Inductor, so
     ``torch.compile(model, backend="moe_fx", mode="reduce-overhead")`` replays CUDA graphs.
     """
-    return make_backend()(gm, example_inputs, **compile_kwargs)
+    return MoEFxBackend()(gm, example_inputs, **compile_kwargs)

@@ -77,3 +77,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative Frobenius error of ``a`` against ``b`` in float64."""
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def experts_in_one_copy(experts) -> bool:
+    """True if every gate/up/down weight of ``experts`` (SwiGLU modules) lies in its slot of one live pair
+    of stacks, the ones the compiled op reads (one copy of the experts in memory)."""
+    from moe_fx.passes.expert_storage import existing_stacks
+
+    weights = [[getattr(e, name).weight for e in experts] for name in ("gate_proj", "up_proj", "down_proj")]
+    return existing_stacks(*weights) is not None

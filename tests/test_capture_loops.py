@@ -227,6 +227,32 @@ def test_dbrx_separate_gate_and_up_are_packed_into_one_copy_and_captured():
         release_expert_loops(model)
 
 
+def test_captured_loops_see_data_edits():
+    """The captured op reads views of the module's own parameters (DBRX: of the storage packing gave gate and
+    up), so writes through ``.data`` (which bypass the parameter's version counter) reach the compiled graph."""
+    model = tiny_family_model("dbrx", num_layers=1)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    try:
+        torch._dynamo.reset()
+        enable_capture()
+        assert all(r.matched for r in capture_expert_loops(model))
+        backend, cap = capture_backend()
+        compiled = torch.compile(model, backend=backend)
+        mlp = model.transformer.blocks[0].ffn.experts.mlp
+        with torch.no_grad():
+            compiled(ids)
+            for edit in ("mul", "copy"):
+                for p in (mlp.w1, mlp.v1, mlp.w2):
+                    if edit == "mul":
+                        p.data.mul_(-1.5)
+                    else:
+                        p.data.copy_(torch.randn_like(p) * 0.2)
+                assert rel_err(logits(compiled(ids)), logits(model(ids))) < 1e-5, edit
+        assert cap.compiles == 1 and cap.count(OP) == 1
+    finally:
+        release_expert_loops(model)
+
+
 @pytest.mark.parametrize(
     "family, impl, layers",
     [

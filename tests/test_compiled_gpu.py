@@ -45,7 +45,9 @@ def test_compiled_op_is_kernel_launches_in_inductor_code():
 
     torch._dynamo.reset()
     out, code = _code_of(torch.compile(layer, fullgraph=True), hidden, ids, w)
-    for kernel in ("permute_kernel", "masked_gemm_kernel", "activation_kernel", "unpermute_kernel"):
+    # the sorted (contiguous) layout: T=64, 16 experts, top-4 -> 16 rows per expert (the two-kernel sort)
+    for kernel in ("expert_counts_kernel", "sort_slots_kernel", "masked_gemm_kernel", "activation_kernel",
+                   "unpermute_kernel"):
         assert kernel in code, kernel
     assert "moe_fx.experts" not in code
     ref = experts_reference(hidden, ids, w, w13, w2) * 2
@@ -53,7 +55,7 @@ def test_compiled_op_is_kernel_launches_in_inductor_code():
 
 
 def test_dynamic_token_count_recompiles_per_regime_only():
-    """One dynamic graph per rows-per-expert regime (decode <= 4 rows, <= 32, prefill), each exact."""
+    """One dynamic graph per rows-per-expert regime (<= 4 rows, <= 16, <= 64, <= 256, more), each exact."""
     from torch._dynamo.utils import counters
 
     _, _, _, w13, w2 = _layer(1)
@@ -67,7 +69,7 @@ def test_dynamic_token_count_recompiles_per_regime_only():
     for t in (2, 3, 12, 16, 100, 130, 700):
         hidden, ids, w, _, _ = _layer(t, seed=t)
         assert rel_err(compiled(hidden, ids, w), experts_reference(hidden, ids, w, w13, w2)) < 1e-2, t
-    # ceil(T * 4 / 16) rows per expert: T = 2..16 -> 1..4 (regime 0), 100 -> 25 (1), 130, 700 -> 33, 175 (2)
+    # ceil(T * 4 / 16) rows per expert: T = 2..16 -> 1..4 (regime 0), 100, 130 -> 25, 33 (2), 700 -> 175 (3)
     assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
 
 

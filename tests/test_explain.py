@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -161,7 +163,7 @@ def test_triton_request_on_cpu_reports_what_runs():
         (["explain", "--layers", "0"], "--layers must be between 1 and 48, got 0"),
         (["explain", "--layers", "1000"], "--layers must be between 1 and 48, got 1000"),
         (["demo", "--layers", "-3"], "--layers must be between 1 and 48, got -3"),
-        (["explain", "--family", "gpt_oss"], "invalid choice: 'gpt_oss'"),
+        (["explain", "--family", "not_a_family"], "invalid choice: 'not_a_family'"),
     ],
 )
 def test_cli_rejects_bad_sizes(argv, message, capsys):
@@ -173,10 +175,92 @@ def test_cli_rejects_bad_sizes(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("family, cls", [("olmoe", "Olmoe/grouped_mm"), ("qwen2_moe", "Qwen2Moe/grouped_mm")])
-def test_cli_offers_every_rewritten_family(family, cls, capsys):
+@pytest.mark.parametrize("family, impl, cls", [
+    ("olmoe", "grouped_mm", "Olmoe/grouped_mm"), ("qwen2_moe", "grouped_mm", "Qwen2Moe/grouped_mm"),
+    ("gpt_oss", "grouped_mm", "GptOss/grouped_mm"), ("dbrx", "eager", "Dbrx/hit_loop"),
+])
+def test_cli_offers_every_rewritten_family(family, impl, cls, capsys):
     from moe_fx.__main__ import main
 
-    assert main(["explain", "--family", family, "--layers", "1"]) == 0
-    out = capsys.readouterr().out
-    assert cls in out and "1 of 1 MoE region(s)" in out
+    assert main(["explain", "--family", family, "--impl", impl, "--layers", "1"]) == 0
+    captured = capsys.readouterr()
+    assert cls in captured.out and "1 of 1 MoE region(s)" in captured.out
+    assert f"[explain] building a tiny {family} model" in captured.err  # a progress line before the wait
+
+
+def test_cli_help_is_plain_text_and_lists_every_family(capsys):
+    from moe_fx.__main__ import main
+    from moe_fx.testing_families import TEXT_MOE_FAMILIES
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    assert "``" not in top and "demo" in top and "explain" in top  # no raw reST markup
+    with pytest.raises(SystemExit):
+        main(["explain", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(f in text for f in TEXT_MOE_FAMILIES)
+    for option in ("--impl", "--dtype", "--family", "--layers"):
+        # every option has help text after it (not only its choices)
+        assert option in text
+
+
+def _side_effect_model(kind: str):
+    """(model, example input) for each way explain touches a model: stacked views (ModuleList experts),
+    a captured forward (loop over hit experts), repacked parameters (DBRX), FP8 checkpoint experts."""
+    from moe_fx.testing_families import HitLoopMoE, tiny_family_model
+    from moe_fx.testing_fp8 import tiny_fp8_hf_model
+
+    torch.manual_seed(0)
+    if kind == "module_list":
+        return LoopMoE().eval(), torch.randn(6, 32)
+    if kind == "hit_loop":
+        return HitLoopMoE().eval(), torch.randn(6, 32)
+    if kind == "dbrx":
+        return tiny_family_model("dbrx", num_layers=1), torch.randint(3, 128, (2, 9))
+    return tiny_fp8_hf_model(), torch.randint(0, 64, (1, 5))
+
+
+@pytest.mark.parametrize("kind", ["module_list", "hit_loop", "dbrx", "fp8_checkpoint"])
+def test_explain_has_no_side_effects(kind):
+    """Before: explain left a captured ``forward`` on the experts modules, DBRX's parameters repacked into
+    new Parameter objects and ModuleList parameters viewing stacks it made; outputs then changed."""
+    from helpers import logits
+
+    model, x = _side_effect_model(kind)
+    params = dict(model.named_parameters())
+    values = {n: p.detach().clone() for n, p in params.items()}
+    layout = {n: (p.data_ptr(), p.stride()) for n, p in params.items()}
+    attrs = {name: set(vars(m)) for name, m in model.named_modules()}
+    tensor_attrs = {n: dict(vars(p)) for n, p in params.items()}
+    pickled = len(pickle.dumps(model))
+    # transformers' FP8Experts cannot run eagerly on CPU without the `kernels` package: compare outputs
+    # for the other kinds (for it, the forward left on the module is what changed them).
+    with torch.no_grad():
+        want = None if kind == "fp8_checkpoint" else logits(model(x))
+    report = moe_fx.explain(model, x)
+    assert report.matched, str(report)  # explain did rewrite (and capture) something
+    after = dict(model.named_parameters())
+    assert after.keys() == params.keys() and all(after[n] is p for n, p in params.items()), "new Parameter objects"
+    assert all(torch.equal(p, values[n]) for n, p in after.items())
+    assert {n: (p.data_ptr(), p.stride()) for n, p in after.items()} == layout, "parameters re-pointed"
+    assert {name: set(vars(m)) for name, m in model.named_modules()} == attrs, "attributes added"
+    assert not any("forward" in vars(m) for m in model.modules()), "a forward left on a module"
+    assert {n: dict(vars(p)) for n, p in after.items()} == tensor_attrs, "attributes added to parameters"
+    assert len(pickle.dumps(model)) == pickled
+    if want is not None:
+        with torch.no_grad():
+            assert torch.equal(logits(model(x)), want)
+
+
+def test_explain_dynamic_shows_what_a_dynamic_compile_does():
+    """``explain(..., dynamic=True)`` traces as ``moe_fx.compile(..., dynamic=True)`` does: the region is
+    traced for any T (its token count is symbolic), where the default traces the example's T."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()  # no automatic-dynamic state from earlier compiles of the same code
+    model, x = DenseBmmMoE().eval(), torch.randn(5, 32)
+    static, dynamic = moe_fx.explain(model, x), moe_fx.explain(model, x, dynamic=True)
+    assert [r.matched for r in static.regions] == [r.matched for r in dynamic.regions] == [True]
+    assert static.regions[0].tokens == "5"
+    assert dynamic.regions[0].tokens == "symbolic (traced at 5)"
+    assert "symbolic (traced at 5)" in str(dynamic) and "symbolic" not in str(static)

@@ -25,7 +25,12 @@ triton = pytest.importorskip("triton")
 
 H200 = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "deep_ep is not installed", 132, "NVIDIA H200")
 H200_DG = Capabilities("cuda", (9, 0), None, None, "deep_ep is not installed", 132, "NVIDIA H200")
-KERNELS = ("permute_kernel", "masked_gemm_kernel", "activation_kernel", "masked_gemm_kernel", "unpermute_kernel")
+#: the contiguous (sorted) layout, the default on one GPU: sort, GEMM1 gathering tokens, activation, GEMM2, combine
+KERNELS = ("expert_counts_kernel", "sort_slots_kernel", "masked_gemm_kernel", "activation_kernel", "masked_gemm_kernel",
+           "unpermute_kernel")
+#: decode-sized (<= 4 rows per expert): the one-program sort
+DECODE = ("sort_small_kernel",) + KERNELS[2:]
+MASKED = ("permute_kernel", "masked_gemm_kernel", "activation_kernel", "masked_gemm_kernel", "unpermute_kernel")
 
 
 class _Sm90Driver:
@@ -93,14 +98,16 @@ def _experts_fp8(h, ids, w, w13, w2, s13, s2):
     return (torch.ops.moe_fx.experts(h, ids, w, w13, w2, w13_scale=s13, w2_scale=s2),)
 
 
-def test_experts_op_becomes_kernel_launches(sm90):
-    gm = _trace(_experts, _inputs(FakeTensorMode()))
+@pytest.mark.parametrize("t", [16, 64])
+def test_experts_op_becomes_kernel_launches(sm90, t):
+    gm = _trace(_experts, _inputs(FakeTensorMode(), t=t))
     code = gm.code
     assert "moe_fx.experts" not in code
     launches = _launches(gm)
-    assert [_kernel_name(n) for n in launches] == list(KERNELS)
-    outputs = {"permute_kernel": {"counts_ptr", "x_ptr", "pos_ptr"}, "masked_gemm_kernel": {"c_ptr"},
-               "activation_kernel": {"y_ptr"}, "unpermute_kernel": {"out_ptr"}}
+    assert [_kernel_name(n) for n in launches] == list(DECODE if t == 16 else KERNELS)
+    outputs = {"expert_counts_kernel": {"counts_ptr"}, "sort_slots_kernel": {"counts_ptr", "sorted_ptr", "pos_ptr"},
+               "sort_small_kernel": {"counts_ptr", "sorted_ptr", "pos_ptr"},
+               "masked_gemm_kernel": {"c_ptr"}, "activation_kernel": {"y_ptr"}, "unpermute_kernel": {"out_ptr"}}
     for node in launches:
         # each kernel writes only its outputs: Inductor inserts no copy of an input (masked_m, the weights)
         assert set(node.kwargs["tensors_to_clone"]) == outputs[_kernel_name(node)], node.kwargs["tensors_to_clone"]
@@ -110,8 +117,8 @@ def test_experts_op_becomes_kernel_launches(sm90):
 def test_fp8_weights_trace_to_fp8_kernels(sm90):
     gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), fp8=True))
     names = [_kernel_name(n) for n in _launches(gm)]
-    assert names == ["permute_kernel", "masked_gemm_fp8_kernel", "activation_kernel", "masked_gemm_fp8_kernel",
-                     "unpermute_kernel"]
+    assert names == ["sort_small_kernel", "quantize_rows_kernel", "masked_gemm_fp8_kernel",
+                     "activation_kernel", "masked_gemm_fp8_kernel", "unpermute_kernel"]
     assert "moe_fx.experts" not in gm.code
 
 
@@ -122,7 +129,7 @@ def test_deepgemm_gemms_are_extern_calls_between_triton_launches(sm90):
     assert [_kernel_name(n) for n in _launches(gm)] == ["permute_kernel", "activation_kernel", "unpermute_kernel"]
     # decode-sized (<= 4 rows per expert): Triton's GEMMs instead, under auto
     gm = _trace(_experts, _inputs(FakeTensorMode(), t=2), caps=H200_DG)
-    assert "deepgemm_masked_gemm" not in gm.code and len(_launches(gm)) == 5
+    assert "deepgemm_masked_gemm" not in gm.code and [_kernel_name(n) for n in _launches(gm)] == list(DECODE)
 
 
 def test_dynamic_token_count_specialises_on_the_row_regime_only(sm90):
@@ -141,10 +148,10 @@ def test_dynamic_token_count_specialises_on_the_row_regime_only(sm90):
     gm = _trace(_experts, [hidden, ids, w, *inputs[3:]])
     assert [_kernel_name(n) for n in _launches(gm)] == list(KERNELS)
     guards = [str(g.expr) for g in shape_env.guards]
-    # T stays symbolic: the rows-per-expert regime (ceil(64*2/8) = 16: 4 < rows <= 32) and the kernels'
+    # T stays symbolic: the rows-per-expert regime (ceil(64*2/8) = 16: 4 < rows <= 16) and the kernels'
     # int32 offset bounds are the only guards, none an equality
     assert not any("Eq(" in g or "==" in g for g in guards), guards
-    assert any(g.endswith("> 4") for g in guards) and any(g.endswith("<= 32") for g in guards), guards
+    assert any(g.endswith("> 4") for g in guards) and any(g.endswith("<= 16") for g in guards), guards
 
 
 def test_reference_plans_keep_the_op(sm90):
@@ -158,7 +165,7 @@ def test_reference_plans_keep_the_op(sm90):
         return (torch.ops.moe_fx.experts(h, ids, w, w13, w2, activation="relu2", alpha=1.0),)
 
     gm = _trace(odd, _inputs(FakeTensorMode()))
-    assert len(_launches(gm)) == 5  # relu2 has a kernel
+    assert len(_launches(gm)) == len(DECODE)  # relu2 has a kernel
 
 
 def test_masked_experts_op_becomes_the_same_pipeline(sm90):
@@ -200,3 +207,47 @@ def test_weights_with_dynamic_dims_specialise_them(sm90):
     assert [_kernel_name(n) for n in _launches(gm)] == list(KERNELS)
     pinned = {str(g.expr) for g in shape_env.guards if "Eq(" in str(g.expr) or "==" in str(g.expr)}
     assert not any("T" in g for g in pinned), pinned
+
+
+def _gemm_tiles(gm) -> list[tuple]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, DEVICE_TMA) of every GEMM launch in the graph."""
+    return [tuple(n.kwargs["kwargs"][k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "DEVICE_TMA"))
+            for n in _launches(gm) if "gemm" in _kernel_name(n)]
+
+
+def _symbolic_inputs(hint):
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    weights = _inputs(mode, t=hint)[3:]
+    t = shape_env.create_symintnode(shape_env.create_symbol(hint, ConstantSource("T"), dynamic_dim=DimDynamic.DYNAMIC),
+                                    hint=hint)
+    with mode:
+        hidden = torch.empty(t, 256, dtype=torch.bfloat16, device="cuda")
+        ids = torch.empty(t, 2, dtype=torch.int64, device="cuda")
+        w = torch.empty(t, 2, device="cuda")
+    return [hidden, ids, w, *weights]
+
+
+def test_dynamic_graph_tiles_are_the_regimes_not_the_traced_size(sm90, monkeypatch):
+    """The cause of the 1.7x "machine-to-machine" spread: a graph compiled for a dynamic T took its
+    tiles from the T it was first traced with. Now the tiles are the regime's, whatever the hint, and
+    the same as a static trace in that regime; the regime's table entry (device descriptors, swapped
+    decode tiles) reaches the generated launches."""
+    from moe_fx.lowering.triton import configs
+
+    table = {"NVIDIA H200|bf16|N512|K256|sorted|r2": {"block_m": 64, "block_n": 128, "block_k": 64, "tma": True},
+             "NVIDIA H200|bf16|N256|K256|sorted|r2": {"block_m": 32, "block_n": 64, "block_k": 128, "swap_ab": True}}
+    monkeypatch.setattr(configs, "_shipped", lambda: table)
+    monkeypatch.setattr(configs, "_memory", {})
+    monkeypatch.setattr(configs, "_disk_loaded", {})
+    # rows per expert ceil(T * 2 / 8): T=80 -> 20, T=256 -> 64, both in regime 2 (17..64)
+    tiles = {_gemm_tiles(_trace(_experts, _symbolic_inputs(hint)))[0] for hint in (80, 256)}
+    static = _gemm_tiles(_trace(_experts, _inputs(FakeTensorMode(), t=200)))
+    assert tiles == {static[0]} and static == [(64, 128, 64, False, True), (32, 64, 128, True, False)], (tiles, static)
+    gm = _trace(_experts, _inputs(FakeTensorMode(), t=200))
+    for node in _launches(gm):  # descriptors made in the kernel are no write of the weights or tokens
+        if "gemm" in _kernel_name(node):
+            assert set(node.kwargs["tensors_to_clone"]) == {"c_ptr"}, node.kwargs["tensors_to_clone"]

@@ -1,9 +1,10 @@
 """The ``moe_fx::experts`` contract on every input it accepts (issue 11, points 4-5 and the property test).
 
 A property-style test draws random E, K, H, I, T, activation specs and id patterns (duplicates, -1,
-identity experts, ragged and empty loads, K > E, T = 0) and compares each implementation in
-:data:`IMPLEMENTATIONS` with an independent per-token float64 loop. Ids outside ``{-1} ∪ [0, E +
-identity_experts)`` are an error on CPU, eager and compiled.
+identity experts, ids that name no expert, ragged and empty loads, K > E, T = 0) and compares each
+implementation in :data:`IMPLEMENTATIONS` with an independent per-token float64 loop. Ids outside ``[0, E +
+identity_experts)`` contribute nothing, like ``-1``, on every device, eager and compiled: what a model's
+own ``for e in range(E)`` loop does with them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 import moe_fx  # noqa: F401  (registers the ops and backend="moe_fx")
 from moe_fx.ops import ACTIVATIONS
+from moe_fx.testing import LoopMoE
 
 
 def _op_cpu(hidden, ids, weights, w13, w2, **kwargs):
@@ -63,7 +65,7 @@ def per_token_oracle(c: Case) -> torch.Tensor:
     for t in range(t_count):
         for k in range(c.ids.shape[1]):
             e = int(c.ids[t, k])
-            if e == -1:
+            if not 0 <= e < e_count + c.identity_experts:  # -1 and any other id that names no expert
                 continue
             r = float(c.weights[t, k])
             x = c.hidden[t].double() * (r if c.on_input else 1.0)
@@ -131,7 +133,8 @@ class Case:
                 f"ids {self.ids.dtype}, weights {self.weights.dtype})")
 
 
-ID_PATTERNS = ("random", "duplicates", "minus_one", "one_expert", "ragged", "all_minus_one", "identity")
+ID_PATTERNS = ("random", "duplicates", "minus_one", "one_expert", "ragged", "all_minus_one", "identity",
+               "out_of_range")
 
 
 def _ids(rng: random.Random, g: torch.Generator, pattern: str, t: int, k: int, e: int, ident: int) -> torch.Tensor:
@@ -152,6 +155,8 @@ def _ids(rng: random.Random, g: torch.Generator, pattern: str, t: int, k: int, e
         return torch.full((t, k), -1, dtype=torch.int64)
     if pattern == "identity":  # identity experts mixed with real ones
         return torch.randint(max(e - 1, 0), e + ident, (t, k), generator=g)
+    if pattern == "out_of_range":  # ids that name no expert (< -1, >= E + identity) among valid ones
+        return torch.randint(-3, e + ident + 3, (t, k), generator=g)
     raise ValueError(pattern)
 
 
@@ -163,7 +168,7 @@ def random_case(seed: int) -> Case:
     h, inter = rng.randint(1, 24), rng.randint(1, 12)
     t = rng.choice([0, 1, 2, 3, 5, 8, 13])
     pattern = ID_PATTERNS[seed % len(ID_PATTERNS)]
-    ident = rng.choice([1, 2]) if pattern in ("identity", "random") and rng.random() < 0.6 else 0
+    ident = rng.choice([1, 2]) if pattern in ("identity", "random", "out_of_range") and rng.random() < 0.6 else 0
     activation = rng.choice(sorted(ACTIVATIONS))
     gated = rng.random() < 0.7
     c = Case(
@@ -218,10 +223,12 @@ def test_random_cases_cover_the_edges():
     assert any(c.ids.shape[1] > c.w13.shape[0] for c in cases)
     assert any(c.identity_experts and (c.ids >= c.w13.shape[0]).any() for c in cases)
     assert any((c.ids == -1).any() and (c.ids >= 0).any() for c in cases)
+    assert any(c.hidden.shape[0] and (c.ids >= c.w13.shape[0] + c.identity_experts).any()
+               and (c.ids < -1).any() for c in cases)
     assert any(c.hidden.shape[0] and any(len(set(r)) < len(r) for r in c.ids.tolist()) for c in cases)
 
 
-# --- ids outside the contract ------------------------------------------------------------------
+# --- ids that name no expert ------------------------------------------------------------------
 
 def _small(ids: torch.Tensor, identity: int = 0):
     g = torch.Generator().manual_seed(0)
@@ -230,7 +237,7 @@ def _small(ids: torch.Tensor, identity: int = 0):
             torch.randn(4, 8, 8, generator=g), torch.randn(4, 8, 4, generator=g))
 
 
-BAD_IDS = {
+NO_EXPERT_IDS = {
     "id == E": torch.tensor([[0, 4], [1, 2]]),
     "id > E": torch.tensor([[0, 1], [9, 2]]),
     "id == -2": torch.tensor([[0, -2], [1, 2]]),
@@ -238,27 +245,58 @@ BAD_IDS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(BAD_IDS))
-def test_out_of_range_ids_are_an_error_eager(name):
+def _as_minus_one(ids: torch.Tensor, identity: int) -> torch.Tensor:
+    return ids.masked_fill((ids < 0) | (ids >= 4 + identity), -1)
+
+
+@pytest.mark.parametrize("name", sorted(NO_EXPERT_IDS))
+def test_ids_that_name_no_expert_contribute_nothing_eager(name):
+    """Such a slot counts as ``-1`` (before: a ValueError on CPU while the GPU kernels skipped it)."""
     identity = 2 if "identity" in name else 0
-    args = _small(BAD_IDS[name])
-    with pytest.raises(ValueError, match=r"outside the valid ids -1 and \[0, \d+\)"):
-        torch.ops.moe_fx.experts(*args, identity_experts=identity)
-    ok = args[1].clamp(-1, 3)  # the same call with valid ids runs
-    assert torch.ops.moe_fx.experts(args[0], ok, *args[2:], identity_experts=identity).isfinite().all()
+    hidden, ids, *rest = _small(NO_EXPERT_IDS[name])
+    got = torch.ops.moe_fx.experts(hidden, ids, *rest, identity_experts=identity)
+    want = torch.ops.moe_fx.experts(hidden, _as_minus_one(ids, identity), *rest, identity_experts=identity)
+    assert torch.equal(got, want) and got.abs().sum() > 0
 
 
 @pytest.mark.parametrize("backend", ["inductor", "moe_fx"])
-def test_out_of_range_ids_are_an_error_compiled_on_cpu(backend):
-    """A compiled graph calling the op (CPU) raises the same error at run time, not a silent result."""
-    hidden, ids, weights, w13, w2 = _small(BAD_IDS["id == E"])
+def test_ids_that_name_no_expert_contribute_nothing_compiled_on_cpu(backend):
+    """A compiled graph calling the op (CPU) computes what the eager op does, no error."""
+    hidden, ids, weights, w13, w2 = _small(NO_EXPERT_IDS["id > E"])
 
     def f(hidden, ids, weights):
         return torch.ops.moe_fx.experts(hidden, ids, weights, w13, w2) + 1.0
 
     torch._dynamo.reset()
     compiled = torch.compile(f, backend=backend, fullgraph=True)
-    good = ids.clamp(max=3)
-    torch.testing.assert_close(compiled(hidden, good, weights), f(hidden, good, weights))
-    with pytest.raises(ValueError, match="outside the valid ids"):
-        compiled(hidden, ids, weights)
+    torch.testing.assert_close(compiled(hidden, ids, weights), f(hidden, _as_minus_one(ids, 0), weights))
+
+
+class _SentinelWhereLoopMoE(LoopMoE):
+    """A hand-written ``range(E)`` loop whose router marks dropped slots with the id ``E`` (as expert-parallel
+    code marks other ranks' experts): the loop never visits ``E``, so those slots contribute nothing."""
+
+    def forward(self, x):
+        weights, ids = self.route(x)
+        ids = ids.masked_fill(weights < 0.4, self.num_experts)  # the sentinel id E: "no expert"
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * weights[tok, slot, None])
+        return out
+
+
+def test_model_with_sentinel_ids_compiles_to_what_eager_computes():
+    """Before: the rewritten CPU model raised on ids the model's own loop skips."""
+    torch.manual_seed(0)
+    model, x = _SentinelWhereLoopMoE(num_experts=4).eval(), torch.randn(16, 32)
+    with torch.no_grad():
+        want = model(x)
+        weights = model.route(x)[0]
+        assert (weights < 0.4).any() and (weights >= 0.4).any(), "the test needs sentinel and real slots"
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = moe_fx.compile(model, dynamic=False)(x)
+    report = moe_fx.explain(model, x)
+    assert [r.matched for r in report.regions] == [True], report
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -58,7 +58,7 @@ def _fresh_state(monkeypatch):
 
 def test_rows_per_expert_and_regimes():
     assert rows_per_expert(1, 8, 128) == 1 and rows_per_expert(4096, 8, 32) == 1024 and rows_per_expert(0, 2, 8) == 1
-    assert [row_regime(r) for r in (1, 4, 5, 32, 33, 4096)] == [0, 0, 1, 1, 2, 2]
+    assert [row_regime(r) for r in (1, 4, 5, 16, 17, 64, 65, 256, 257, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -166,6 +166,16 @@ def test_explain_kernel_plain_values():
     assert explain_kernel("cpu", "float32", 8, 32, 16, request="triton", caps=CPU)[0] == "triton (interpreted on CPU)"
 
 
+def test_explain_says_layout_and_kernel_per_regime():
+    """explain's layout line is the lowering's own plan for every regime (decide_experts_plan)."""
+    _, reasons = explain_kernel("cuda", torch.bfloat16, 8, 4096, 1024, caps=H100)
+    assert reasons["layout"].startswith("rows per expert 1..4: triton, sorted layout")
+    assert "5..: deepgemm, masked layout (local_sorted: the experts kernel reads the masked layout only)" in reasons["layout"]
+    no_dg = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "x", 132, "NVIDIA H200")
+    _, reasons = explain_kernel("cuda", torch.bfloat16, 128, 2048, 768, caps=no_dg)
+    assert reasons["layout"] == "rows per expert 1..: triton, sorted layout (local_permute: local_sorted preferred)"
+
+
 def test_choice_is_logged_once_per_problem(caplog):
     caplog.set_level(logging.INFO, logger="moe_fx.lowering")
     for _ in range(3):
@@ -213,7 +223,7 @@ def test_deepep_taken_when_everything_fits():
     "kw, deep_ep_error, why",
     [
         ({}, "deep_ep is not installed", "not installed"),
-        ({"hidden": 3000}, None, "hidden size 3000"),
+        ({"hidden": 9000}, None, "hidden size 9000"),
         ({"top_k": 10}, None, "top-k 10 above its limit 9"),
         ({"dtype": "float32"}, None, "bfloat16"),
         ({"device_type": "cpu"}, None, "CUDA"),
@@ -223,7 +233,9 @@ def test_deepep_taken_when_everything_fits():
 def test_deepep_fallback_reasons(kw, deep_ep_error, why):
     caps = Capabilities("cuda", (9, 0), None, None, deep_ep_error)
     c = decide("prepare_finalize", ep(**kw), caps)
-    assert c.name == "torch_dist" and why in c.reasons["deepep_ll"]
+    # on a GPU the sync-free fixed-size exchange takes over; on CPU the synced one (its host syncs are free)
+    assert c.name == ("torch_dist" if kw.get("device_type") == "cpu" else "torch_dist_fixed")
+    assert why in c.reasons["deepep_ll"]
     ok, reason = deepep_ll.supports(ep(**kw), caps)
     assert not ok and why in reason
     # a (hypothetical) DeepEP build with a hidden size that is not a multiple of 512: fp8 dispatch refused
@@ -231,15 +243,31 @@ def test_deepep_fallback_reasons(kw, deep_ep_error, why):
     assert not ok and "hidden % 512" in reason
 
 
+def test_deepep_pads_unsupported_hidden_sizes_only_on_request():
+    # GPT-OSS's 2880 is not compiled into DeepEP's LL kernels: auto takes the unpadded fixed exchange and
+    # says why; an explicit request pads to the next compiled size (4096 in the V1 sources).
+    c = decide("prepare_finalize", ep(hidden=2880), H100)
+    assert c.name == "torch_dist_fixed"
+    assert "hidden size 2880" in c.reasons["deepep_ll"] and "padded to 4096" in c.reasons["deepep_ll"]
+    padded = decide("prepare_finalize", ep(hidden=2880), H100, "deepep")
+    assert (padded.name, padded.error) == ("deepep_ll", None)
+    assert deepep_ll.padded_hidden(2880) == 4096 and deepep_ll.padded_hidden(7168) == 7168
+    assert deepep_ll.padded_hidden(9000) is None
+
+
 def test_prepare_requests_single_rank_and_local():
     one = ep(world_size=1, num_experts=32)
     c = decide("prepare_finalize", one, H100)
-    assert c.name == "torch_dist" and "one rank" in c.reasons["deepep_ll"]
+    assert c.name == "torch_dist_fixed" and "one rank" in c.reasons["deepep_ll"]
     # An explicit DeepEP request runs it even with one rank (the single-GPU check), or says why not.
     assert decide("prepare_finalize", one, H100, "deepep").name == "deepep_ll"
-    bad = decide("prepare_finalize", ep(hidden=1000), H100, "deepep")
-    assert bad.error is not None and "hidden size 1000" in bad.error
+    bad = decide("prepare_finalize", ep(hidden=9000), H100, "deepep")
+    assert bad.error is not None and "hidden size 9000" in bad.error
     assert decide("prepare_finalize", ep(), H100, "torch_dist").name == "torch_dist"
+    assert decide("prepare_finalize", ep(device_type="cpu"), H100).name == "torch_dist"
+    no_triton = Capabilities("cuda", (9, 0), None, "triton is not installed", None)
+    c = decide("prepare_finalize", ep(hidden=9000), no_triton)
+    assert c.name == "torch_dist" and "Triton" in c.reasons["torch_dist_fixed"]
     with pytest.raises(ValueError, match="unknown prepare_finalize request 'nccl'"):
         decide("prepare_finalize", ep(), H100, "nccl")
     local = ep(world_size=1, expert_parallel=False)

@@ -46,7 +46,8 @@ def _kernels():
 
 
 GEMM = {"GROUP_M": 8, "E_POW2": 128, "EVEN_K": True, "UPCAST": False, "s_ak": 1, "s_bk": 1, "s_cn": 1,
-        "bias_ptr": None, "HAS_BIAS": False}
+        "bias_ptr": None, "HAS_BIAS": False, "sorted_ptr": None, "rw_ptr": None, "SORTED": False, "GATHER_A": False,
+        "TOPK": 1, "ROUTE_W": False, "SWAP_AB": False, "DEVICE_TMA": False}
 
 
 @pytest.mark.parametrize(
@@ -140,3 +141,71 @@ def test_elementwise_kernels_compile(quant, gpt_oss):
     else:
         consts.update({"ids_ptr": None, "h_ptr": None})
     _compile(k.unpermute_kernel, types, consts)
+
+
+def _sorted_gemm(fp8: bool, gather: bool, route_w: bool = False, **consts):
+    """(kernel, types, constants) of a sorted-layout GEMM launch on contiguous tensors."""
+    k = _kernels()
+    consts = dict(GEMM, TMA=False, SORTED=True, GATHER_A=gather, TOPK=8, ROUTE_W=route_w, s_ag=0, s_cg=0, **consts)
+    elem = "fp8e4nv" if fp8 else "bf16"
+    types = {"a_ptr": f"*{elem}", "b_ptr": f"*{elem}", "c_ptr": "*bf16", "masked_m_ptr": "*i32"}
+    for name, on, t in (("sorted_ptr", gather, "*i32"), ("rw_ptr", route_w, "*fp32")):
+        if on:
+            types[name] = t
+            del consts[name]
+    if fp8:
+        types.update({"as_ptr": "*fp32", "bs_ptr": "*fp32"})
+        consts.update(s_ask=1, s_asg=0, SCALAR_BS=consts["BLOCK_N"] <= 128)
+        return k.masked_gemm_fp8_kernel, types, consts
+    consts["IEEE"] = False
+    return k.masked_gemm_kernel, types, consts
+
+
+@pytest.mark.parametrize(
+    "fp8,bm,bn,bk,warps,stages,gather,route_w",
+    [
+        (False, 128, 256, 64, 8, 3, True, False),   # GEMM1 of the sorted layout: tokens gathered
+        (False, 128, 256, 64, 8, 3, False, False),  # GEMM2: contiguous sorted rows
+        (False, 16, 64, 128, 4, 4, True, True),     # decode tile, weights on the input
+        (True, 128, 128, 128, 8, 4, True, False),
+        (True, 64, 128, 128, 4, 4, False, False),
+    ],
+)
+def test_sorted_gemm_compiles_pipelined(fp8, bm, bn, bk, warps, stages, gather, route_w):
+    """The contiguous layout's modes of the GEMM kernels: still pipelined, wgmma, no spills."""
+    fn, types, consts = _sorted_gemm(fp8, gather, route_w, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    ptx = _compile(fn, types, consts, warps, stages).asm["ptx"]
+    assert "cp.async" in ptx, "main loop not pipelined (no async copies)"
+    assert ("wgmma.mma_async" in ptx) == (bm >= 64)
+    assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
+
+
+def test_sort_kernels_compile():
+    k = _kernels()
+    for e_pow2 in (8, 128, 512):
+        block = max(16, min(1024, 16384 // e_pow2))
+        consts = {"TOPK": 8, "BLOCK": block, "E_POW2": e_pow2}
+        _compile(k.expert_counts_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32"}, consts)
+        ptx = _compile(k.sort_slots_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
+                                             "pos_ptr": "*i64"}, consts).asm["ptx"]
+        assert "atom.global" in ptx and "ld.local" not in ptx
+        ptx = _compile(k.sort_small_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
+                                             "pos_ptr": "*i64"}, {"TOPK": 8, "CHUNK": max(16, min(64, 8192 // e_pow2)),
+                                                                  "E_POW2": e_pow2}).asm["ptx"]
+        assert "atom.global" not in ptx and "ld.local" not in ptx  # one program: no atomics, no spills
+    _compile(k.quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+             {"BLOCK_T": 8, "INTERP": False})
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("swap_ab,device_tma,gather", [(True, False, True), (False, True, False), (False, True, True)])
+def test_sorted_gemm_swap_and_device_descriptors_compile(fp8, swap_ab, device_tma, gather):
+    """Swapped decode tiles reach wgmma with 16 rows; device-made descriptors load through TMA."""
+    bm, bn, bk = (16, 64, 128) if swap_ab else (128, 128, 128 if fp8 else 64)
+    fn, types, consts = _sorted_gemm(fp8, gather, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    consts.update(TMA=device_tma, SWAP_AB=swap_ab, DEVICE_TMA=device_tma)
+    ptx = _compile(fn, types, consts, 4 if swap_ab else 8, 4 if fp8 else 3).asm["ptx"]
+    assert "wgmma.mma_async" in ptx, "Hopper MMA expected (the swapped 16-row tile too)"
+    if device_tma:
+        assert "cp.async.bulk.tensor" in ptx, "TMA loads expected"
+    assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"

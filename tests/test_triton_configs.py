@@ -120,3 +120,42 @@ def test_fit_smem_shrinks_fp32_tiles():
     fitted = configs.fit_smem(big, 4)
     assert fitted.smem_bytes(4) <= configs.SMEM_BUDGET
     assert (fitted.block_m, fitted.block_n, fitted.tma) == (128, 256, True) and fitted.num_stages >= 2
+
+
+def test_pick_regime_config_takes_the_best_worst_case():
+    a, b, c = TileConfig(16, 64, 128), TileConfig(32, 64, 128), TileConfig(64, 128, 64)
+    # a is best at small T but falls off a cliff at the regime's top; b is never best but never far off
+    timings = {8: {a: 1.0, b: 1.05, c: 1.5}, 16: {a: 1.0, b: 1.04, c: 1.3}, 24: {a: 1.8, b: 1.1, c: 1.0}}
+    cfg, worst = configs.pick_regime_config(timings)
+    assert cfg == b and worst == pytest.approx(1.1)
+    # a candidate not timed at every T cannot win
+    cfg, _ = configs.pick_regime_config({8: {a: 1.0, b: 2.0}, 16: {b: 1.0}})
+    assert cfg == b
+    with pytest.raises(ValueError):
+        configs.pick_regime_config({})
+
+
+def test_regime_entries_win_and_symbolic_counts_never_read_their_hint(fresh):
+    entry = TileConfig(64, 128, 64, 4, 4, 4, 1, tma=True)
+    configs.store({configs.regime_key("FakeGPU", "bf16", 1536, 2048, "sorted", 2): entry})
+    for hint in (20, 64, 4000):  # any hint: the regime's entry
+        got = configs.get_config("bf16", 1536, 2048, hint, GPU, layout="sorted", regime=2, symbolic=True,
+                                 allow_tma=False)
+        assert got == entry  # the sorted layout keeps its (device-made) descriptors in compiled graphs
+    # masked layout, symbolic T: the regime's bucket (the hint is ignored), pointer tiles when traced
+    assert configs.regime_bucket(2) == 64 and configs.regime_bucket(4) == configs.m_bucket(1028)
+    a = configs.get_config("bf16", 4096, 4096, 20, GPU, regime=3, symbolic=True, allow_tma=False)
+    b = configs.get_config("bf16", 4096, 4096, 4000, GPU, regime=3, symbolic=True, allow_tma=False)
+    assert a == b and not a.tma
+
+
+def test_regime_candidates_fit_and_cover_uneven_loads():
+    for kind in ("bf16", "fp8"):
+        for regime in range(5):
+            cands = configs.regime_candidates(kind, regime)
+            assert len(set(cands)) == len(cands) >= 2
+            assert all(c.smem_bytes(1 if kind == "fp8" else 2) <= configs.SMEM_BUDGET for c in cands)
+            if kind == "fp8":
+                assert all(128 % c.block_k == 0 for c in cands)
+        # a regime of up to 16 expected rows also tries 32-row tiles (real loads exceed the mean)
+        assert any(c.block_m >= 32 for c in configs.regime_candidates(kind, 1))

@@ -1,6 +1,6 @@
-"""The moe_fx ops lowered: ``moe_fx::experts`` = local permute -> masked experts -> local unpermute, and
-``moe_fx::masked_experts`` (expert parallelism, between ``ep_dispatch`` and ``ep_combine``) = the same
-masked experts.
+"""The moe_fx ops lowered: ``moe_fx::experts`` = a local layout (sorted: sort -> experts -> combine, or
+masked: permute -> masked experts -> unpermute), and ``moe_fx::masked_experts`` (expert parallelism,
+between ``ep_dispatch`` and ``ep_combine``) = the masked experts.
 
 :func:`plan_experts` / :func:`plan_masked_experts` decide everything the shapes decide (kernels, via
 :mod:`moe_fx.lowering.select`; tiles and grids, inside the Triton wrappers) and the token-count regime
@@ -16,19 +16,27 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_fx.lowering.masked_experts.pipeline import ExpertWeights, GemmHints, MaskedGemms, empty_scales, run_masked_experts
-from moe_fx.lowering.problem import DispatchProblem, ExpertsProblem, dtype_name, row_regime, rows_per_expert
-from moe_fx.lowering.select import Choice, choose
+from moe_fx.lowering.masked_experts.pipeline import (
+    ExpertWeights,
+    GemmHints,
+    MaskedGemms,
+    empty_scales,
+    run_masked_experts,
+    run_sorted_experts,
+)
+from moe_fx.lowering.problem import Capabilities, ExpertsProblem, dtype_name, row_regime, rows_per_expert
+from moe_fx.lowering.select import Choice, choose, choose_layout, layout_of
 from moe_fx.ops import ExpertActivation
-from moe_fx.ops.ep import masked_output_dtype
+from moe_fx.ops.masked_experts import masked_output_dtype
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE
 
-__all__ = ["ExpertsPlan", "gemms_of", "plan_experts", "plan_masked_experts", "run_experts", "run_masked_experts_op"]
+__all__ = ["ExpertsPlan", "decide_experts_plan", "gemms_of", "plan_experts", "plan_masked_experts", "run_experts",
+           "run_masked_experts_op"]
 
 
 @dataclass(frozen=True)
 class ExpertsPlan:
-    """What runs a moe_fx op call: the masked-experts choice, the prepare/finalize choice, the problem."""
+    """What runs a moe_fx op call: the experts choice, the prepare/finalize (layout) choice, the problem."""
 
     experts: Choice
     prepare: Choice | None
@@ -38,6 +46,15 @@ class ExpertsPlan:
     def reference(self) -> bool:
         """The whole op runs its torch reference (no kernel pipeline)."""
         return self.experts.name == "reference"
+
+    @property
+    def layout(self) -> str:
+        """``"sorted"``, ``"masked"`` or ``"reference"``: the row layout the call runs on."""
+        return "reference" if self.reference else layout_of(self.prepare)
+
+    def summary(self) -> str:
+        """One line: kernel and layout, e.g. ``"triton, sorted layout"``."""
+        return self.experts.name if self.reference else f"{self.experts.name}, {self.layout} layout"
 
 
 def _k_major(w: torch.Tensor) -> bool:
@@ -67,6 +84,31 @@ def _checked(choice: Choice, what: str, problem: ExpertsProblem) -> Choice:
     return choice
 
 
+def decide_experts_plan(
+    problem: ExpertsProblem,
+    top_k: int,
+    impl: str = "auto",
+    *,
+    layout: str = "auto",
+    caps: Capabilities | None = None,
+) -> ExpertsPlan:
+    """The kernel and the row layout of one ``moe_fx::experts`` problem: the lowering's rule, also explain's.
+
+    The experts kernel first (:mod:`moe_fx.lowering.select`, family ``"experts"``), then the local
+    layout among those it reads (:func:`~moe_fx.lowering.select.choose_layout`: ``local_sorted`` or
+    ``local_permute``); explain runs the same two. ``caps`` makes it pure (explain for a device this machine lacks; tests);
+    ``layout`` requests one (benchmarks; ``"auto"`` otherwise).
+    """
+    experts = _checked(choose("experts", problem, request=impl, caps=caps, device=problem.device_type), "experts",
+                       problem)
+    if experts.name == "reference":
+        return ExpertsPlan(experts, None, problem)
+    prepare = choose_layout(problem, top_k, experts, request=layout, caps=caps)
+    if prepare.error is not None:
+        raise RuntimeError(f"moe_fx.experts: layout {layout!r} cannot run: {prepare.error} ({problem.describe()})")
+    return ExpertsPlan(experts, prepare, problem)
+
+
 def plan_experts(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -77,21 +119,16 @@ def plan_experts(
     *,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    layout: str = "auto",
 ) -> ExpertsPlan:
     """Choose the kernels of one ``moe_fx::experts`` call (a guard on the token-count regime when T is symbolic).
 
-    Raises ``RuntimeError`` when an explicit ``impl`` cannot run (never a silent fallback).
+    Raises ``RuntimeError`` when an explicit ``impl`` (or ``layout``) cannot run (never a silent fallback).
     """
     t, k = topk_ids.shape
     regime = row_regime(rows_per_expert(t, k, w13.shape[0]))
     problem = _problem(hidden.device, hidden.dtype, w13, w2, spec, w13_bias, w2_bias, regime)
-    experts = _checked(choose("experts", problem, request=impl, device=hidden.device), "experts", problem)
-    if experts.name == "reference":
-        return ExpertsPlan(experts, None, problem)
-    local = DispatchProblem(1, hidden.device.type, problem.dtype, problem.hidden, int(k), problem.num_experts,
-                            use_fp8=problem.fp8, expert_parallel=False)
-    prepare = choose("prepare_finalize", local, device=hidden.device)
-    return ExpertsPlan(experts, prepare, problem)
+    return decide_experts_plan(problem, int(k), impl, layout=layout)
 
 
 def gemms_of(choice: Choice) -> MaskedGemms:
@@ -126,6 +163,7 @@ def run_experts(
     Shapes and semantics as in :mod:`moe_fx.ops.experts`; returns ``[T, H]`` in ``hidden.dtype``.
     """
     from moe_fx.lowering.triton.permute import masked_rows_needed, permute_to_masked, unpermute_from_masked
+    from moe_fx.lowering.triton.sort import sort_by_expert
 
     if plan.reference:
         raise ValueError("run_experts: the plan runs the reference, not a kernel pipeline")
@@ -136,16 +174,25 @@ def run_experts(
     e = w13.shape[0]
     gemms = gemms_of(plan.experts)
     weights = ExpertWeights(w13, w2, w13_scale, w2_scale, w13_bias, w2_bias)
-    max_m = gemms.rows(masked_rows_needed(t, k, weights_on_input))
     rows = rows_per_expert(t, k, e)
-    batch = permute_to_masked(
-        hidden, topk_ids, e, max_m, topk_weights, weights_on_input=weights_on_input, quant_fp8=weights.fp8,
-        x_scale=empty_scales(e, max_m, h, gemms.scale_layout, hidden.device) if weights.fp8 else None,
-    )
-    hints = GemmHints(expected_m=rows, max_total_m=t * k, active_groups=torch.sym_min(e, t * k))
-    y = run_masked_experts(batch.x, batch.x_scale, batch.masked_m, weights, spec, gemms, hints)
+    regime = plan.problem.regime if plan.problem is not None else None
+    hints = GemmHints(expected_m=rows, max_total_m=t * k, active_groups=torch.sym_min(e, t * k), regime=regime)
+    if plan.layout == "sorted":
+        # decode (regime 0: at most 4 rows per expert, so T * K <= 4E slots): the one-program sort
+        sorted_rows = sort_by_expert(topk_ids, e, small=(regime == 0) if regime is not None else None)
+        y = run_sorted_experts(hidden, sorted_rows, weights, spec, gemms, hints,
+                               route_weights=topk_weights if weights_on_input else None)
+        slot_pos = sorted_rows.slot_pos
+    else:
+        max_m = gemms.rows(masked_rows_needed(t, k, weights_on_input))
+        batch = permute_to_masked(
+            hidden, topk_ids, e, max_m, topk_weights, weights_on_input=weights_on_input, quant_fp8=weights.fp8,
+            x_scale=empty_scales(e, max_m, h, gemms.scale_layout, hidden.device) if weights.fp8 else None,
+        )
+        y = run_masked_experts(batch.x, batch.x_scale, batch.masked_m, weights, spec, gemms, hints)
+        slot_pos = batch.slot_pos
     return unpermute_from_masked(
-        y, batch.slot_pos, topk_weights, weights_on_output=not weights_on_input, topk_ids=topk_ids, hidden=hidden,
+        y, slot_pos, topk_weights, weights_on_output=not weights_on_input, topk_ids=topk_ids, hidden=hidden,
         num_experts=e, identity_experts=identity_experts, out_dtype=hidden.dtype,
     )
 

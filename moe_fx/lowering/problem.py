@@ -51,8 +51,12 @@ DISABLE_DEEPGEMM_ENV = "MOE_FX_DISABLE_DEEPGEMM"
 #: Where users learn how to install a DeepGEMM that matches their torch.
 DEEPGEMM_DOC = "docs/deepgemm.md"
 #: Upper bounds of the rows-per-expert regimes: <= 4 rows (decode: Triton's streaming tiles beat
-#: DeepGEMM, bench/results/moe_layer_2026-12-02_v2.md), <= 32 (decode tiles), more (prefill tiles).
-ROW_REGIMES: tuple[int, ...] = (4, 32)
+#: DeepGEMM, bench/results/moe_layer_2026-12-02_v2.md), <= 16 (16-row tiles stream the weights), <= 64,
+#: <= 256, more (prefill tiles). Each regime has one tile configuration per GEMM, tuned over every
+#: token count of the regime (bench/tune_tiles.py), so a graph compiled for a dynamic T runs tiles
+#: chosen for its regime, not for the T it was traced with. Five regimes: with the graph of the first
+#: (static) shape, six graphs at most, inside Dynamo's default recompile limit of 8.
+ROW_REGIMES: tuple[int, ...] = (4, 16, 64, 256)
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -148,7 +152,9 @@ class DispatchProblem:
         max_tokens_per_rank: tokens per rank per step (EP), 0 for the local permute.
         use_fp8: prepare quantises activations to fp8 with 1x128 scales.
         expert_parallel: ``True`` for ``moe_fx::ep_dispatch`` / ``ep_combine`` (a process group),
-            ``False`` for the local permute inside ``moe_fx::experts``.
+            ``False`` for the local layouts inside ``moe_fx::experts``.
+        experts_layouts: the row layouts the chosen experts kernel reads (``"masked"``, ``"sorted"``).
+        regime: the call's rows-per-expert regime (:func:`row_regime`), ``None`` when unknown.
     """
 
     world_size: int
@@ -160,10 +166,15 @@ class DispatchProblem:
     max_tokens_per_rank: int = 0
     use_fp8: bool = False
     expert_parallel: bool = True
+    experts_layouts: tuple[str, ...] = ("masked",)
+    regime: int | None = None
 
     def describe(self) -> str:
         """One line for logs."""
         where = f"world={self.world_size} max_tokens={self.max_tokens_per_rank}" if self.expert_parallel else "local"
+        if self.regime is not None:
+            lo, hi = regime_bounds(self.regime)
+            where += f" ({lo}..{hi if hi is not None else ''} rows per expert)"
         return (f"{where} {self.dtype} H={self.hidden} K={self.top_k} E={self.num_experts}"
                 f"{' fp8' if self.use_fp8 else ''} on {self.device_type}")
 

@@ -13,8 +13,10 @@ For ``moe_fx::experts`` and ``moe_fx::masked_experts``, two things each:
   and buffers decided once at compile time, and no Python of moe_fx runs per call. When the plan is
   the reference (CPU, or no kernel can run) the op stays one opaque call.
 
-The communication ops ``moe_fx::ep_dispatch`` / ``ep_combine`` get their kernels from
-:mod:`moe_fx.lowering.prepare_finalize.ep`.
+The expert-parallel ops get their kernels from :mod:`moe_fx.lowering.prepare_finalize`:
+``ep_dispatch`` / ``ep_combine`` from :mod:`~moe_fx.lowering.prepare_finalize.ep`, ``ep_agree_step`` /
+``ep_remaining_rounds`` from :mod:`~moe_fx.lowering.prepare_finalize.rounds`. They stay opaque calls in
+compiled graphs (their Python runs at each call, or once when a CUDA graph is recorded).
 """
 
 from __future__ import annotations
@@ -25,18 +27,23 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from moe_fx.lowering.experts import plan_experts, plan_masked_experts, run_experts, run_masked_experts_op
-from moe_fx.lowering.prepare_finalize.ep import ep_combine_impl, ep_dispatch_impl
-from moe_fx.ops import ExpertActivation
-from moe_fx.ops.ep import masked_experts_args, masked_check_call, masked_reference_of
+from moe_fx.lowering.prepare_finalize.ep import (
+    ep_combine_impl,
+    ep_dispatch_impl,
+    ep_dispatch_recv_impl,
+    ep_dispatch_send_impl,
+)
+from moe_fx.lowering.prepare_finalize.rounds import agree_step, remaining_rounds
+from moe_fx.ops.checks import check_masked_experts
 from moe_fx.ops.experts import check_experts_call, experts_args, reference_of
+from moe_fx.ops.masked_experts import bind_masked_experts, masked_reference_of, spec_of
 
 __all__ = ["experts_eager", "masked_experts_eager"]
 
 _LIB = torch.library.Library("moe_fx", "IMPL")
 
 
-def _spec(a: dict) -> ExpertActivation:
-    return ExpertActivation(a["activation"], a["gated"], a["gate_up_layout"], a["alpha"], a["limit"], a["up_offset"])
+_spec = spec_of
 
 
 def _plan(a: dict):
@@ -77,8 +84,8 @@ def _masked_run(a: dict, plan) -> torch.Tensor:
 
 def masked_experts_eager(*args: object, **kwargs: object) -> torch.Tensor:
     """Eager kernel of ``moe_fx::masked_experts`` (CPU and CUDA)."""
-    a = masked_experts_args(*args, **kwargs)
-    masked_check_call(a)
+    a = bind_masked_experts(*args, **kwargs)
+    check_masked_experts(a)
     plan = _masked_plan(a)
     if plan.reference:
         return masked_reference_of(a)
@@ -112,11 +119,16 @@ for _key in ("CPU", "CUDA"):
     _LIB.impl("experts", experts_eager, _key)
     _LIB.impl("masked_experts", masked_experts_eager, _key)
     _LIB.impl("ep_dispatch", ep_dispatch_impl, _key)
+    _LIB.impl("ep_dispatch_send", ep_dispatch_send_impl, _key)
+    _LIB.impl("ep_dispatch_recv", ep_dispatch_recv_impl, _key)
     _LIB.impl("ep_combine", ep_combine_impl, _key)
+    _LIB.impl("ep_remaining_rounds", remaining_rounds, _key)
+# No tensor arguments: the dispatcher reaches it through the composite key.
+_LIB.impl("ep_agree_step", agree_step, "CompositeExplicitAutograd")
 
 torch.library.register_torch_dispatch(
     "moe_fx::experts", FunctionalTensorMode, _decomposition(experts_args, _plan, _run), lib=_LIB
 )
 torch.library.register_torch_dispatch(
-    "moe_fx::masked_experts", FunctionalTensorMode, _decomposition(masked_experts_args, _masked_plan, _masked_run), lib=_LIB
+    "moe_fx::masked_experts", FunctionalTensorMode, _decomposition(bind_masked_experts, _masked_plan, _masked_run), lib=_LIB
 )

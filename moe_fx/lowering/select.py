@@ -5,9 +5,11 @@ Families, each an ordered list of candidates (best first for ``request="auto"``)
 * ``"experts"`` — masked experts (GEMM1 -> activation -> GEMM2 on ``[E, M, *]``):
   :mod:`~moe_fx.lowering.masked_experts.deepgemm`, :mod:`~moe_fx.lowering.masked_experts.triton`,
   :mod:`~moe_fx.lowering.masked_experts.reference`;
-* ``"prepare_finalize"`` — getting tokens into and out of that layout:
-  :mod:`~moe_fx.lowering.prepare_finalize.deepep_ll`, :mod:`~moe_fx.lowering.prepare_finalize.torch_dist`
-  (expert parallelism), :mod:`~moe_fx.lowering.prepare_finalize.local_permute` (one device).
+* ``"prepare_finalize"`` — getting tokens into and out of the experts' row layout:
+  :mod:`~moe_fx.lowering.prepare_finalize.deepep_ll`, :mod:`~moe_fx.lowering.prepare_finalize.torch_dist_fixed`,
+  :mod:`~moe_fx.lowering.prepare_finalize.torch_dist` (expert parallelism, masked layout),
+  :mod:`~moe_fx.lowering.prepare_finalize.local_sorted` (one device, contiguous layout),
+  :mod:`~moe_fx.lowering.prepare_finalize.local_permute` (one device, masked layout).
 
 Every candidate module has ``NAME``, ``supports(problem, caps) -> (ok, reason)`` (can it run: a pure
 function of plain values) and, optionally, ``prefer(problem, caps) -> reason | None`` (is it worth
@@ -25,7 +27,8 @@ from types import ModuleType
 
 from moe_fx.lowering.problem import Capabilities, probe_capabilities
 
-__all__ = ["FAMILIES", "REQUEST_ALIASES", "Choice", "candidates", "choose", "decide", "explain_kernel"]
+__all__ = ["FAMILIES", "REQUEST_ALIASES", "Choice", "candidates", "choose", "choose_layout", "decide", "explain_kernel",
+           "layout_of"]
 
 log = logging.getLogger("moe_fx.lowering")
 
@@ -38,7 +41,9 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     ),
     "prepare_finalize": (
         "moe_fx.lowering.prepare_finalize.deepep_ll",
+        "moe_fx.lowering.prepare_finalize.torch_dist_fixed",
         "moe_fx.lowering.prepare_finalize.torch_dist",
+        "moe_fx.lowering.prepare_finalize.local_sorted",
         "moe_fx.lowering.prepare_finalize.local_permute",
     ),
 }
@@ -141,6 +146,29 @@ def choose(
     return choice
 
 
+def choose_layout(
+    problem: object, top_k: int, experts: Choice, *, request: str = "auto", caps: Capabilities | None = None
+) -> Choice:
+    """The local row layout of a one-device experts problem once its experts kernel is chosen.
+
+    Family ``"prepare_finalize"`` on a :class:`~moe_fx.lowering.problem.DispatchProblem` that carries
+    the layouts the chosen kernel reads (its module's ``LAYOUTS``) and the problem's regime: the
+    lowering's rule (:func:`moe_fx.lowering.experts.decide_experts_plan`) and explain's.
+    """
+    from moe_fx.lowering.problem import DispatchProblem
+
+    mod = next(m for m in candidates("experts") if m.NAME == experts.name)
+    local = DispatchProblem(1, problem.device_type, problem.dtype, problem.hidden, int(top_k), problem.num_experts,
+                            use_fp8=problem.fp8, expert_parallel=False, experts_layouts=getattr(mod, "LAYOUTS", ()),
+                            regime=problem.regime)
+    return choose("prepare_finalize", local, request=request, caps=caps, device=problem.device_type)
+
+
+def layout_of(prepare: Choice | None) -> str:
+    """``"sorted"`` or ``"masked"``: the row layout a prepare/finalize choice runs (masked without one)."""
+    return "sorted" if prepare is not None and prepare.name == "local_sorted" else "masked"
+
+
 def explain_kernel(
     device_type: str,
     dtype: object,
@@ -157,29 +185,61 @@ def explain_kernel(
     k_major: bool = True,
     caps: Capabilities | None = None,
 ) -> tuple[str, dict[str, str]]:
-    """For ``moe_fx.explain()``: ``(kernel, {other kernel: why not})`` for one experts layer.
+    """For ``moe_fx.explain()``: ``(kernel, {other kernel: why not, "layout": ...})`` for one experts layer.
 
-    explain sees no batch, so the answer is for prefill-sized batches, and a note says what
-    decode-sized batches run. ``activation`` is a name or a :class:`moe_fx.ops.ExpertActivation`.
-    An explicit request that cannot run is reported as ``"<request> (cannot run)"`` with the reason
-    under the request's own name; a Triton request on CPU as ``"triton (interpreted on CPU)"``.
+    explain sees no batch: the kernel is the one prefill-sized batches run, and ``reasons["layout"]``
+    says which kernel and row layout each rows-per-expert regime runs and why, computed by the
+    functions the lowering's rule is made of (:func:`choose`, :func:`choose_layout`). ``activation`` is a
+    name or a :class:`moe_fx.ops.ExpertActivation`. An explicit request that cannot run is reported
+    as ``"<request> (cannot run)"`` with the reason under the request's own name; a Triton request on
+    CPU as ``"triton (interpreted on CPU)"``.
     """
-    from moe_fx.lowering.problem import ROW_REGIMES, ExpertsProblem, dtype_name
+    from moe_fx.lowering.problem import ROW_REGIMES, ExpertsProblem, dtype_name, regime_bounds
     from moe_fx.ops import ExpertActivation
 
     spec = activation if isinstance(activation, ExpertActivation) else ExpertActivation(str(activation))
     block = (tuple(fp8_block) if fp8_block is not None else (128, 128)) if fp8 else None
-    problem = ExpertsProblem(device_type, dtype_name(dtype), num_experts, hidden, intermediate, spec, block,
-                             w13_bias, w2_bias, k_major, len(ROW_REGIMES))
-    choice = choose("experts", problem, request=request, caps=caps, device=device_type)
+    caps = caps or probe_capabilities(device_type)
+
+    def problem(regime: int) -> ExpertsProblem:
+        return ExpertsProblem(device_type, dtype_name(dtype), num_experts, hidden, intermediate, spec, block,
+                              w13_bias, w2_bias, k_major, regime)
+
+    prefill = len(ROW_REGIMES)
+    choice = choose("experts", problem(prefill), request=request, caps=caps)
     if choice.error is not None:
         return f"{choice.name} (cannot run)", {choice.name: choice.error, **choice.reasons}
     reasons = dict(choice.reasons)
     if choice.name == "triton" and device_type == "cpu":
         return "triton (interpreted on CPU)", reasons
-    if choice.name == "deepgemm" and request == "auto":
-        decode = decide("experts", ExpertsProblem(**{**problem.__dict__, "regime": 0}),
-                        caps or probe_capabilities(device_type))
-        if decode.name != "deepgemm":
-            reasons[decode.name] = f"deepgemm preferred; {decode.name} runs batches of <= {ROW_REGIMES[0]} rows per expert"
+    if choice.name == "reference":
+        return choice.name, reasons
+    plans = []
+    for r in range(prefill + 1):
+        experts = choose("experts", problem(r), request=request, caps=caps)
+        plans.append((experts, choose_layout(problem(r), 0, experts, request="auto", caps=caps)))
+    if choice.name == "deepgemm" and request == "auto" and plans[0][0].name != "deepgemm":
+        reasons[plans[0][0].name] = (f"deepgemm preferred; {plans[0][0].name} runs batches of <= "
+                                     f"{ROW_REGIMES[0]} rows per expert")
+    reasons["layout"] = _layout_summary(plans, regime_bounds)
     return choice.name, reasons
+
+
+def _layout_summary(plans: list[tuple[Choice, Choice]], regime_bounds) -> str:
+    """``"rows per expert 1..4: triton, sorted layout; 5..: deepgemm, masked layout (why)"``: runs of equal plans."""
+    def head(plan: tuple[Choice, Choice]) -> str:
+        return f"{plan[0].name}, {layout_of(plan[1])} layout"
+
+    parts: list[str] = []
+    start = 0
+    for r in range(1, len(plans) + 1):
+        if r < len(plans) and head(plans[r]) == head(plans[start]):
+            continue
+        lo, _ = regime_bounds(start)
+        _, hi = regime_bounds(r - 1)
+        prepare = plans[start][1]
+        why = "; ".join(f"{k}: {v}" for k, v in prepare.reasons.items() if not k.startswith(("deepep", "torch_dist")))
+        span = f"{lo}..{hi}" if hi is not None else f"{lo}.."
+        parts.append(f"rows per expert {span}: {head(plans[start])}" + (f" ({why})" if why else ""))
+        start = r
+    return "; ".join(parts)

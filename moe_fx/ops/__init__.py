@@ -5,13 +5,12 @@ implementations). Kernels for devices are registered by :mod:`moe_fx.lowering`, 
 also imports.
 """
 
-from moe_fx.ops import ep  # noqa: F401  (registers moe_fx::ep_dispatch / masked_experts / ep_combine)
+from moe_fx.ops import ep, masked_experts  # noqa: F401  (register the expert-parallel ops and masked_experts)
 from moe_fx.ops.checks import KERNELS
 from moe_fx.ops.experts import (
     ACTIVATIONS,
     GATE_UP_LAYOUTS,
     ExpertActivation,
-    check_ids_in_range,
     dequantize_blockwise,
     experts,
     experts_reference,
@@ -27,7 +26,6 @@ __all__ = [
     "GATE_UP_LAYOUTS",
     "KERNELS",
     "ExpertActivation",
-    "check_ids_in_range",
     "dequantize_blockwise",
     "experts",
     "experts_reference",

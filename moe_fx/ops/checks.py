@@ -9,15 +9,30 @@ from __future__ import annotations
 
 import torch
 
+from moe_fx.ops.activation import ExpertActivation
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["FLOAT_DTYPES", "FP8_DTYPES", "ID_DTYPES", "KERNELS", "check_experts_inputs", "check_weight_scale"]
+__all__ = [
+    "EP_BACKENDS",
+    "FLOAT_DTYPES",
+    "FP8_DTYPES",
+    "ID_DTYPES",
+    "KERNELS",
+    "check_combine",
+    "check_dispatch",
+    "check_experts_inputs",
+    "check_masked_experts",
+    "check_remaining_rounds",
+    "check_weight_scale",
+]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ID_DTYPES = (torch.int32, torch.int64)
 FP8_DTYPES = (FP8_DTYPE,)
 #: Kernel requests the op accepts; the lowering decides what each means on a device.
 KERNELS = ("auto", "reference", "triton", "deepgemm")
+#: Backend requests the expert-parallel ops accept (``"auto"`` lets the lowering pick; see docs/ep.md).
+EP_BACKENDS = ("auto", "torch_dist", "torch_dist_fixed", "deepep")
 
 
 def _shape(t: torch.Tensor) -> tuple:
@@ -54,8 +69,6 @@ def check_activation(
     up_offset: float,
 ) -> None:
     """Raise ``ValueError`` for an activation spec the op does not define (see ``ExpertActivation``)."""
-    from moe_fx.ops.experts import ExpertActivation  # local: experts.py imports this module
-
     bad = ExpertActivation(activation, gated, gate_up_layout, alpha, limit, up_offset).problems()
     if bad:
         raise ValueError(f"moe_fx.{where}: {'; '.join(bad)}")
@@ -83,7 +96,8 @@ def check_experts_inputs(
 ) -> None:
     """Raise a clear error if the inputs break the ``moe_fx::experts`` contract (see ``ops/experts.py``).
 
-    Checks shapes, dtypes, devices and arguments only; ids are data (the reference checks their range).
+    Checks shapes, dtypes, devices and arguments only; ids are data, never checked (an id that names no
+    expert contributes nothing).
     """
     if hidden.dim() != 2 or hidden.dtype not in FLOAT_DTYPES:
         raise ValueError(
@@ -135,3 +149,163 @@ def check_experts_inputs(
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"moe_fx.experts: all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Expert-parallel ops (moe_fx/ops/ep.py, moe_fx/ops/masked_experts.py). Each check takes the op's
+# arguments bound by name (moe_fx.ops.signature) and the group's size where the layout needs it.
+# --------------------------------------------------------------------------------------------------
+
+
+def check_ep_layout(num_experts: int, max_tokens_per_rank: int, world: int, where: str) -> tuple[int, int]:
+    """``(E_local, M)`` of the masked layout; ``ValueError`` for sizes expert parallelism cannot split."""
+    if num_experts <= 0 or max_tokens_per_rank <= 0:
+        raise ValueError(
+            f"moe_fx.{where}: num_experts and max_tokens_per_rank must be positive, got "
+            f"{num_experts} and {max_tokens_per_rank}"
+        )
+    if num_experts % world:
+        raise ValueError(
+            f"moe_fx.{where}: {num_experts} experts cannot be split evenly over {world} ranks "
+            f"(expert parallelism needs E % world_size == 0)"
+        )
+    return num_experts // world, max_tokens_per_rank * world
+
+
+def _check_ep_backend(backend: str, where: str) -> None:
+    if backend not in EP_BACKENDS:
+        raise ValueError(f"moe_fx.{where}: unknown backend {backend!r}; known: {EP_BACKENDS}")
+
+
+def _check_routing(where: str, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    if hidden.dim() != 2 or hidden.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"moe_fx.{where}: hidden must be a 2-D [T, H] tensor of {FLOAT_DTYPES}, got {hidden.dtype} "
+            f"{list(hidden.shape)}"
+        )
+    if topk_ids.dtype not in ID_DTYPES or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"moe_fx.{where}: topk_ids must be int32/int64 [T, K] with T = {hidden.shape[0]}, got "
+            f"{topk_ids.dtype} {list(topk_ids.shape)}"
+        )
+
+
+def _check_topk_weights(where: str, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    if _shape(topk_weights) != _shape(topk_ids) or not topk_weights.dtype.is_floating_point \
+            or topk_weights.dtype in FP8_DTYPES:
+        raise ValueError(
+            f"moe_fx.{where}: topk_weights must be float {list(topk_ids.shape)}, got {topk_weights.dtype} "
+            f"{list(topk_weights.shape)}"
+        )
+
+
+def check_dispatch(a: dict, world: int) -> tuple[int, int]:
+    """Validate bound ``ep_dispatch`` (or ``ep_dispatch_send`` / ``_recv``) arguments; return ``(E_local, M)``."""
+    hidden = a["hidden"]
+    if "topk_ids" in a:
+        _check_routing("ep_dispatch", hidden, a["topk_ids"])
+    elif hidden.dim() != 2:
+        raise ValueError(f"moe_fx.ep_dispatch_recv: hidden must be the send's [T, H], got {list(hidden.shape)}")
+    if "ticket" in a and (a["ticket"].dtype != torch.int64 or _shape(a["ticket"]) != (1,)):
+        raise ValueError(f"moe_fx.ep_dispatch_recv: ticket must be ep_dispatch_send's int64 [1], got "
+                         f"{a['ticket'].dtype} {list(a['ticket'].shape)}")
+    if a["use_fp8"] and hidden.shape[1] % FP8_BLOCK:
+        raise ValueError(
+            f"moe_fx.ep_dispatch: fp8 dispatch quantises 1x{FP8_BLOCK} groups; hidden size {hidden.shape[1]} "
+            f"is not a multiple of {FP8_BLOCK} (dispatch it in {hidden.dtype} instead: use_fp8=False)"
+        )
+    _check_ep_backend(a["backend"], "ep_dispatch")
+    return check_ep_layout(a["num_experts"], a["max_tokens_per_rank"], world, "ep_dispatch")
+
+
+def check_combine(a: dict, world: int) -> None:
+    """Validate bound ``ep_combine`` arguments against the layout ``ep_dispatch`` produced."""
+    e_local, m = check_ep_layout(a["num_experts"], a["max_tokens_per_rank"], world, "ep_combine")
+    expert_out, topk_ids = a["expert_out"], a["topk_ids"]
+    if expert_out.dim() != 3 or _shape(expert_out)[:2] != (e_local, m) or expert_out.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"moe_fx.ep_combine: expert_out must be a float [E_local={e_local}, M={m}, H] tensor, got "
+            f"{expert_out.dtype} {list(expert_out.shape)}"
+        )
+    if topk_ids.dtype not in ID_DTYPES or topk_ids.dim() != 2:
+        raise ValueError(
+            f"moe_fx.ep_combine: topk_ids must be int32/int64 [T, K], got {topk_ids.dtype} {list(topk_ids.shape)}"
+        )
+    _check_topk_weights("ep_combine", topk_ids, a["topk_weights"])
+    src_info, layout_range = a["src_info"], a["layout_range"]
+    if _shape(src_info) != (e_local, m) or src_info.dtype != torch.int32:
+        raise ValueError(
+            f"moe_fx.ep_combine: src_info must be int32 [{e_local}, {m}], got {src_info.dtype} {list(src_info.shape)}"
+        )
+    if _shape(layout_range) != (e_local, world) or layout_range.dtype != torch.int64:
+        raise ValueError(
+            f"moe_fx.ep_combine: layout_range must be int64 [{e_local}, {world}], got {layout_range.dtype} "
+            f"{list(layout_range.shape)}"
+        )
+    _check_ep_backend(a["backend"], "ep_combine")
+
+
+def check_masked_experts(a: dict, where: str = "masked_experts") -> None:
+    """Validate bound ``masked_experts`` arguments (masked layout + the experts op's weight contract)."""
+    x, masked_m = a["x"], a["masked_m"]
+    if x.dim() != 3 or (x.dtype not in FLOAT_DTYPES and x.dtype not in FP8_DTYPES):
+        raise ValueError(
+            f"moe_fx.{where}: x must be a 3-D [E, M, H] float or fp8 tensor, got {x.dtype} {list(x.shape)}"
+        )
+    e, _, h = x.shape
+    if masked_m.dtype != torch.int32 or _shape(masked_m) != (e,):
+        raise ValueError(f"moe_fx.{where}: masked_m must be int32 [{e}], got {masked_m.dtype} {list(masked_m.shape)}")
+    _check_weights_of_layout(where, a, e, h)
+    x_scale = a["x_scale"]
+    if x.dtype in FP8_DTYPES:
+        want = (e, x.shape[1], cdiv(h, FP8_BLOCK))
+        if x_scale is None or _shape(x_scale) != want or x_scale.dtype != torch.float32:
+            got = None if x_scale is None else f"{x_scale.dtype} {list(x_scale.shape)}"
+            raise ValueError(f"moe_fx.{where}: fp8 x needs float32 x_scale {list(want)}, got {got}")
+    elif x_scale is not None:
+        raise ValueError(f"moe_fx.{where}: x_scale given but x is {x.dtype}, not fp8")
+    for name in ("w13", "w2"):
+        w = a[name]
+        if w.dtype not in FP8_DTYPES and x.dtype not in FP8_DTYPES and w.dtype != x.dtype:
+            raise TypeError(f"moe_fx.{where}: {name} is {w.dtype} but x is {x.dtype}; they must match")
+
+
+def _check_weights_of_layout(where: str, a: dict, e: int, h: int) -> None:
+    """The expert weights, scales, biases and activation of a masked-layout op with ``e`` experts of width ``h``."""
+    w13, w2, gated = a["w13"], a["w2"], a["gated"]
+    check_activation(where, a["activation"], gated, a["gate_up_layout"], a["alpha"], a["limit"], a["up_offset"])
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"moe_fx.{where}: w13 and w2 must be 3-D, got {list(w13.shape)} and {list(w2.shape)}")
+    inter = w2.shape[2]
+    n1 = 2 * inter if gated else inter
+    if _shape(w13) != (e, n1, h) or _shape(w2) != (e, h, inter):
+        raise ValueError(
+            f"moe_fx.{where}: want w13 [E={e}, N1, H={h}] (N1 = {'2I' if gated else 'I'}) and w2 [E, H, I], "
+            f"got {list(w13.shape)} and {list(w2.shape)}"
+        )
+    check_weight_scale(where, "w13", w13, a["w13_scale"])
+    check_weight_scale(where, "w2", w2, a["w2_scale"])
+    _check_bias(where, "w13_bias", a["w13_bias"], (e, n1))
+    _check_bias(where, "w2_bias", a["w2_bias"], (e, h))
+    if a["impl"] not in KERNELS:
+        raise ValueError(f"moe_fx.{where}: unknown impl {a['impl']!r}; known: {KERNELS}")
+
+
+def check_remaining_rounds(a: dict, world: int) -> tuple[int, int]:
+    """Validate bound ``ep_remaining_rounds`` arguments; return ``(E_local, M)``."""
+    where = "ep_remaining_rounds"
+    hidden, topk_ids, first = a["hidden"], a["topk_ids"], a["first_out"]
+    _check_routing(where, hidden, topk_ids)
+    _check_topk_weights(where, topk_ids, a["topk_weights"])
+    e_local, m = check_ep_layout(a["num_experts"], a["max_tokens_per_rank"], world, where)
+    t, h = hidden.shape
+    want = min(t, a["max_tokens_per_rank"]) if isinstance(t, int) else None
+    if first.dim() != 2 or first.shape[1] != h or (want is not None and first.shape[0] != want) \
+            or first.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"moe_fx.{where}: first_out must be the first round's float [min(T, max_tokens_per_rank), H={h}] "
+            f"output, got {first.dtype} {list(first.shape)}"
+        )
+    _check_weights_of_layout(where, a, e_local, h)
+    _check_ep_backend(a["backend"], where)
+    return e_local, m

@@ -4,12 +4,13 @@ Contract (shapes use T tokens, K top-k, E experts, H hidden, I intermediate; ``N
 experts, ``I`` for non-gated ones):
 
 * ``hidden``        ``[T, H]`` float32 / bfloat16 / float16.
-* ``topk_ids``      ``[T, K]`` int32 or int64. ``-1`` means "no expert" (that slot contributes
-                    nothing); ``0 <= id < E`` an expert; ``E <= id < E + identity_experts`` an identity
-                    (zero-computation) expert whose output is its input. Any other id is an error: a
-                    ``ValueError`` from the reference; the GPU kernels skip such slots like ``-1``
-                    (documented rule, tested). A token may name an expert more than once (each slot
-                    counts); K may exceed E.
+* ``topk_ids``      ``[T, K]`` int32 or int64. ``0 <= id < E`` an expert; ``E <= id < E +
+                    identity_experts`` an identity (zero-computation) expert whose output is its input.
+                    Any other id (``-1`` "no expert", ``id < -1``, ``id >= E + identity_experts``)
+                    names no expert: that slot contributes nothing, on every device (the reference,
+                    the Triton and DeepGEMM pipelines alike), as a model's own ``for e in range(E)``
+                    loop skips it; ids are data, so this costs no check and no host sync. A token may
+                    name an expert more than once (each slot counts); K may exceed E.
 * ``topk_weights``  ``[T, K]`` floating point (any float dtype; fp32 routing weights are common).
 * ``w13``           ``[E, N1, H]``: the first GEMM. Gated: gate and up rows, either as two halves
                     (``gate_up_layout="halves"``: gate rows ``[0, I)``, up rows ``[I, 2I)``) or interleaved
@@ -39,13 +40,9 @@ kernels are registered by :mod:`moe_fx.lowering`.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
+from moe_fx.ops.activation import ACTIVATIONS, GATE_UP_LAYOUTS, ExpertActivation
 from moe_fx.ops.checks import check_experts_inputs
 from moe_fx.ops.recipe import FP8_BLOCK
 
@@ -54,105 +51,10 @@ __all__ = [
     "GATE_UP_LAYOUTS",
     "ExpertActivation",
     "dequantize_blockwise",
+    "expert_mlp_fp32",
     "experts",
     "experts_reference",
 ]
-
-#: Activation functions the op understands, by name (applied to the gate, or to ``h`` when non-gated).
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "relu2": lambda x: F.relu(x).square(),
-}
-#: How gate and up rows are laid out in a gated ``w13``.
-GATE_UP_LAYOUTS = ("halves", "interleaved")
-
-
-@dataclass(frozen=True)
-class ExpertActivation:
-    """What happens between an expert's two GEMMs (the op's activation arguments as one value).
-
-    Attributes:
-        name: a key of :data:`ACTIVATIONS`.
-        gated: ``act(gate) * (up + up_offset)`` on ``N1 = 2I`` columns, or ``act(h)`` on ``I``.
-        gate_up_layout: ``"halves"`` or ``"interleaved"`` (gated only).
-        alpha: ``silu(g) = g * sigmoid(alpha * g)``; 1 for every other activation.
-        limit: clamp bound before the activation, or None.
-        up_offset: added to ``up`` (GPT-OSS: 1).
-    """
-
-    name: str = "silu"
-    gated: bool = True
-    gate_up_layout: str = "halves"
-    alpha: float = 1.0
-    limit: float | None = None
-    up_offset: float = 0.0
-
-    def problems(self) -> list[str]:
-        """Everything wrong with this spec (empty when valid)."""
-        bad = []
-        if self.name not in ACTIVATIONS:
-            bad.append(f"unknown activation {self.name!r}; known: {sorted(ACTIVATIONS)}")
-        if self.gate_up_layout not in GATE_UP_LAYOUTS:
-            bad.append(f"unknown gate_up_layout {self.gate_up_layout!r}; known: {GATE_UP_LAYOUTS}")
-        if self.alpha != 1.0 and self.name != "silu":
-            bad.append(f"alpha={self.alpha} applies to 'silu' only, not {self.name!r}")
-        if not math.isfinite(self.alpha):
-            bad.append(f"alpha must be finite, got {self.alpha}")
-        if self.limit is not None and not (self.limit > 0 and math.isfinite(self.limit)):
-            bad.append(f"limit must be a positive finite number or None, got {self.limit}")
-        if not self.gated and (self.up_offset != 0.0 or self.gate_up_layout != "halves"):
-            bad.append("up_offset and gate_up_layout apply to gated experts only")
-        return bad
-
-    @property
-    def is_plain(self) -> bool:
-        """True for the classic gated forms (SwiGLU/GeGLU halves, no clamp, no offset, alpha 1)."""
-        return self.gated and self.gate_up_layout == "halves" and self.alpha == 1.0 and self.limit is None \
-            and self.up_offset == 0.0
-
-    def columns(self, inter: int) -> int:
-        """``N1``, the first GEMM's output width for intermediate size ``inter``."""
-        return 2 * inter if self.gated else inter
-
-    def act(self, g: torch.Tensor) -> torch.Tensor:
-        """The activation alone, on fp32 ``g``."""
-        if self.name == "silu":
-            return g * torch.sigmoid(self.alpha * g)
-        return ACTIVATIONS[self.name](g)
-
-    def apply(self, h: torch.Tensor) -> torch.Tensor:
-        """``[..., N1]`` first-GEMM output (fp32, biases added) -> ``[..., I]`` second-GEMM input."""
-        if not self.gated:
-            if self.limit is not None:
-                h = h.clamp(-self.limit, self.limit)
-            return self.act(h)
-        if self.gate_up_layout == "interleaved":
-            gate, up = h[..., 0::2], h[..., 1::2]
-        else:
-            gate, up = h.chunk(2, dim=-1)
-        if self.limit is not None:
-            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        return self.act(gate) * (up + self.up_offset)
-
-    def describe(self) -> str:
-        """Short text for reports: ``silu``, ``swiglu(alpha=1.702, limit=7, up+1, interleaved)``, ``relu2``."""
-        if self.is_plain:
-            return self.name
-        extras = []
-        if self.alpha != 1.0:
-            extras.append(f"alpha={self.alpha:g}")
-        if self.limit is not None:
-            extras.append(f"limit={self.limit:g}")
-        if self.up_offset:
-            extras.append(f"up+{self.up_offset:g}")
-        if self.gated and self.gate_up_layout != "halves":
-            extras.append(self.gate_up_layout)
-        head = f"gated {self.name}" if self.gated else f"{self.name} (not gated)"
-        return head + (f"({', '.join(extras)})" if extras else "")
-
 
 def dequantize_blockwise(w: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     """Dequantise fp8 weights ``[E, N, K]`` with block scales ``[E, ceil(N/b), ceil(K/b)]`` to fp32."""
@@ -166,18 +68,27 @@ def _expert_weights_fp32(w: torch.Tensor, scale: torch.Tensor | None) -> torch.T
     return w.float() if scale is None else dequantize_blockwise(w, scale)
 
 
-def check_ids_in_range(topk_ids: torch.Tensor, num_experts: int, identity_experts: int = 0) -> None:
-    """Raise ``ValueError`` if an id is neither ``-1`` nor in ``[0, E + identity_experts)`` (reads the ids)."""
-    if topk_ids.numel() == 0:
-        return
-    hi = num_experts + identity_experts
-    bad = (topk_ids < -1) | (topk_ids >= hi)
-    if bool(bad.any()):
-        first = topk_ids[bad][0].item()
-        raise ValueError(
-            f"moe_fx.experts: topk_ids holds {first}, outside the valid ids -1 and [0, {hi}) "
-            f"(E={num_experts}, identity_experts={identity_experts})"
-        )
+def expert_mlp_fp32(
+    x: torch.Tensor,
+    e: int,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    spec: ExpertActivation,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Expert ``e``'s MLP in fp32 on fp32 rows ``x [n, H]`` -> ``[n, H]`` (the references' one copy of it)."""
+    w13_e = _expert_weights_fp32(w13[e], None if w13_scale is None else w13_scale[e])
+    w2_e = _expert_weights_fp32(w2[e], None if w2_scale is None else w2_scale[e])
+    h1 = x @ w13_e.t()
+    if w13_bias is not None:
+        h1 = h1 + w13_bias[e].float()
+    y = spec.apply(h1) @ w2_e.t()
+    if w2_bias is not None:
+        y = y + w2_bias[e].float()
+    return y
 
 
 def experts_reference(
@@ -202,8 +113,9 @@ def experts_reference(
 ) -> torch.Tensor:
     """Straightforward fp32 computation of the experts op; the oracle every kernel is tested against.
 
-    Loops over experts with tokens; correct on any device, for T = 0, ``-1`` ids, duplicate ids and
-    empty experts. Raises ``ValueError`` for ids outside the contract (see the module docstring).
+    Loops over experts with tokens; correct on any device, for T = 0, duplicate ids and empty experts.
+    A slot whose id names no expert or identity expert (``-1``, or any id outside ``[0, E +
+    identity_experts)``) contributes nothing (see the module docstring).
     An ambient ``torch.autocast`` does not change it (the op computes in its inputs' dtypes).
     """
     device_type = hidden.device.type
@@ -220,7 +132,6 @@ def experts_reference(
     out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
     if t == 0:
         return out.to(hidden.dtype)
-    check_ids_in_range(topk_ids, num_experts, identity_experts)
     x32 = hidden.float()
     ids = topk_ids.long()
     rw = topk_weights.float()
@@ -235,14 +146,7 @@ def experts_reference(
         if e >= num_experts:
             y = x  # identity (zero-computation) expert
         else:
-            w13_e = _expert_weights_fp32(w13[e], None if w13_scale is None else w13_scale[e])
-            w2_e = _expert_weights_fp32(w2[e], None if w2_scale is None else w2_scale[e])
-            h1 = x @ w13_e.t()
-            if w13_bias is not None:
-                h1 = h1 + w13_bias[e].float()
-            y = spec.apply(h1) @ w2_e.t()
-            if w2_bias is not None:
-                y = y + w2_bias[e].float()
+            y = expert_mlp_fp32(x, e, w13, w2, spec, w13_scale, w2_scale, w13_bias, w2_bias)
         if not weights_on_input:
             y = y * r
         out.index_add_(0, tok, y)

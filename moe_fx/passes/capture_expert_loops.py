@@ -30,7 +30,8 @@ DBRX keeps gate and up in two flat ``[E * I, H]`` parameters: capture moves them
 interleaved (:func:`pack_split_gate_up`; the parameters become views of it, still one copy), so that the
 op's ``[E, 2I, H]`` weight is a view too. A parameter replaced later (``load_state_dict(assign=True)``,
 ``.to()``) breaks that layout: the module then runs its own loop (right, slower) until the next
-``moe_fx.compile`` / ``explain`` packs it again.
+``moe_fx.compile`` packs it again. ``moe_fx.explain`` captures and packs to trace, then puts every
+module back as it was (forwards, parameter objects, attributes).
 """
 
 from __future__ import annotations

@@ -45,6 +45,8 @@ class ExpertWeights:
         gated: True when ``w13`` holds gate and up rows (``2I``), False for one up projection (``I``).
         gate, up, down: per-expert weight nodes in expert order (per_expert kind only).
         name: a readable name (the w2 / first down weight node's name).
+        repeated: indices of experts whose weights the graph runs in more than one expert slot (the same
+            module twice in a ``ModuleList``: Dynamo names its weights once, by the first slot).
     """
 
     kind: str
@@ -60,6 +62,7 @@ class ExpertWeights:
     up: list[fx.Node] = field(default_factory=list)
     down: list[fx.Node] = field(default_factory=list)
     name: str = ""
+    repeated: list[int] = field(default_factory=list)
 
 
 def _weight_nodes(graph: fx.Graph, ndim: int) -> list[fx.Node]:
@@ -198,6 +201,7 @@ def _swiglu_triple(down_linear: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | N
 
 def _find_per_expert(graph: fx.Graph) -> list[ExpertWeights]:
     groups: dict[str, dict[int, tuple[fx.Node, fx.Node, fx.Node]]] = {}
+    repeated: dict[str, set[int]] = {}
     for n in graph.nodes:
         if op_name(n) != "linear":
             continue
@@ -209,6 +213,8 @@ def _find_per_expert(graph: fx.Graph) -> list[ExpertWeights]:
         if m is None:
             continue
         key = f"{m['prefix']}.#.{m['leaf']}"
+        if int(m["index"]) in groups.get(key, {}):  # a second SwiGLU on one expert's weights: a tied slot
+            repeated.setdefault(key, set()).add(int(m["index"]))
         groups.setdefault(key, {})[int(m["index"])] = triple
     found = []
     for key, experts in groups.items():
@@ -223,7 +229,7 @@ def _find_per_expert(graph: fx.Graph) -> list[ExpertWeights]:
         )
         if shapes_ok:
             found.append(ExpertWeights("per_expert", gate + up + down, e, h, i, gate=gate, up=up, down=down,
-                                       name=key))
+                                       name=key, repeated=sorted(repeated.get(key, ()))))
     return found
 
 

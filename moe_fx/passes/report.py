@@ -31,6 +31,9 @@ class RegionReport:
             inputs, equals the op's reference), ``"unverified"`` (``MoEConfig(verify="never")`` or an
             expert-parallel recompile: rewritten on its structure alone) or ``"attributes"`` (FP8
             checkpoint modules, matched by their attributes before tracing).
+        tokens: the region's token count T as traced: ``"5"``, ``"symbolic (traced at 5)"`` when the graph
+            is compiled for any T (``dynamic=True``, or automatic dynamic shapes after a recompile), or
+            ``"data-dependent"``; empty where unknown (modules captured before tracing).
         probe: the numerical check's size, e.g. ``"T=14 x3"`` or ``"reduced T=32 of 2048 x3"`` (also
             set when the check ran and failed).
         probe_error: the largest relative error the check found (nan when none ran).
@@ -57,6 +60,7 @@ class RegionReport:
     kernel: str = ""
     kernel_reasons: dict[str, str] = field(default_factory=dict)
     verified: str = ""
+    tokens: str = ""
     probe: str = ""
     probe_error: float = float("nan")
     warnings: list[str] = field(default_factory=list)

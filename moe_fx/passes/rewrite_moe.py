@@ -5,9 +5,10 @@ combined output (:mod:`extract_region`), check it (:mod:`verify_region`), and if
 yes, insert one ``torch.ops.moe_fx.experts`` call and delete the region. Routing stays as written.
 
 Per-expert weights (``nn.ModuleList`` experts) are stacked once into ``w13 [E, 2I, H]`` and
-``w2 [E, H, I]``; the module's own parameters are then made views into the stacked tensors, so no
-second copy of the experts stays in memory, and a check before every call keeps it so
-(:mod:`moe_fx.passes.expert_storage`). Stacked weights are used as they are (a transposed layout is
+``w2 [E, H, I]``; the module's own parameters are then made to alias their slots of the stacked
+tensors, so no second copy of the experts stays in memory, and a check before every call keeps it so
+(:mod:`moe_fx.passes.expert_storage`). Experts that share a weight (tied parameters) are left as
+written: their stack would need a second copy of it. Stacked weights are used as they are (a transposed layout is
 passed as a transposed view, not copied).
 """
 
@@ -23,11 +24,11 @@ import torch.fx as fx
 
 from moe_fx.ops import ExpertActivation
 from moe_fx.passes.autocast_guard import check_autocast
-from moe_fx.passes.expert_storage import PerExpertSync, share_storage, stack_per_expert
+from moe_fx.passes.expert_storage import PerExpertSync, WeightSources, share_storage, stack_per_expert
 from moe_fx.passes.extract_region import Region, expert_products, extract_region
 from moe_fx.passes.find_experts import ExpertWeights, find_expert_weights
 from moe_fx.passes.graph_utils import DataFlow, add_weight_buffer, fake_mode_of, tensor_value
-from moe_fx.passes.manager import PassContext
+from moe_fx.passes.context import PassContext
 from moe_fx.passes.near_misses import per_expert_near_misses
 from moe_fx.passes.probe_plan import ProbePlan, plan_probe, token_hint
 from moe_fx.passes.report import RegionReport
@@ -109,8 +110,8 @@ def _stacked_weights(region: Region, ctx: PassContext) -> tuple[torch.Tensor, to
 
 
 def _keep_weights_in_step(region: Region, ctx: PassContext, stacked: tuple[torch.Tensor, torch.Tensor]) -> str:
-    """Per-expert weights: after compiling, make the parameters views of the stacks, and check before
-    every call that they still are (:mod:`expert_storage`). Returns a warning when that cannot be
+    """Per-expert weights: after compiling, make the parameters alias their slots of the stacks, and check
+    before every call that they still do (:mod:`expert_storage`). Returns a warning when that cannot be
     guaranteed (a parameter the pass cannot find again at call time), else ``""``."""
     a = region.anchors
     if a.kind != "per_expert":
@@ -126,19 +127,20 @@ def _keep_weights_in_step(region: Region, ctx: PassContext, stacked: tuple[torch
     return ""
 
 
-def _weight_sources(region: Region, ctx: PassContext) -> tuple[list, Callable[[list[torch.Tensor]], tuple]]:
+def _weight_sources(region: Region, ctx: PassContext, stacked: tuple[torch.Tensor, torch.Tensor]) -> WeightSources:
     """The model's own weight tensors the op's weights come from (as graph input positions or
-    tensors, see :data:`~moe_fx.passes.expert_storage.TensorRef`) and how to build the op's
-    ``(w13, w2)`` from them: what a later pass that makes new weights (fp8) re-reads."""
+    tensors, see :data:`~moe_fx.passes.expert_storage.TensorRef`), how to build the op's ``(w13, w2)``
+    from them, and what to sample: what a later pass that makes new weights (fp8) re-reads."""
     a = region.anchors
     if a.kind == "per_expert":
         refs = [ctx.input_ref(n) for n in a.gate + a.up + a.down]
         e = a.num_experts
-        return refs, lambda ts: stack_per_expert(ts[:e], ts[e : 2 * e], ts[2 * e :])
+        # The parameters view the stacks (kept so by PerExpertSync, which runs first): sample the stacks.
+        return WeightSources(refs, lambda ts: stack_per_expert(ts[:e], ts[e : 2 * e], ts[2 * e :]), list(stacked))
     refs = [ctx.input_ref(a.w13), ctx.input_ref(a.w2)]
     if a.transposed:
-        return refs, lambda ts: (ts[0].transpose(1, 2), ts[1].transpose(1, 2))
-    return refs, lambda ts: (ts[0], ts[1])
+        return WeightSources(refs, lambda ts: (ts[0].transpose(1, 2), ts[1].transpose(1, 2)), refs)
+    return WeightSources(refs, lambda ts: (ts[0], ts[1]), refs)
 
 
 def _insert_op(
@@ -218,6 +220,38 @@ def _param_path(node: fx.Node) -> str:
         return str(node.target)
     name = re.sub(r"^[lL]_self_", "", node.name).rstrip("_")
     return re.sub(r"_(modules|parameters|buffers)_", ".", "_" + name).lstrip("._")
+
+
+def _tokens_text(num_tokens: object) -> str:
+    """``"5"``, ``"symbolic (traced at 5)"`` or ``"data-dependent"``: the region's T for reports."""
+    if not isinstance(num_tokens, torch.SymInt):
+        return str(num_tokens)
+    hint = token_hint(num_tokens)
+    return "data-dependent" if hint is None else f"symbolic (traced at {hint})"
+
+
+def _tied_weights(anchors: ExpertWeights) -> str | None:
+    """Why a group whose experts share a weight (one Parameter in two slots) is left as written, or None.
+
+    The op reads one stacked ``[E, 2I, H]`` / ``[E, H, I]`` copy with a slot per expert: a tie would need
+    the shared weight twice in the stacks (a second copy), and an in-place edit of the shared parameter
+    would then reach one slot only. Ties are rare enough that leaving the block as written is the sound
+    answer; the numerical probe could not run them either (one graph input in two places).
+    """
+    if anchors.kind != "per_expert":
+        return None
+    if anchors.repeated:
+        return (f"tied expert weights: the graph runs expert {anchors.repeated[0]}'s weights in more than one "
+                "expert slot (one module in two places of the ModuleList); stacking them would need a second copy")
+    seen: dict[fx.Node, str] = {}
+    for role, nodes in (("gate", anchors.gate), ("up", anchors.up), ("down", anchors.down)):
+        for e, node in enumerate(nodes):
+            here = f"expert {e}'s {role}"
+            if node in seen:
+                return (f"tied expert weights: {seen[node]} and {here} projection are one parameter "
+                        f"({_param_path(node)}); stacking them would need a second copy of it")
+            seen[node] = here
+    return None
 
 
 def _report_for(anchors: ExpertWeights, region: Region | None) -> RegionReport:
@@ -333,6 +367,13 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         ctx.report.append(near_miss)
         log.info("moe_fx: left %s untouched: %s", near_miss.layer, near_miss.reason)
     for anchors in groups:
+        tied = _tied_weights(anchors)
+        if tied is not None:
+            report = _report_for(anchors, None)
+            report.form, report.reason = "expert_loop", tied
+            ctx.report.append(report)
+            log.info("moe_fx: left %s untouched: %s", report.layer, tied)
+            continue
         found = extract_region(flow, anchors, _next_layer_start(flow, anchors, groups))
         region = found if isinstance(found, Region) else None
         if region is None and anchors.kind == "per_expert" and "expert" not in anchors.name.lower():
@@ -347,6 +388,7 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
             log.info("moe_fx: left %s untouched: %s", report.layer, report.reason)
             continue
         report.form, report.top_k = region.form, region.top_k
+        report.tokens = _tokens_text(region.num_tokens)
         report.dtype = str(tensor_value(region.hidden).dtype).replace("torch.", "")
         report.device = tensor_value(region.hidden).device.type
         stacked = _stacked_weights(region, ctx)
@@ -365,7 +407,7 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         if warning:
             report.warnings.append(warning)
         _insert_op(gm, flow, region, probe, ctx, stacked, count, len(ctx.report) - 1)
-        ctx.weight_sources[len(ctx.report) - 1] = _weight_sources(region, ctx)
+        ctx.weight_sources[len(ctx.report) - 1] = _weight_sources(region, ctx, stacked)
         report.matched, report.activation, report.weights_on_input = True, probe.activation, probe.weights_on_input
         report.details = _details(region, probe.spec)
         count += 1

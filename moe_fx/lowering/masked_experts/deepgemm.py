@@ -25,11 +25,13 @@ from moe_fx.lowering.masked_experts.pipeline import GemmHints
 from moe_fx.lowering.problem import DEEPGEMM_DOC, Capabilities, ExpertsProblem, mark_unusable
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["GEMMS", "MASKED_M_ALIGN", "NAME", "DeepGemms", "deepgemm_expected_m", "prefer", "supports"]
+__all__ = ["GEMMS", "LAYOUTS", "MASKED_M_ALIGN", "NAME", "DeepGemms", "deepgemm_expected_m", "prefer", "supports"]
 
 log = logging.getLogger("moe_fx.lowering")
 
 NAME = "deepgemm"
+#: the row layouts its GEMMs read: masked only (its contiguous GEMMs would need 128-aligned row segments)
+LAYOUTS = ("masked",)
 #: N and K of both GEMMs must be multiples of DeepGEMM's tile edge; fp8 blocks must equal it.
 ALIGN = 128
 #: Rows per expert of DeepGEMM's masked layout are rounded up to this (see the module docstring).
@@ -179,6 +181,7 @@ class DeepGemms:
     name = NAME
     scale_layout = "mn_major"
     bias_epilogue = False
+    layouts = LAYOUTS
 
     def rows(self, needed: object) -> object:
         """``max_m``: ``needed`` rounded up to :data:`MASKED_M_ALIGN` (whole-tile stores stay in their expert)."""

@@ -1,10 +1,17 @@
 """The experts pipeline, written once: GEMM1 -> activation (+ bias, + fp8 quantisation) -> GEMM2.
 
-It runs on the masked layout (``x [E, M, H]``, ``masked_m [E]``) whatever put the tokens there (the
-local permute of ``moe_fx::experts``, or an expert-parallel dispatch) and whichever GEMMs run it
-(:class:`MaskedGemms`: DeepGEMM or Triton). It runs in two ways: eagerly on real tensors, and while
-Inductor traces a moe_fx op into its graph, where every kernel launch becomes a node of the graph
-and Inductor's generated code launches the kernels itself (see :mod:`moe_fx.lowering.register`).
+It runs on one of two row layouts (vLLM's "batched" and "standard" experts formats):
+
+* masked (:func:`run_masked_experts`): ``x [E, M, H]`` + ``masked_m [E]``, whatever put the tokens
+  there (the local permute of ``moe_fx::experts``, or an expert-parallel dispatch: DeepEP LL returns
+  it), on DeepGEMM's or Triton's GEMMs (:class:`MaskedGemms`);
+* sorted (:func:`run_sorted_experts`): one row per (token, k) slot, grouped by expert
+  (:class:`~moe_fx.lowering.triton.grouped_gemm.SortedRows`); GEMM1 reads the tokens in place,
+  no ``[E, M, H]`` buffer. Only GEMMs whose ``layouts`` name it (Triton's).
+
+It runs in two ways: eagerly on real tensors, and while Inductor traces a moe_fx op into its graph,
+where every kernel launch becomes a node of the graph and Inductor's generated code launches the
+kernels itself (see :mod:`moe_fx.lowering.register`).
 So everything here that depends on shapes only is decided once, when the graph is compiled.
 """
 
@@ -17,10 +24,10 @@ import torch
 
 from moe_fx.lowering.quant import quantize_fp8_per_token_group
 from moe_fx.ops import ExpertActivation
-from moe_fx.ops.ep import dequantize_activations
+from moe_fx.ops.masked_experts import dequantize_activations
 from moe_fx.ops.recipe import FP8_DTYPE
 
-__all__ = ["ExpertWeights", "GemmHints", "MaskedGemms", "run_masked_experts"]
+__all__ = ["ExpertWeights", "GemmHints", "MaskedGemms", "run_masked_experts", "run_sorted_experts"]
 
 
 @dataclass(frozen=True)
@@ -47,12 +54,15 @@ class GemmHints:
         expected_m: rows per expert under a uniform load (picks the tile bucket).
         max_total_m: bound on ``sum(masked_m)`` (sizes persistent grids).
         active_groups: experts with rows, at most (decode tile choice).
+        regime: the call's rows-per-expert regime (:func:`moe_fx.lowering.problem.row_regime`), which
+            picks the tiles when T is symbolic (None: from ``expected_m``).
     All may be SymInts while traced.
     """
 
     expected_m: object
     max_total_m: object
     active_groups: object
+    regime: int | None = None
 
 
 class MaskedGemms(Protocol):
@@ -63,6 +73,8 @@ class MaskedGemms(Protocol):
     scale_layout: str
     #: whether ``gemm`` adds a bias in its epilogue (else the pipeline adds it)
     bias_epilogue: bool
+    #: the row layouts it runs: ``"masked"`` (``gemm``), ``"sorted"`` (``sorted_gemm``)
+    layouts: tuple[str, ...]
 
     def rows(self, needed: object) -> object:
         """``max_m`` for ``needed`` rows per expert (an implementation may round up)."""
@@ -146,3 +158,46 @@ def run_masked_experts(
     if weights.w2_bias is not None and not gemms.bias_epilogue:
         y = y + weights.w2_bias.unsqueeze(1).to(y.dtype)
     return y
+
+
+def run_sorted_experts(
+    hidden: torch.Tensor,
+    rows: object,
+    weights: ExpertWeights,
+    spec: ExpertActivation,
+    gemms: MaskedGemms,
+    hints: GemmHints,
+    *,
+    route_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Every slot's expert MLP on the contiguous layout: ``y[row] = expert_e(x_t)`` for each sorted row.
+
+    Args:
+        hidden: ``[T, H]`` tokens, read in place by GEMM1 (fp8 weights: quantised 1x128 once, T rows).
+        rows: :class:`~moe_fx.lowering.triton.grouped_gemm.SortedRows` of the call.
+        weights, spec, gemms, hints: as in :func:`run_masked_experts` (``gemms`` must run ``"sorted"``).
+        route_weights: ``[T, K]`` routing weights applied to the expert's input (``weights_on_input``);
+            GEMM1 multiplies its rows by them before the bias (``(w x) W^T = w (x W^T)``).
+
+    Returns:
+        ``[1, T * K, H]`` in sorted row order (bf16 with fp8 weights, else the weights' dtype); rows past
+        the total unspecified.
+    """
+    from moe_fx.lowering.triton.activation import expert_activation
+    from moe_fx.lowering.triton.sort import quantize_rows
+
+    if "sorted" not in gemms.layouts:
+        raise ValueError(f"run_sorted_experts: {gemms.name} GEMMs do not run the sorted layout")
+    x, x_scale = hidden, None
+    if weights.fp8:
+        x, x_scale = quantize_rows(hidden)
+    elif hidden.dtype != weights.w13.dtype:
+        x = hidden.to(weights.w13.dtype)
+    # GEMM1's bias is per expert: added in its epilogue (after the routing weight, as (w x) W^T + b)
+    gate_up = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias, hints=hints,
+                                gather=True, route_weights=route_weights)
+    # the activation kernel sees the sorted rows [1, N, N1] as one group of all valid rows (the scratch's total)
+    a2, a2_scale = expert_activation(gate_up, rows.scratch, spec, quant_fp8=weights.fp8,
+                                     max_total_m=rows.num_rows, masked_m_offset=rows.num_experts)
+    return gemms.sorted_gemm(a2, a2_scale, weights.w2, weights.w2_scale, rows, bias=weights.w2_bias, hints=hints,
+                             gather=False, route_weights=None)

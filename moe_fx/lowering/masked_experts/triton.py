@@ -13,9 +13,11 @@ from moe_fx.lowering.masked_experts.pipeline import GemmHints
 from moe_fx.lowering.problem import Capabilities, ExpertsProblem
 from moe_fx.ops.recipe import FP8_BLOCK
 
-__all__ = ["GEMMS", "NAME", "TritonGemms", "prefer", "supports"]
+__all__ = ["GEMMS", "LAYOUTS", "NAME", "TritonGemms", "prefer", "supports"]
 
 NAME = "triton"
+#: the row layouts its GEMMs read: masked (``gemm``) and contiguous (``sorted_gemm``) row layouts
+LAYOUTS = ("masked", "sorted")
 _DTYPES = ("bfloat16", "float16", "float32")
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 
@@ -57,6 +59,7 @@ class TritonGemms:
     scale_layout = "any"
     #: GEMM2's bias is added in the GEMM's epilogue
     bias_epilogue = True
+    layouts = LAYOUTS
 
     def rows(self, needed: object) -> object:
         """``max_m`` for ``needed`` rows per expert: exactly that (every kernel masks partial tiles)."""
@@ -77,10 +80,30 @@ class TritonGemms:
         from moe_fx.lowering.triton.grouped_gemm import masked_gemm, masked_gemm_fp8
 
         kw = dict(bias=bias, expected_m=hints.expected_m, max_total_m=hints.max_total_m,
-                  active_groups=hints.active_groups)
+                  active_groups=hints.active_groups, regime=hints.regime)
         if w_scale is not None:
             return masked_gemm_fp8(a, a_scale, w, w_scale, masked_m, **kw)
         return masked_gemm(a, w, masked_m, **kw)
+
+    def sorted_gemm(
+        self,
+        a: torch.Tensor,
+        a_scale: torch.Tensor | None,
+        w: torch.Tensor,
+        w_scale: torch.Tensor | None,
+        rows: object,
+        *,
+        bias: torch.Tensor | None,
+        hints: GemmHints,
+        gather: bool,
+        route_weights: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The contiguous layout's GEMM (:func:`~moe_fx.lowering.triton.grouped_gemm.sorted_gemm`): ``[T * K, N]``."""
+        from moe_fx.lowering.triton.grouped_gemm import sorted_gemm
+
+        return sorted_gemm(a, w, rows, a_scale=a_scale, b_scale=w_scale, gather=gather, route_weights=route_weights,
+                           bias=bias, expected_m=hints.expected_m, active_groups=hints.active_groups,
+                           regime=hints.regime)
 
 
 GEMMS = TritonGemms()

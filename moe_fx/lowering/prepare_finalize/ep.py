@@ -1,38 +1,42 @@
 """Expert-parallel dispatch and combine: implementations of ``moe_fx::ep_dispatch`` / ``moe_fx::ep_combine``.
 
 Backends (family ``"prepare_finalize"`` of :mod:`moe_fx.lowering.select`, chosen once per problem and
-logged once): :mod:`.deepep_ll` (DeepEP low-latency kernels) and :mod:`.torch_dist`
-(``all_to_all_single``, any torch.distributed backend; with one rank it runs no collective).
+logged once), each a module with the same ``dispatch`` / ``combine`` functions:
 
-Limit: more tokens on a rank than ``max_tokens_per_rank`` is an error, not chunked. Why: the masked
-layout ``[E_local, max_tokens_per_rank * world, H]`` is a static shape in the compiled graph and is
-what DeepEP's registered RDMA buffer holds; that is what makes the path free of host syncs and
-CUDA-graph capturable. Chunking would need the experts to run between per-chunk dispatch and combine
-rounds whose number depends on every rank's T, i.e. a data-dependent loop around three separate ops
-(or a fused op, losing the separate dispatch/experts/combine nodes that let shared experts overlap).
-The torch.distributed backend exchanges counts first, so every rank sees every rank's T and all raise
-the same ``ValueError`` together; with DeepEP the overflowing rank raises before the collective.
-Size ``MoEConfig.max_tokens_per_rank`` for the largest step (prefill), or run prefill without EP.
+* :mod:`.deepep_ll` — DeepEP's low-latency kernels (CUDA, bf16, hidden sizes it was compiled for);
+* :mod:`.torch_dist_fixed` — a fixed-size exchange over any torch.distributed backend, no host sync
+  (CUDA-graph capturable); the default on GPUs where DeepEP does not run;
+* :mod:`.torch_dist` — ``all_to_all_single`` with counts read on the host; the default on CPU.
+
+Dispatch comes in two halves (``dispatch_send`` starts it and returns a state, ``dispatch_recv``
+finishes it): ``moe_fx::ep_dispatch_send`` / ``ep_dispatch_recv`` expose them to the graph, with a
+ticket tensor standing for the state in between (kept here, keyed by the ticket's address), and
+``moe_fx::ep_dispatch`` is the two back to back.
+
+One call is one round of at most ``max_tokens_per_rank`` tokens per rank; larger steps run in rounds
+agreed by all ranks (:mod:`.rounds`).
 """
 
 from __future__ import annotations
 
+import logging
+from types import ModuleType
+
 import torch
 
-import logging
-
 from moe_fx.lowering.problem import DispatchProblem, dtype_name
-from moe_fx.lowering.select import Choice, choose
-from moe_fx.ops.ep import check_combine_inputs, check_dispatch_inputs, resolve_ep_group
+from moe_fx.lowering.select import Choice, candidates, choose
+from moe_fx.ops.checks import check_combine, check_dispatch
+from moe_fx.ops.ep import bind_combine, bind_dispatch, bind_dispatch_recv, bind_dispatch_send, resolve_ep_group
 
-__all__ = ["ep_combine_impl", "ep_dispatch_impl"]
+__all__ = ["backend_for", "ep_combine_impl", "ep_dispatch_impl", "ep_dispatch_recv_impl", "ep_dispatch_send_impl"]
 
 log = logging.getLogger("moe_fx.lowering")
 
 # Per-call host work is on the latency path (DeepEP's dispatch + combine take ~90 µs on an H200):
 # groups and choices are looked up once per distinct problem.
 _GROUPS: dict[str, torch.distributed.ProcessGroup] = {}
-_CHOICES: dict[tuple, Choice] = {}
+_CHOICES: dict[tuple, tuple[Choice, ModuleType]] = {}
 
 
 def _group(group_name: str) -> torch.distributed.ProcessGroup:
@@ -42,11 +46,14 @@ def _group(group_name: str) -> torch.distributed.ProcessGroup:
     return group
 
 
-def _choose(hidden: int, dtype: torch.dtype, device: torch.device, top_k: int, num_experts: int, max_tokens: int,
-            world: int, use_fp8: bool, backend: str) -> Choice:
+def backend_for(
+    hidden: int, dtype: torch.dtype, device: torch.device, top_k: int, num_experts: int, max_tokens: int,
+    world: int, use_fp8: bool, backend: str,
+) -> tuple[Choice, ModuleType]:
+    """The prepare/finalize choice for one problem, and the module that implements it (cached)."""
     key = (hidden, dtype, device.type, top_k, num_experts, max_tokens, world, use_fp8, backend)
-    choice = _CHOICES.get(key)
-    if choice is None:
+    hit = _CHOICES.get(key)
+    if hit is None:
         problem = DispatchProblem(world, device.type, dtype_name(dtype), hidden, top_k, num_experts, max_tokens,
                                   use_fp8, expert_parallel=True)
         choice = choose("prepare_finalize", problem, request=backend, device=device)
@@ -54,83 +61,63 @@ def _choose(hidden: int, dtype: torch.dtype, device: torch.device, top_k: int, n
             raise RuntimeError(
                 f"moe_fx EP: backend={backend!r} requested but cannot run: {choice.error} ({problem.describe()})"
             )
-        if choice.name == "torch_dist" and backend == "auto" and device.type == "cuda" and world > 1:
-            # A GPU fallback away from DeepEP is worth a warning: it is much slower at decode sizes.
-            log.warning("moe_fx EP %s: falling back to torch.distributed: %s", problem.describe(),
-                        choice.reasons.get("deepep_ll", ""))
-        _CHOICES[key] = choice
-    return choice
+        if choice.name != "deepep_ll" and backend == "auto" and device.type == "cuda" and world > 1:
+            # A GPU fallback away from DeepEP is worth a warning: it is slower at decode sizes.
+            log.warning("moe_fx EP %s: DeepEP not taken (%s); using %s", problem.describe(),
+                        choice.reasons.get("deepep_ll", ""), choice.name)
+        module = next(m for m in candidates("prepare_finalize") if m.NAME == choice.name)
+        hit = _CHOICES[key] = (choice, module)
+    return hit
 
 
-def ep_dispatch_impl(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    num_experts: int,
-    max_tokens_per_rank: int,
-    group_name: str,
-    use_fp8: bool = False,
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run ``moe_fx::ep_dispatch`` on the chosen backend (shapes in :mod:`moe_fx.ops.ep`)."""
-    group = _group(group_name)
+def _send(a: dict) -> tuple[ModuleType, object]:
+    group = _group(a["group_name"])
     world = group.size()
-    check_dispatch_inputs(hidden, topk_ids, num_experts, max_tokens_per_rank, world, use_fp8, backend)
+    check_dispatch(a, world)
+    hidden, topk_ids = a["hidden"], a["topk_ids"]
     # combine decides from expert_out's dtype: bf16 after fp8 dispatch (DeepEP's only case), else hidden's.
-    choice = _choose(
-        hidden.shape[1],
-        hidden.dtype,
-        hidden.device,
-        topk_ids.shape[1],
-        num_experts,
-        max_tokens_per_rank,
-        world,
-        use_fp8,
-        backend,
-    )
-    if choice.name == "deepep_ll":
-        from moe_fx.lowering.prepare_finalize import deepep_ll
-
-        return deepep_ll.dispatch(hidden, topk_ids, num_experts, max_tokens_per_rank, group, use_fp8)
-    from moe_fx.lowering.prepare_finalize import torch_dist
-
-    return torch_dist.dispatch(hidden, topk_ids, num_experts, max_tokens_per_rank, group, use_fp8)
+    _, module = backend_for(hidden.shape[1], hidden.dtype, hidden.device, topk_ids.shape[1], a["num_experts"],
+                            a["max_tokens_per_rank"], world, a["use_fp8"], a["backend"])
+    state = module.dispatch_send(hidden, topk_ids, a["num_experts"], a["max_tokens_per_rank"], group, a["use_fp8"])
+    return module, state
 
 
-def ep_combine_impl(
-    expert_out: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    src_info: torch.Tensor,
-    layout_range: torch.Tensor,
-    num_experts: int,
-    max_tokens_per_rank: int,
-    group_name: str,
-    use_fp8: bool = False,
-    backend: str = "auto",
-) -> torch.Tensor:
+def ep_dispatch_impl(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
+    """Run ``moe_fx::ep_dispatch`` on the chosen backend (shapes in :mod:`moe_fx.ops.ep`)."""
+    module, state = _send(bind_dispatch(*args, **kwargs))
+    return module.dispatch_recv(state)
+
+
+#: ticket address -> (backend module, its dispatch state), between a send and its receive.
+_IN_FLIGHT: dict[int, tuple[ModuleType, object]] = {}
+
+
+def ep_dispatch_send_impl(*args: object, **kwargs: object) -> torch.Tensor:
+    """Run ``moe_fx::ep_dispatch_send``: start the dispatch, return its ticket."""
+    a = bind_dispatch_send(*args, **kwargs)
+    ticket = torch.empty(1, dtype=torch.int64, device=a["hidden"].device)
+    _IN_FLIGHT[ticket.data_ptr()] = _send(a)
+    return ticket
+
+
+def ep_dispatch_recv_impl(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
+    """Run ``moe_fx::ep_dispatch_recv``: finish the dispatch the ticket stands for."""
+    a = bind_dispatch_recv(*args, **kwargs)
+    entry = _IN_FLIGHT.pop(a["ticket"].data_ptr(), None)
+    if entry is None:
+        raise ValueError("moe_fx.ep_dispatch_recv: this ticket has no dispatch in flight (received twice, or never sent)")
+    module, state = entry
+    return module.dispatch_recv(state)
+
+
+def ep_combine_impl(*args: object, **kwargs: object) -> torch.Tensor:
     """Run ``moe_fx::ep_combine`` on the backend its dispatch used (same static inputs, same choice)."""
-    group = _group(group_name)
+    a = bind_combine(*args, **kwargs)
+    group = _group(a["group_name"])
     world = group.size()
-    check_combine_inputs(
-        expert_out, topk_ids, topk_weights, src_info, layout_range, num_experts, max_tokens_per_rank, world, backend
-    )
-    choice = _choose(
-        expert_out.shape[2],
-        expert_out.dtype,
-        expert_out.device,
-        topk_ids.shape[1],
-        num_experts,
-        max_tokens_per_rank,
-        world,
-        use_fp8,
-        backend,
-    )
-    if choice.name == "deepep_ll":
-        from moe_fx.lowering.prepare_finalize import deepep_ll
-
-        return deepep_ll.combine(
-            expert_out, topk_ids, topk_weights, src_info, layout_range, num_experts, max_tokens_per_rank, group
-        )
-    from moe_fx.lowering.prepare_finalize import torch_dist
-
-    return torch_dist.combine(expert_out, topk_ids, topk_weights, layout_range, num_experts, group)
+    check_combine(a, world)
+    y, topk_ids = a["expert_out"], a["topk_ids"]
+    _, module = backend_for(y.shape[2], y.dtype, y.device, topk_ids.shape[1], a["num_experts"],
+                            a["max_tokens_per_rank"], world, a["use_fp8"], a["backend"])
+    return module.combine(y, topk_ids, a["topk_weights"], a["src_info"], a["layout_range"], a["num_experts"],
+                          a["max_tokens_per_rank"], group)

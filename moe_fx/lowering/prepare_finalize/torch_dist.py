@@ -1,4 +1,10 @@
-"""Expert-parallel dispatch/combine on ``torch.distributed.all_to_all_single`` (gloo on CPU, NCCL on GPU).
+"""Expert-parallel dispatch/combine on ``torch.distributed.all_to_all_single``, counts read on the host.
+
+The *synced* torch.distributed backend: it sends only the rows each rank needs, at the price of one
+host synchronisation per op (the split sizes). That costs nothing on CPU (gloo), where it is the
+default; on a GPU it stalls the host and cannot be captured in a CUDA graph, so there
+:mod:`.torch_dist_fixed` (a fixed-size exchange, counts in the data) is taken instead unless this
+one is requested (``backend="torch_dist"``).
 
 Same masked layout and op interface as DeepEP's low-latency path (see :mod:`moe_fx.ops.ep`):
 
@@ -22,8 +28,9 @@ combine
     swapped (the sender recomputes its own from ``topk_ids``, no count exchange), multiplied by their
     routing weights in fp32 and summed per token with ``index_add_``.
 
-With one rank no collective runs. Counts are read on the host (one sync per dispatch and combine),
-acceptable for this fallback; DeepEP's path has none.
+With one rank no collective runs. Counts are read on the host (one sync per dispatch and combine).
+Ids out of range and a token naming one expert twice are errors here, raised on every rank together
+(the flags travel with the counts).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from moe_fx.lowering.problem import Capabilities, DispatchProblem
 from moe_fx.lowering.quant import quantize_fp8_per_token_group
 from moe_fx.ops.ep import dispatch_outputs
 
-__all__ = ["NAME", "combine", "dispatch", "receive_slots", "supports"]
+__all__ = ["NAME", "combine", "dispatch", "dispatch_recv", "dispatch_send", "receive_slots", "supports"]
 
 NAME = "torch_dist"
 _FLAG_BAD_ID = 1
@@ -159,6 +166,16 @@ def dispatch(
     return recv_x, recv_scale, masked_m, src_info, layout_range
 
 
+def dispatch_send(*args: object) -> tuple:
+    """The whole dispatch (its host sync leaves nothing to overlap); :func:`dispatch_recv` returns it."""
+    return dispatch(*args)
+
+
+def dispatch_recv(state: tuple) -> tuple:
+    """The outputs :func:`dispatch_send` computed."""
+    return state
+
+
 def _all_to_all(
     x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: dist.ProcessGroup
 ) -> torch.Tensor:
@@ -193,8 +210,10 @@ def combine(
     expert_out: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    src_info: torch.Tensor,
     layout_range: torch.Tensor,
     num_experts: int,
+    max_tokens_per_rank: int,
     group: dist.ProcessGroup,
 ) -> torch.Tensor:
     """``moe_fx::ep_combine`` over all_to_all_single: ``[T, H]`` in ``expert_out.dtype``.

@@ -76,6 +76,28 @@ def _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _slot_offsets(offs, s_it, s_ik, TOPK: tl.constexpr):
+    """Element offsets in ``topk_ids`` of flattened (token, k) slots (the kernels load them themselves:
+    a pointer handed to a helper counts as written in Inductor's mutation analysis)."""
+    return (offs // TOPK).to(tl.int64) * s_it + (offs % TOPK) * s_ik
+
+
+@triton.jit
+def _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M: tl.constexpr, SORTED: tl.constexpr):
+    """A tile's rows in its row buffers, and the (group, row) origin of its TMA loads.
+
+    Masked layout: row ``r`` of expert ``e`` is row ``r`` of group ``e`` (the caller adds ``e * s_g``).
+    Contiguous (sorted) layout: expert ``e`` owns rows ``[start[e], start[e] + rows[e])`` of one group
+    (group strides 0); with GATHER_A the kernel then reads its A rows through the sorted slots
+    (the tokens ``sorted[row] // TOPK``: GEMM1 reads the tokens where they are, no permuted copy).
+    """
+    if SORTED:
+        start = tl.reduce(tl.where(offs_e == e, starts, 0), 0, _add)
+        return start + offs_m, 0, start + pid_m * BLOCK_M
+    return offs_m, e, pid_m * BLOCK_M
+
+
+@triton.jit
 def masked_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -106,19 +128,49 @@ def masked_gemm_kernel(
     bias_ptr=None,
     s_biasg=0,
     HAS_BIAS: tl.constexpr = False,
+    sorted_ptr=None,
+    rw_ptr=None,
+    s_rwt=0,
+    s_rwk=0,
+    SORTED: tl.constexpr = False,
+    GATHER_A: tl.constexpr = False,
+    TOPK: tl.constexpr = 1,
+    ROUTE_W: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
+    DEVICE_TMA: tl.constexpr = False,
 ):
     """c[g, :m_g, :] = a[g, :m_g, :] @ b[g]^T (+ bias[g]), fp32 accumulation, stored in c's dtype.
 
     With TMA, ``a_ptr`` / ``b_ptr`` are 3-D tensor descriptors (blocks ``[1, BLOCK_M, BLOCK_K]`` /
     ``[1, BLOCK_N, BLOCK_K]``): the copy engine zero-fills past the tensor's edges, so tails need
     no masks; rows past ``masked_m`` inside the buffer load garbage that is never stored.
+
+    SORTED (the contiguous layout, see :func:`_row_index`): ``masked_m`` holds each expert's row
+    count and expert ``g``'s rows are rows ``start[g] + r`` of ``a`` and ``c`` (group strides 0); GATHER_A reads row ``sorted[start[g] + r] // TOPK`` of ``a`` instead (GEMM1
+    reading the tokens where they are); ROUTE_W multiplies each row by its routing weight
+    ``rw[slot // TOPK, slot % TOPK]`` before the bias (weights applied to the expert's input:
+    ``(w x) W^T = w (x W^T)``).
     """
+    # Written out in both GEMM kernels on purpose: a pointer handed to a helper counts as written in
+    # Inductor's mutation analysis, which would then copy the weights before every launch.
+    if DEVICE_TMA:  # tensor descriptors made on the device (what Inductor-launched kernels can use)
+        # the unit last stride is written as a literal (the host checked it): TMA needs it static
+        b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[s_bg, s_bn, 1],
+                                          block_shape=[1, BLOCK_N, BLOCK_K])
+        if not GATHER_A:
+            if SORTED:  # one group of rows (its group stride is never used)
+                a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[1, M, K], strides=[M * s_am, s_am, 1],
+                                                  block_shape=[1, BLOCK_M, BLOCK_K])
+            else:
+                a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[E, M, K], strides=[s_ag, s_am, 1],
+                                                  block_shape=[1, BLOCK_M, BLOCK_K])
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
     rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
+    starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
     for t in range(pid, total, nprog):
         e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
         e64 = e.to(tl.int64)
@@ -127,13 +179,28 @@ def masked_gemm_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < m_e
         mask_n = offs_n < N
+        srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
+        c_idx = srow.to(tl.int64)
+        if GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
+            slot = tl.load(sorted_ptr + srow, mask=mask_m, other=0)
+            a_idx = (slot // TOPK).to(tl.int64)
+        else:
+            slot = srow
+            a_idx = c_idx
+        if not (TMA and not GATHER_A):
+            a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
         if not TMA:
-            a_ptrs = a_ptr + e64 * s_ag + offs_m[:, None] * s_am + offs_k[None, :] * s_ak
             b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        if SWAP_AB:  # acc^T = b^T a^T: the weight tile is the MMA's M (wgmma needs 64+), the few rows its N
+            acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+        else:
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if TMA:
-                a = a_ptr.load([e, pid_m * BLOCK_M, k0]).reshape(BLOCK_M, BLOCK_K)
+            if TMA and not GATHER_A:
+                a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
+                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif TMA:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
                 b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
             elif EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
@@ -144,16 +211,27 @@ def masked_gemm_kernel(
             if UPCAST:  # the CPU interpreter's dot mis-reads bf16 / fp8 operands; fp32 is exact there
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            if IEEE or UPCAST:
+            if SWAP_AB:
+                if IEEE or UPCAST:
+                    acc = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(tl.trans(b), tl.trans(a), acc)
+            elif IEEE or UPCAST:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
-            if not TMA:
+            if not (TMA and not GATHER_A):
                 a_ptrs += BLOCK_K * s_ak
+            if not TMA:
                 b_ptrs += BLOCK_K * s_bk
+        if SWAP_AB:
+            acc = tl.trans(acc)
+        if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)
+            rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0)
+            acc = acc * rw.to(tl.float32)[:, None]
         if HAS_BIAS:  # bias [G, N], contiguous along N
             acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        c_ptrs = c_ptr + e64 * s_cg + offs_m[:, None] * s_cm + offs_n[None, :] * s_cn
+        c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -196,6 +274,16 @@ def masked_gemm_fp8_kernel(
     bias_ptr=None,
     s_biasg=0,
     HAS_BIAS: tl.constexpr = False,
+    sorted_ptr=None,
+    rw_ptr=None,
+    s_rwt=0,
+    s_rwk=0,
+    SORTED: tl.constexpr = False,
+    GATHER_A: tl.constexpr = False,
+    TOPK: tl.constexpr = 1,
+    ROUTE_W: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
+    DEVICE_TMA: tl.constexpr = False,
 ):
     """fp8 x fp8 -> bf16 (+ bias[g]): a with 1x128 per-row group scales, b with 128x128 block scales.
 
@@ -204,14 +292,28 @@ def masked_gemm_fp8_kernel(
     SCALAR_BS (a column tile inside one 128-column scale block) folds b's scale into the row
     scales first, so promoting the step costs one FMA per accumulator element instead of three:
     that promotion runs on the CUDA cores beside the tensor cores and bounds this kernel's speed.
-    TMA: ``a_ptr`` / ``b_ptr`` are tensor descriptors, as in :func:`masked_gemm_kernel`.
+    TMA, SORTED, GATHER_A, ROUTE_W: as in :func:`masked_gemm_kernel` (``as`` rows follow ``a``'s).
     """
+    # Written out in both GEMM kernels on purpose: a pointer handed to a helper counts as written in
+    # Inductor's mutation analysis, which would then copy the weights before every launch.
+    if DEVICE_TMA:  # tensor descriptors made on the device (what Inductor-launched kernels can use)
+        # the unit last stride is written as a literal (the host checked it): TMA needs it static
+        b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[s_bg, s_bn, 1],
+                                          block_shape=[1, BLOCK_N, BLOCK_K])
+        if not GATHER_A:
+            if SORTED:  # one group of rows (its group stride is never used)
+                a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[1, M, K], strides=[M * s_am, s_am, 1],
+                                                  block_shape=[1, BLOCK_M, BLOCK_K])
+            else:
+                a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[E, M, K], strides=[s_ag, s_am, 1],
+                                                  block_shape=[1, BLOCK_M, BLOCK_K])
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
     rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
+    starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
     for t in range(pid, total, nprog):
         e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
         e64 = e.to(tl.int64)
@@ -220,18 +322,33 @@ def masked_gemm_fp8_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < m_e
         mask_n = offs_n < N
+        srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
+        c_idx = srow.to(tl.int64)
+        if GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
+            slot = tl.load(sorted_ptr + srow, mask=mask_m, other=0)
+            a_idx = (slot // TOPK).to(tl.int64)
+        else:
+            slot = srow
+            a_idx = c_idx
+        if not (TMA and not GATHER_A):
+            a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
         if not TMA:
-            a_ptrs = a_ptr + e64 * s_ag + offs_m[:, None] * s_am + offs_k[None, :] * s_ak
             b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
-        as_ptrs = as_ptr + e64 * s_asg + offs_m * s_asm
+        as_ptrs = as_ptr + e64 * s_asg + a_idx * s_asm  # a's scales follow a's rows
         if SCALAR_BS:
             bs_ptrs = bs_ptr + e64 * s_bsg + ((pid_n * BLOCK_N) // 128) * s_bsn
         else:
             bs_ptrs = bs_ptr + e64 * s_bsg + (offs_n // 128) * s_bsn
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        if SWAP_AB:  # acc^T = b^T a^T: the weight tile is the MMA's M (wgmma needs 64+), the few rows its N
+            acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+        else:
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if TMA:
-                a = a_ptr.load([e, pid_m * BLOCK_M, k0]).reshape(BLOCK_M, BLOCK_K)
+            if TMA and not GATHER_A:
+                a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
+                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif TMA:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
                 b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
             elif EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
@@ -241,21 +358,38 @@ def masked_gemm_fp8_kernel(
                 b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
             kg = k0 // 128
             a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_m, other=0.0)
-            if SCALAR_BS:
-                scale = (a_s * tl.load(bs_ptrs + kg * s_bsk))[:, None]
+            if SWAP_AB:  # the same step transposed: rows are the accumulator's columns
+                if SCALAR_BS:
+                    scale = (a_s * tl.load(bs_ptrs + kg * s_bsk))[None, :]
+                else:
+                    scale = tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)[:, None] * a_s[None, :]
+                if UPCAST:
+                    step = tl.dot(tl.trans(b).to(tl.float32), tl.trans(a).to(tl.float32), input_precision="ieee")
+                else:
+                    step = tl.dot(tl.trans(b), tl.trans(a))
+                acc = tl.fma(step, scale, acc)
             else:
-                scale = a_s[:, None] * tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)[None, :]
-            # an explicit FMA: Triton stops fusing a multiply and an add by default after 3.9
-            if UPCAST:
-                acc = tl.fma(tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee"), scale, acc)
-            else:
-                acc = tl.fma(tl.dot(a, b), scale, acc)
-            if not TMA:
+                if SCALAR_BS:
+                    scale = (a_s * tl.load(bs_ptrs + kg * s_bsk))[:, None]
+                else:
+                    scale = a_s[:, None] * tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)[None, :]
+                # an explicit FMA: Triton stops fusing a multiply and an add by default after 3.9
+                if UPCAST:
+                    acc = tl.fma(tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee"), scale, acc)
+                else:
+                    acc = tl.fma(tl.dot(a, b), scale, acc)
+            if not (TMA and not GATHER_A):
                 a_ptrs += BLOCK_K * s_ak
+            if not TMA:
                 b_ptrs += BLOCK_K * s_bk
+        if SWAP_AB:
+            acc = tl.trans(acc)
+        if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)
+            rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0)
+            acc = acc * rw.to(tl.float32)[:, None]
         if HAS_BIAS:  # bias [G, N], contiguous along N
             acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        c_ptrs = c_ptr + e64 * s_cg + offs_m[:, None] * s_cm + offs_n[None, :] * s_cn
+        c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -319,6 +453,7 @@ def activation_kernel(
     alpha,
     limit,
     up_offset,
+    mm_off,
     ACT: tl.constexpr,
     GATED: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -346,7 +481,7 @@ def activation_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
-    rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
+    rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + mm_off + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
     num_n = (I + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
     for t in range(pid, total, nprog):
@@ -551,3 +686,151 @@ def unpermute_kernel(
         x = tl.load(h_ptr + t64 * s_ht + offs_h * s_hh, mask=hmask, other=0.0).to(tl.float32)
         acc += w_id * x
     tl.store(out_ptr + t64 * s_ot + offs_h * s_oh, acc.to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+# --------------------------------------------------------------------------------------------------
+# The contiguous ("sorted") layout: rows grouped by expert, no [E, max_m, H] buffer
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def expert_counts_kernel(
+    ids_ptr,
+    counts_ptr,
+    N,
+    E,
+    s_it,
+    s_ik,
+    TOPK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    E_POW2: tl.constexpr,
+):
+    """``counts[e] +=`` this block's slots routed to expert ``e``; ``counts[E] +=`` all of them.
+
+    ``counts`` (int32 ``[2E + 1]``, zeroed by the caller) is the sort's scratch: counts, total, then
+    the cursors of :func:`sort_slots_kernel`. Slots naming no computed expert (``-1``, identity
+    experts, out-of-range ids) are not counted. One histogram per program, then one atomic per
+    expert: contention stays low when many tokens pick few experts (Mixtral: 8).
+    """
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + _slot_offsets(offs, s_it, s_ik, TOPK), mask=offs < N, other=-1).to(tl.int32)
+    valid = (offs < N) & (ids >= 0) & (ids < E)
+    # invalid slots land in a bin past the experts (histogram's mask argument is newer than triton 3.6)
+    hist = tl.histogram(tl.where(valid, ids, E_POW2), 2 * E_POW2)
+    bins = tl.arange(0, 2 * E_POW2)
+    tl.atomic_add(counts_ptr + bins, hist, mask=(bins < E) & (hist > 0))
+    tl.atomic_add(counts_ptr + E, tl.reduce(valid.to(tl.int32), 0, _add))
+
+
+@triton.jit
+def sort_slots_kernel(
+    ids_ptr,
+    counts_ptr,
+    sorted_ptr,
+    pos_ptr,
+    N,
+    E,
+    s_it,
+    s_ik,
+    TOPK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    E_POW2: tl.constexpr,
+):
+    """Give every counted slot its row of the expert-sorted buffers: ``start[e] + rank``.
+
+    ``start[e]`` is the exclusive sum of the counts below ``e``; the rank within the expert is
+    claimed with an atomic on the cursors (``counts[E + 1 + e]``), so the order of rows inside an
+    expert is not deterministic, while every result is: rows are independent in the GEMMs and the
+    combine gathers each token's slots in k order. Writes ``sorted[row] = slot`` and
+    ``pos[slot] = row`` (int64; -1 for slots that send no row).
+    """
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    smask = offs < N
+    ids = tl.load(ids_ptr + _slot_offsets(offs, s_it, s_ik, TOPK), mask=smask, other=-1).to(tl.int32)
+    valid = smask & (ids >= 0) & (ids < E)
+    offs_e = tl.arange(0, E_POW2)
+    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
+    start = tl.reduce(tl.where(offs_e[None, :] < ids[:, None], counts[None, :], 0), 1, _add)
+    rank = tl.atomic_add(counts_ptr + E + 1 + tl.where(valid, ids, 0), tl.full((BLOCK,), 1, tl.int32), mask=valid)
+    row = start + rank
+    tl.store(sorted_ptr + row, offs, mask=valid)
+    tl.store(pos_ptr + offs, tl.where(valid, row, -1).to(tl.int64), mask=smask)
+
+
+@triton.jit
+def quantize_rows_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    T,
+    H,
+    s_xt,
+    s_xh,
+    s_qt,
+    s_qh,
+    s_st,
+    s_sh,
+    BLOCK_T: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """fp8 e4m3 codes of ``x [T, H]`` with one fp32 scale per 1x128 group (grid ``(cdiv(T, BLOCK_T), cdiv(H, 128))``).
+
+    The sorted layout's GEMM1 reads tokens in place, so fp8 weights need the tokens quantised once
+    (T rows, not T * K); ``scale = max(amax, floor) / 448`` as everywhere (moe_fx.ops.recipe).
+    """
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * 128 + tl.arange(0, 128)
+    t64 = offs_t.to(tl.int64)
+    mask = (offs_t < T)[:, None] & (offs_h < H)[None, :]
+    v = tl.load(x_ptr + t64[:, None] * s_xt + offs_h[None, :] * s_xh, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.reduce(tl.abs(v), 1, _maxf)
+    scale = tl.maximum(amax, SCALE_FLOOR) / FP8_MAX
+    q = tl.clamp(v / scale[:, None], -FP8_MAX, FP8_MAX)
+    if INTERP:
+        q = _e4m3_grid(q)
+    tl.store(q_ptr + t64[:, None] * s_qt + offs_h[None, :] * s_qh, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + t64 * s_st + tl.program_id(1) * s_sh, scale, mask=offs_t < T)
+
+
+@triton.jit
+def sort_small_kernel(
+    ids_ptr,
+    counts_ptr,
+    sorted_ptr,
+    pos_ptr,
+    N,
+    E,
+    s_it,
+    s_ik,
+    TOPK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    E_POW2: tl.constexpr,
+):
+    """:func:`expert_counts_kernel` + :func:`sort_slots_kernel` in ONE program, for decode-sized batches.
+
+    No atomics, so no zeroed scratch: the counts are written, not accumulated (one memset and one
+    launch fewer, which is what a decode step pays for). Two passes over the slots in chunks: the
+    counts, then each slot's row ``start[e] + rank`` with its rank among earlier slots of the same
+    expert (a stable counting sort: the row order is deterministic here).
+    """
+    offs_e = tl.arange(0, E_POW2)
+    counts = tl.full((E_POW2,), 0, tl.int32)
+    for c0 in range(0, N, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + _slot_offsets(offs, s_it, s_ik, TOPK), mask=offs < N, other=-1).to(tl.int32)
+        hit = (ids[:, None] == offs_e[None, :]) & ((offs < N) & (ids >= 0) & (ids < E))[:, None]
+        counts += tl.reduce(hit.to(tl.int32), 0, _add)
+    tl.store(counts_ptr + offs_e, counts, mask=offs_e < E)
+    tl.store(counts_ptr + E, tl.reduce(counts, 0, _add))
+    seen = tl.associative_scan(counts, 0, _add) - counts  # start[e], then start[e] + slots placed so far
+    for c0 in range(0, N, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        smask = offs < N
+        ids = tl.load(ids_ptr + _slot_offsets(offs, s_it, s_ik, TOPK), mask=smask, other=-1).to(tl.int32)
+        valid = smask & (ids >= 0) & (ids < E)
+        hit = ((ids[:, None] == offs_e[None, :]) & valid[:, None]).to(tl.int32)
+        before = tl.associative_scan(hit, 0, _add) - hit  # earlier slots of the chunk with the same expert
+        row = tl.reduce(hit * (seen[None, :] + before), 1, _add)
+        tl.store(sorted_ptr + row, offs, mask=valid)
+        tl.store(pos_ptr + offs, tl.where(valid, row, -1).to(tl.int64), mask=smask)
+        seen += tl.reduce(hit, 0, _add)

@@ -92,4 +92,20 @@ def launch(name: str, device: torch.device, grid: tuple, *args: object, **kwargs
     from torch.library import wrap_triton
 
     kernel = getattr(kernels(device), name)
+    if kwargs.get("DEVICE_TMA") and device.type == "cuda":
+        _set_tma_allocator()
     wrap_triton(kernel)[grid](*args, **kwargs)
+
+
+@functools.cache
+def _set_tma_allocator() -> None:
+    """Give Triton the scratch allocator that kernels making tensor descriptors on the device need.
+
+    Such a kernel asks its launcher for a little global memory per program; without an allocator
+    Triton raises "no allocator was set". Set once, at the first such launch (or trace: compiled
+    graphs launch in the same thread); Inductor sets an equivalent one itself where it does.
+    """
+    import triton
+
+    if hasattr(triton, "set_allocator"):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))

@@ -36,6 +36,7 @@ def expert_activation(
     out: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
     max_total_m: object = None,
+    masked_m_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``spec`` applied to the first GEMM's output ``x [G, M, N1]`` for rows ``r < masked_m[g]``, in fp32.
 
@@ -49,6 +50,8 @@ def expert_activation(
         out_scale: optional fp32 ``[G, M, ceil(I/128)]`` of ANY strides (an MN-major, TMA-aligned view
             for DeepGEMM is written in place).
         max_total_m: host-side bound on ``sum(masked_m)`` to size the grid (may be symbolic).
+        masked_m_offset: the counts start at this element of ``masked_m`` (a longer int32 buffer, e.g.
+            the sorted layout's scratch, whose element E is the total of rows).
 
     Returns:
         ``(y, scale)``: ``[G, M, I]`` (rows past ``masked_m`` unwritten) and, with ``quant_fp8``, the fp32
@@ -63,7 +66,12 @@ def expert_activation(
     if spec.gated and n1 % 2:
         raise ValueError(f"expert_activation: a gated activation needs an even N1 = 2I, got {n1}")
     i = n1 // 2 if spec.gated else n1
-    _check_masked("expert_activation", masked_m, g, x.device)
+    if masked_m_offset:
+        if masked_m.dtype != torch.int32 or masked_m.dim() != 1 or masked_m.shape[0] < masked_m_offset + g:
+            raise ValueError(f"expert_activation: masked_m must be int32 with {masked_m_offset + g}+ entries, "
+                             f"got {masked_m.dtype} {list(masked_m.shape)}")
+    else:
+        _check_masked("expert_activation", masked_m, g, x.device)
     if bias is not None and (tuple(bias.shape) != (g, n1) or not bias.dtype.is_floating_point):
         raise ValueError(f"expert_activation: bias must be float [{g}, {n1}], got {bias.dtype} {list(bias.shape)}")
     out = _out("expert_activation", out, (g, m, i), FP8_DTYPE if quant_fp8 else x.dtype, x.device)
@@ -89,7 +97,7 @@ def expert_activation(
         g, m, i,
         *x.stride(), *out.stride(), *sstride, *bstride,
         float(spec.alpha), float(spec.limit or 0.0), float(spec.up_offset),
-        ACT=ACT_CODES[spec.name], GATED=spec.gated, INTERLEAVED=spec.gate_up_layout == "interleaved",
+        masked_m_offset, ACT=ACT_CODES[spec.name], GATED=spec.gated, INTERLEAVED=spec.gate_up_layout == "interleaved",
         HAS_LIMIT=spec.limit is not None, HAS_BIAS=bias is not None, QUANT=quant_fp8,
         INTERP=x.device.type == "cpu", BLOCK_M=_BLOCK_M, BLOCK_N=block_n, E_POW2=_pow2(g),
         num_warps=4,

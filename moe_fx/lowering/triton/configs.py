@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-__all__ = ["TileConfig", "cache_path", "candidates", "fit_smem", "get_config", "m_bucket", "tune"]
+__all__ = ["TileConfig", "cache_path", "candidates", "fit_smem", "get_config", "m_bucket", "pick_regime_config",
+           "regime_bucket", "regime_candidates", "regime_key", "store", "tune"]
 
 log = logging.getLogger("moe_fx.lowering.triton")
 
@@ -40,8 +41,13 @@ class TileConfig:
     num_stages: int = 4
     programs_per_sm: int = 1
     #: load A and B tiles through TMA tensor descriptors (Hopper's copy engine) instead of pointer
-    #: arithmetic; used only where the tensors meet TMA's alignment rules (else pointers, silently)
+    #: arithmetic; used only where the tensors meet TMA's alignment rules (else pointers, silently).
+    #: The sorted layout makes its descriptors on the device (also in Inductor-launched kernels; a
+    #: gathered A stays on pointers), the masked layout on the host (eager calls only).
     tma: bool = False
+    #: compute ``acc^T = b^T a^T``: with few rows per tile (decode) the weight tile becomes the MMA's
+    #: M dimension, so Hopper's wgmma (64+ rows) runs instead of the older mma for 16-row tiles
+    swap_ab: bool = False
 
     def smem_bytes(self, elem_bytes: int) -> int:
         """Shared memory the pipelined A and B tiles take (the kernel's dominant use)."""
@@ -149,6 +155,88 @@ def candidates(kind: str, bucket: int) -> list[TileConfig]:
     ]
 
 
+def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
+    """The configurations ``bench/tune_tiles.py --sorted`` tries for a rows-per-expert regime.
+
+    Short lists (tuning runs on a lease): every candidate is timed at every token count of the
+    regime and the one with the best worst case is kept (:func:`pick_regime_config`). Real routings
+    are uneven: an expert of a regime that expects up to 16 rows gets 20 and more, so each regime
+    also tries row tiles twice its bound (a second row tile streams the expert's weights again).
+    Swapped tiles (``swap_ab``) put decode tiles on wgmma; ``tma`` tiles make their descriptors on
+    the device.
+    """
+    from moe_fx.lowering.problem import regime_bounds
+
+    fp8 = kind == "fp8"
+    _, hi = regime_bounds(regime)
+    T = TileConfig
+    if hi is not None and hi <= 4:  # decode: the weights stream; bytes in flight per SM decide
+        if fp8:
+            return [T(16, 64, 128, 1, 4, 5, 2), T(16, 128, 128, 1, 4, 5, 1), T(16, 32, 128, 1, 4, 5, 4),
+                    T(16, 64, 128, 1, 4, 5, 2, swap_ab=True), T(16, 128, 128, 1, 4, 4, 1, swap_ab=True)]
+        return [T(16, 64, 128, 1, 4, 4, 2), T(16, 32, 256, 1, 4, 4, 2), T(16, 128, 128, 1, 4, 4, 1),
+                T(16, 64, 256, 1, 4, 3, 1), T(16, 64, 128, 1, 4, 4, 2, swap_ab=True)]
+    if hi is not None and hi <= 16:
+        if fp8:
+            return [T(16, 64, 128, 1, 4, 5, 2), T(32, 128, 128, 4, 4, 4, 2), T(32, 64, 128, 1, 4, 4, 2, swap_ab=True),
+                    T(16, 128, 128, 1, 4, 4, 1, swap_ab=True)]
+        return [T(16, 64, 128, 1, 4, 4, 2), T(16, 32, 256, 1, 4, 4, 2), T(32, 64, 128, 1, 4, 4, 2),
+                T(32, 128, 128, 1, 4, 3, 1), T(32, 64, 128, 1, 4, 4, 2, swap_ab=True)]
+    if hi is not None and hi <= 64:
+        if fp8:
+            return [T(32, 128, 128, 4, 4, 4, 2), T(64, 128, 128, 4, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1),
+                    T(64, 128, 128, 4, 4, 4, 2, tma=True)]
+        return [T(32, 64, 128, 4, 4, 4, 2), T(64, 128, 64, 4, 4, 4, 1), T(64, 64, 128, 4, 4, 4, 2),
+                T(128, 128, 64, 8, 8, 4, 1), T(64, 128, 64, 4, 4, 4, 1, tma=True)]
+    if hi is not None:
+        if fp8:
+            return [T(64, 128, 128, 8, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1), T(128, 128, 128, 8, 8, 4, 1, tma=True),
+                    T(64, 128, 128, 8, 4, 4, 2, tma=True)]
+        return [T(64, 128, 64, 8, 4, 4, 2), T(128, 128, 64, 8, 8, 4, 1), T(128, 256, 64, 8, 8, 3, 1),
+                T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True)]
+    if fp8:
+        return [T(128, 128, 128, 8, 8, 4, 1), T(64, 128, 128, 8, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1, tma=True),
+                T(64, 128, 128, 8, 4, 4, 2, tma=True)]
+    return [T(128, 256, 64, 8, 8, 3, 1), T(128, 128, 64, 8, 8, 4, 1), T(128, 128, 64, 8, 4, 3, 2),
+            T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 4, 3, 2, tma=True)]
+
+
+def pick_regime_config(timings: dict[int, dict[TileConfig, float]]) -> tuple[TileConfig, float]:
+    """The configuration whose worst slowdown over the token counts of a regime is least.
+
+    ``timings[T][cfg]`` = time of ``cfg`` at token count T (any unit; a failed candidate is absent).
+    Returns ``(config, worst)`` with ``worst = max_T time(config, T) / min_cfg time(cfg, T)`` (1.0 =
+    the best at every T). Only candidates timed at every T compete.
+    """
+    if not timings:
+        raise ValueError("pick_regime_config: no timings")
+    common = set.intersection(*(set(per) for per in timings.values()))
+    if not common:
+        raise ValueError("pick_regime_config: no candidate was timed at every token count")
+    best_at = {t: min(per.values()) for t, per in timings.items()}
+
+    def worst(cfg: TileConfig) -> float:
+        return max(per[cfg] / best_at[t] for t, per in timings.items())
+
+    cfg = min(sorted(common, key=lambda c: asdict(c).__repr__()), key=worst)
+    return cfg, worst(cfg)
+
+
+def store(entries: dict[str, TileConfig]) -> None:
+    """Write tuned entries to the user cache (merged with what another process wrote meanwhile)."""
+    for key, cfg in entries.items():
+        _memory.pop(key, None)
+        _disk()[key] = asdict(cfg)
+    _memory.clear()  # lookups memoise by call site; a new entry must be seen
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    merged = _read(path)
+    merged.update(_disk())
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
 def cache_path() -> pathlib.Path:
     """The user tuning cache file."""
     root = os.environ.get("MOE_FX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "moe_fx")
@@ -201,38 +289,70 @@ def _disk() -> dict[str, dict]:
     return _disk_loaded
 
 
+def regime_bucket(regime: int) -> int:
+    """The rows bucket that stands for a rows-per-expert regime when the token count is symbolic.
+
+    A graph compiled for a dynamic T serves every T of its regime (:mod:`moe_fx.lowering.problem`);
+    its tiles must not depend on the T it happened to be traced with (a graph first traced at
+    T=256 ran Mixtral at T=4096 with 64-row tiles, 1.7x slower: the machine-to-machine "spread").
+    """
+    from moe_fx.lowering.problem import regime_bounds
+
+    lo, hi = regime_bounds(regime)
+    return m_bucket(hi if hi is not None else 4 * lo)
+
+
+def regime_key(device_name: str, kind: str, n: int, k: int, layout: str, regime: int) -> str:
+    """Key of a regime's tuned tile: one configuration for every token count of the regime."""
+    return f"{device_name}|{kind}|N{n}|K{k}|{layout}|r{regime}"
+
+
 def get_config(
     kind: str,
     n: int,
     k: int,
-    expected_m: int,
+    expected_m: int | None,
     device: torch.device,
     active_groups: int | None = None,
     num_sms: int = 132,
     *,
     allow_tma: bool = True,
+    layout: str = "masked",
+    regime: int | None = None,
+    symbolic: bool = False,
 ) -> TileConfig:
-    """The tile configuration for a masked GEMM of ``kind`` ("bf16" / "fp8") on ``device``.
+    """The tile configuration for a grouped GEMM of ``kind`` ("bf16" / "fp8") on ``device``.
 
-    ``active_groups`` (host-side estimate of the groups with rows, ``min(E, T * K)`` for MoE) lets
-    the decode heuristic size tiles to the work; a tuned entry for the bucket takes precedence.
-    ``allow_tma=False`` (compiled graphs, see ``grouped_gemm._operands``) prefers the best tuned tile
-    that loads through pointers, and never returns a TMA tile.
+    Lookup: the regime's entry (``layout`` "masked" or "sorted", tuned over every token count of the
+    regime by ``bench/tune_tiles.py``) when ``regime`` is given; else the rows bucket of
+    ``expected_m`` — the regime's bucket when the token count is ``symbolic`` (never the size a graph
+    happened to be traced with) — in the user cache, then the shipped table; then the heuristic.
+    ``active_groups`` (host-side estimate of the groups with rows, ``min(E, T * K)``) keys decode
+    buckets. ``allow_tma=False`` (compiled graphs, see ``grouped_gemm._operands``) prefers, for the
+    masked layout (host-made descriptors), the best tuned tile that loads through pointers, and never
+    returns a TMA tile there; the sorted layout makes its descriptors on the device and keeps its tile.
     """
     if device.type == "cpu":
         # Interpreter: few, small programs keep the emulation quick; speed is not measured there.
         return TileConfig(16, 64, 64, 1, 4, 1, 1)
-    bucket = m_bucket(expected_m)
+    if layout not in ("masked", "sorted"):
+        raise ValueError(f"moe_fx: unknown GEMM layout {layout!r}")
     name = _device_name(device)
-    mkey = _key(name, kind, n, k, bucket, active_groups, ptr=not allow_tma)
+    if symbolic and regime is not None:
+        expected_m, active_groups = regime_bucket(regime), None
+    bucket = m_bucket(expected_m or 1)
+    mkey = _key(name, kind, n, k, bucket, active_groups, ptr=not allow_tma) + f"|{layout}|r{regime}"
     cfg = _memory.get(mkey)
     if cfg is None:
-        keys = (mkey, _key(name, kind, n, k, bucket, ptr=not allow_tma))
+        keys: tuple[str, ...] = ()
+        if regime is not None:
+            keys += (regime_key(name, kind, n, k, layout, regime),)
+        keys += (_key(name, kind, n, k, bucket, active_groups, ptr=not allow_tma), _key(name, kind, n, k, bucket, ptr=not allow_tma))
         if not allow_tma:
             keys += (_key(name, kind, n, k, bucket, active_groups), _key(name, kind, n, k, bucket))
         raw = next((table[key] for table in (_disk(), _shipped()) for key in keys if key in table), None)
         cfg = _from_dict(raw) if raw else _heuristic(kind, n, k, bucket, active_groups, num_sms)
-        if not allow_tma:
+        if not allow_tma and layout == "masked":  # the sorted layout makes its descriptors on the device
             cfg = replace(cfg, tma=False)
         _memory[mkey] = cfg
     return cfg
@@ -284,14 +404,6 @@ def tune(
         if best is None or ms < best[0]:
             best = (ms, cfg)
     cfg = _heuristic(kind, n, k, bucket, active_groups) if best is None else best[1]
+    store({key: cfg})
     _memory[key] = cfg
-    _disk()[key] = asdict(cfg)
-    path = cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Merge with what another process may have written meanwhile, then replace atomically.
-    merged = _read(path)
-    merged.update(_disk())
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
-    os.replace(tmp, path)
     return cfg

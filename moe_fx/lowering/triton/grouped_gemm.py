@@ -8,7 +8,7 @@ they were (unwritten).
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -16,7 +16,8 @@ from moe_fx.lowering.triton import configs
 from moe_fx.lowering.triton._loader import is_traced, launch
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["check_offsets", "masked_gemm", "masked_gemm_fp8", "num_programs", "tune_masked_gemm"]
+__all__ = ["SortedRows", "check_offsets", "masked_gemm", "masked_gemm_fp8", "num_programs", "sorted_gemm",
+           "tune_masked_gemm"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _FP8 = FP8_DTYPE
@@ -120,30 +121,51 @@ def _tma_ok(t: torch.Tensor) -> bool:
 def _tma_capable(device: torch.device) -> bool:
     if device.type == "cpu":
         return True  # the interpreter emulates descriptors (tests exercise the TMA branch there)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= (9, 0)
+    from moe_fx.lowering.problem import probe_capabilities
+
+    cap = probe_capabilities(device).capability  # the assumed GPU while tracing for one this machine lacks
+    return cap is not None and tuple(cap) >= (9, 0)
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(index))
-
-
-def _operands(cfg: configs.TileConfig, a: torch.Tensor, b: torch.Tensor) -> tuple[object, object, bool]:
+def _operands(
+    cfg: configs.TileConfig, a: torch.Tensor, b: torch.Tensor, *, gather: bool = False
+) -> tuple[object, object, bool]:
     """``(a, b, tma)``: TMA descriptors when the config asks for them and the tensors allow it.
 
-    Not while traced for Inductor: host-side descriptors cannot be recorded outside Dynamo's own
-    tracing (torch 2.11-2.13), so compiled graphs load tiles through pointers.
+    ``a`` is 3-D (the sorted layout's rows are ``[1, rows, K]``); a gathered ``a`` (tokens picked
+    through the sorted ids) stays a tensor and only ``b`` gets a descriptor. Not while traced
+    for Inductor: host-side descriptors cannot be recorded outside Dynamo's own tracing (torch
+    2.11-2.13), so compiled graphs load tiles through pointers.
     """
-    if is_traced(a) or not (cfg.tma and _tma_capable(a.device) and _tma_ok(a) and _tma_ok(b)):
+    if is_traced(a) or not (cfg.tma and _tma_capable(a.device) and (gather or _tma_ok(a)) and _tma_ok(b)):
         return a, b, False
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return (
-        TensorDescriptor.from_tensor(a, [1, cfg.block_m, cfg.block_k]),
-        TensorDescriptor.from_tensor(b, [1, cfg.block_n, cfg.block_k]),
-        True,
-    )
+    b_desc = TensorDescriptor.from_tensor(b, [1, cfg.block_n, cfg.block_k])
+    if gather:
+        return a, b_desc, True
+    return TensorDescriptor.from_tensor(a, [1, cfg.block_m, cfg.block_k]), b_desc, True
+
+
+def _device_tma_ok(a: torch.Tensor, b: torch.Tensor, gather: bool) -> bool:
+    """Whether the kernels can make TMA descriptors of ``b`` (and of ``a`` unless gathered) on the device.
+
+    Unit last stride, 16-byte aligned strides and rows (TMA's rules); base addresses are checked on
+    real tensors (a traced stand-in has none: its buffers come from the allocator, weights are
+    parameters, both aligned).
+    """
+    if a.device.type == "cuda" and not _tma_capable(a.device):
+        return False
+    ts = [b] if gather else [b, a]
+    for t in ts:
+        size = t.element_size()
+        if t.dim() != 3 or t.stride(2) != 1 or t.shape[2] * size < 16:
+            return False
+        if any(isinstance(st, int) and (st * size) % 16 for st in t.stride()[:2] if st):
+            return False
+        if not is_traced(t) and t.data_ptr() % 16:
+            return False
+    return True
 
 
 def _tile_bound(groups: int, m: object, n: int, cfg: configs.TileConfig, max_total_m: object) -> object:
@@ -168,6 +190,116 @@ def _bias_args(bias: torch.Tensor | None) -> dict[str, object]:
     return {"bias_ptr": bias, "s_biasg": bias.stride(0), "HAS_BIAS": True}
 
 
+@dataclass(frozen=True)
+class SortedRows:
+    """The contiguous ("sorted") layout of one call: every (token, k) slot's row, rows grouped by expert.
+
+    Expert ``e`` owns rows ``[start[e], start[e] + counts[e])`` of the 2-D row buffers (``start`` is
+    the exclusive sum of ``counts``, computed inside the kernels). Built by
+    :func:`moe_fx.lowering.triton.sort.sort_by_expert`.
+
+    Attributes:
+        scratch: ``[2E + 1]`` int32: rows per expert (``[:E]``, what the GEMMs read as their counts), rows
+            in all (``[E]``, the activation's), then the sort's cursors. One buffer that kernels take
+            whole: a traced graph holds no view of a buffer its kernels write.
+        sorted_slots: ``[N]`` int32, slot ``t * K + k`` of each row (rows past the total unspecified).
+        slot_pos: ``[N]`` int64, the row of each slot (-1: the slot sends no row).
+        topk: K. num_rows: N = T * K, the static bound on the total (may be symbolic). num_experts: E.
+    """
+
+    scratch: torch.Tensor
+    sorted_slots: torch.Tensor
+    slot_pos: torch.Tensor
+    topk: int
+    num_rows: object
+    num_experts: int
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """``[E]`` int32 rows per expert (a view: for eager code and tests)."""
+        return self.scratch[: self.num_experts]
+
+    @property
+    def total(self) -> torch.Tensor:
+        """``[1]`` int32 rows in all (a view: for eager code and tests)."""
+        return self.scratch[self.num_experts : self.num_experts + 1]
+
+
+def _gemm_config(kind: str, a: torch.Tensor, n: int, k: int, hints: dict, layout: str) -> configs.TileConfig:
+    """The tile configuration of one launch (see :func:`configs.get_config` for the lookup)."""
+    cfg = configs.get_config(
+        kind, n, k, _hint(hints.get("expected_m")), a.device, _hint(hints.get("active_groups")), _sms(a.device),
+        allow_tma=not is_traced(a), layout=layout, regime=hints.get("regime"),
+        symbolic=not isinstance(hints.get("expected_m"), (int, type(None))),
+    )
+    return configs.fit_smem(cfg, a.element_size()) if kind == "bf16" else cfg
+
+
+def _launch_gemm(
+    kind: str, a, a_scale, b, b_scale, masked_m, out, groups: int, m: object, n: int, k: int,
+    cfg: configs.TileConfig, tile_bound: object, *, a_strides: tuple, as_strides: tuple, c_strides: tuple,
+    bias, sorted_rows: SortedRows | None, gather: bool, route_weights,
+) -> None:
+    """One launch of the masked / sorted GEMM kernel of ``kind`` (the layouts differ only in row offsets)."""
+    nprog = num_programs(a.device, cfg, tile_bound)
+    device_tma = sorted_rows is not None and cfg.tma and _device_tma_ok(a, b, gather)
+    if device_tma:
+        a_in, b_in, tma = a, b, True
+    elif sorted_rows is not None:
+        a_in, b_in, tma = a, b, False
+    else:
+        a_in, b_in, tma = _operands(cfg, a, b, gather=gather)
+    if sorted_rows is not None:
+        rw = route_weights
+        extra = dict(sorted_ptr=sorted_rows.sorted_slots if gather else None, rw_ptr=rw,
+                     s_rwt=rw.stride(0) if rw is not None else 0, s_rwk=rw.stride(1) if rw is not None else 0,
+                     SORTED=True, GATHER_A=gather, TOPK=sorted_rows.topk, ROUTE_W=rw is not None)
+    else:
+        extra = {}
+    common = dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, E_POW2=_pow2(groups),
+        EVEN_K=k % cfg.block_k == 0, UPCAST=a.device.type == "cpu", TMA=tma, **_bias_args(bias), **extra,
+        SWAP_AB=cfg.swap_ab, DEVICE_TMA=device_tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if kind == "fp8":
+        launch(
+            "masked_gemm_fp8_kernel", a.device, (nprog,),
+            a_in, a_scale, b_in, b_scale, out, masked_m,
+            groups, m, n, k,
+            *a_strides, *as_strides, *b.stride(), *b_scale.stride(), *c_strides,
+            SCALAR_BS=FP8_BLOCK % cfg.block_n == 0, **common,
+        )  # fmt: skip
+    else:
+        launch(
+            "masked_gemm_kernel", a.device, (nprog,),
+            a_in, b_in, out, masked_m,
+            groups, m, n, k,
+            *a_strides, *b.stride(), *c_strides,
+            IEEE=a.dtype == torch.float32, **common,
+        )  # fmt: skip
+
+
+def _check_operands(name: str, a: torch.Tensor, b: torch.Tensor, fp8: bool, a_dim: int, grouped: bool = True) -> None:
+    if a.dim() != a_dim or b.dim() != 3 or a.shape[-1] != b.shape[2] or (grouped and a.shape[0] != b.shape[0]):
+        want = "a [G, M, K]" if grouped else "a [T, K] or [1, N, K]"
+        raise ValueError(f"{name}: want {want} and b [G, N, K], got {list(a.shape)} and {list(b.shape)}")
+    if fp8:
+        if a.dtype != _FP8 or b.dtype != _FP8:
+            raise TypeError(f"{name}: a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    elif a.dtype not in _FLOATS or b.dtype != a.dtype:
+        raise TypeError(f"{name}: a and b must share a dtype of {_FLOATS}, got {a.dtype} and {b.dtype}")
+
+
+def _check_scales(name: str, a_scale: torch.Tensor, a_shape: tuple, b_scale: torch.Tensor, g: int, n: int, k: int):
+    kb = cdiv(k, FP8_BLOCK)
+    if tuple(a_scale.shape) != (*a_shape, kb) or a_scale.dtype != torch.float32:
+        raise ValueError(f"{name}: a_scale must be float32 {[*a_shape, kb]}, got {a_scale.dtype} {list(a_scale.shape)}")
+    nb = cdiv(n, FP8_BLOCK)
+    if tuple(b_scale.shape) != (g, nb, kb) or b_scale.dtype != torch.float32:
+        raise ValueError(f"{name}: b_scale must be float32 {[g, nb, kb]}, got {b_scale.dtype} {list(b_scale.shape)}")
+
+
 def masked_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -179,6 +311,7 @@ def masked_gemm(
     max_total_m: int | None = None,
     config: configs.TileConfig | None = None,
     active_groups: int | None = None,
+    regime: int | None = None,
 ) -> torch.Tensor:
     """Masked grouped GEMM ``out[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g]^T (+ bias[g])``, fp32 accumulation.
 
@@ -192,14 +325,13 @@ def masked_gemm(
         max_total_m: host-side bound on ``sum(masked_m)`` (``T * K`` for MoE) to size the grid.
         config: force a tile configuration (tuning and tests).
         active_groups: host-side estimate of the groups with rows (``min(G, T * K)``), for tile sizing.
+        regime: the rows-per-expert regime of the call (:func:`moe_fx.lowering.problem.row_regime`):
+            with a symbolic ``expected_m`` the tiles are the regime's, never the traced size's.
 
     Returns:
         ``[G, M, N]`` in ``a.dtype``. Any of M, expected_m, max_total_m may be symbolic while traced.
     """
-    if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2]:
-        raise ValueError(f"masked_gemm: want a [G, M, K] and b [G, N, K], got {list(a.shape)} and {list(b.shape)}")
-    if a.dtype not in _FLOATS or b.dtype != a.dtype:
-        raise TypeError(f"masked_gemm: a and b must share a dtype of {_FLOATS}, got {a.dtype} and {b.dtype}")
+    _check_operands("masked_gemm", a, b, False, 3)
     g, m, k = a.shape
     n = b.shape[1]
     _check_masked("masked_gemm", masked_m, g, a.device)
@@ -208,22 +340,11 @@ def masked_gemm(
     check_offsets("masked_gemm", a, b, out)
     if _known_empty(g, m, n):
         return out
-    cfg = config or configs.fit_smem(
-        configs.get_config("bf16", n, k, _hint(expected_m if expected_m is not None else m), a.device,
-                           _hint(active_groups), _sms(a.device), allow_tma=not is_traced(a)),
-        a.element_size(),
-    )
-    nprog = num_programs(a.device, cfg, _tile_bound(g, m, n, cfg, max_total_m))
-    a_in, b_in, tma = _operands(cfg, a, b)
-    launch(
-        "masked_gemm_kernel", a.device, (nprog,),
-        a_in, b_in, out, masked_m,
-        g, m, n, k,
-        *a.stride(), *b.stride(), *out.stride(),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        E_POW2=_pow2(g), EVEN_K=k % cfg.block_k == 0, IEEE=a.dtype == torch.float32, UPCAST=a.device.type == "cpu",
-        TMA=tma, **_bias_args(bias), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    hints = {"expected_m": expected_m if expected_m is not None else m, "active_groups": active_groups, "regime": regime}
+    cfg = config or _gemm_config("bf16", a, n, k, hints, "masked")
+    _launch_gemm("bf16", a, None, b, None, masked_m, out, g, m, n, k, cfg, _tile_bound(g, m, n, cfg, max_total_m),
+                 a_strides=a.stride(), as_strides=(), c_strides=out.stride(), bias=bias, sorted_rows=None,
+                 gather=False, route_weights=None)
     return out
 
 
@@ -240,6 +361,7 @@ def masked_gemm_fp8(
     max_total_m: int | None = None,
     config: configs.TileConfig | None = None,
     active_groups: int | None = None,
+    regime: int | None = None,
 ) -> torch.Tensor:
     """Masked grouped fp8 GEMM with DeepSeek-style block scales, bf16 out, fp32 accumulation.
 
@@ -254,51 +376,106 @@ def masked_gemm_fp8(
         b_scale: ``[G, ceil(N/128), ceil(K/128)]`` fp32 block scales, any strides.
         masked_m: ``[G]`` int32, valid rows per group.
         out: optional bf16 ``[G, M, N]``.
-        bias, expected_m, max_total_m, config, active_groups: as in :func:`masked_gemm`.
+        bias, expected_m, max_total_m, config, active_groups, regime: as in :func:`masked_gemm`.
 
     Returns:
         bf16 ``[G, M, N]``.
     """
-    if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2]:
-        raise ValueError(f"masked_gemm_fp8: want a [G, M, K] and b [G, N, K], got {list(a.shape)} and {list(b.shape)}")
-    if a.dtype != _FP8 or b.dtype != _FP8:
-        raise TypeError(f"masked_gemm_fp8: a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    _check_operands("masked_gemm_fp8", a, b, True, 3)
     g, m, k = a.shape
     n = b.shape[1]
-    kb = cdiv(k, FP8_BLOCK)
-    if tuple(a_scale.shape) != (g, m, kb) or a_scale.dtype != torch.float32:
-        raise ValueError(
-            f"masked_gemm_fp8: a_scale must be float32 {[g, m, kb]}, got {a_scale.dtype} {list(a_scale.shape)}"
-        )
-    nb = cdiv(n, FP8_BLOCK)
-    if tuple(b_scale.shape) != (g, nb, kb) or b_scale.dtype != torch.float32:
-        raise ValueError(
-            f"masked_gemm_fp8: b_scale must be float32 {[g, nb, kb]}, got {b_scale.dtype} {list(b_scale.shape)}"
-        )
+    _check_scales("masked_gemm_fp8", a_scale, (g, m), b_scale, g, n, k)
     _check_masked("masked_gemm_fp8", masked_m, g, a.device)
     _check_bias("masked_gemm_fp8", bias, g, n, a.device)
     out = _out("masked_gemm_fp8", out, (g, m, n), torch.bfloat16, a.device)
     check_offsets("masked_gemm_fp8", a, a_scale, b, b_scale, out)
     if _known_empty(g, m, n):
         return out
-    cfg = config or configs.get_config(
-        "fp8", n, k, _hint(expected_m if expected_m is not None else m), a.device, _hint(active_groups),
-        _sms(a.device), allow_tma=not is_traced(a),
-    )
+    hints = {"expected_m": expected_m if expected_m is not None else m, "active_groups": active_groups, "regime": regime}
+    cfg = config or _gemm_config("fp8", a, n, k, hints, "masked")
+    _check_fp8_block_k("masked_gemm_fp8", cfg)
+    _launch_gemm("fp8", a, a_scale, b, b_scale, masked_m, out, g, m, n, k, cfg, _tile_bound(g, m, n, cfg, max_total_m),
+                 a_strides=a.stride(), as_strides=a_scale.stride(), c_strides=out.stride(), bias=bias,
+                 sorted_rows=None, gather=False, route_weights=None)
+    return out
+
+
+def _check_fp8_block_k(name: str, cfg: configs.TileConfig) -> None:
     if FP8_BLOCK % cfg.block_k:
-        raise ValueError(f"masked_gemm_fp8: block_k must divide {FP8_BLOCK} (one scale group per k step), got {cfg.block_k}")
-    nprog = num_programs(a.device, cfg, _tile_bound(g, m, n, cfg, max_total_m))
-    a_in, b_in, tma = _operands(cfg, a, b)
-    launch(
-        "masked_gemm_fp8_kernel", a.device, (nprog,),
-        a_in, a_scale, b_in, b_scale, out, masked_m,
-        g, m, n, k,
-        *a.stride(), *a_scale.stride(), *b.stride(), *b_scale.stride(), *out.stride(),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        E_POW2=_pow2(g), EVEN_K=k % cfg.block_k == 0, UPCAST=a.device.type == "cpu",
-        TMA=tma, SCALAR_BS=FP8_BLOCK % cfg.block_n == 0, **_bias_args(bias),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+        raise ValueError(f"{name}: block_k must divide {FP8_BLOCK} (one scale group per k step), got {cfg.block_k}")
+
+
+def sorted_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    rows: SortedRows,
+    out: torch.Tensor | None = None,
+    *,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
+    gather: bool = False,
+    route_weights: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    expected_m: object = None,
+    active_groups: object = None,
+    regime: int | None = None,
+    config: configs.TileConfig | None = None,
+) -> torch.Tensor:
+    """Grouped GEMM on the contiguous layout: each sorted row times its expert's ``b[e]^T``.
+
+    ``out[0, start[e] + r] = A[row] @ b[e]^T (* w) (+ bias[e])`` for ``r < counts[e]``, where ``A[row]``
+    is ``a[0, start[e] + r]``, or with ``gather`` the token ``a[sorted_slots[start[e] + r] // K]``
+    (GEMM1 reads ``hidden`` in place). fp8 when ``a_scale`` / ``b_scale`` are given (1x128 / 128x128,
+    as in :func:`masked_gemm_fp8`; a's scales follow a's rows). Sorted row buffers are ``[1, N, *]``
+    (one group of rows): the pipeline hands them from kernel to kernel with no view in between.
+
+    Args:
+        a: tokens ``[T, K]`` (gather) or sorted rows ``[1, N, K]``; bf16/fp16/fp32, or float8_e4m3fn.
+        b: ``[E, N_out, K]`` weights, any strides.
+        rows: the layout (:class:`SortedRows`), ``N = rows.num_rows``.
+        out: optional ``[1, N, N_out]`` (a's dtype, bf16 for fp8); rows past the total are not written.
+        a_scale: fp32 ``[T, K/128]`` or ``[1, N, K/128]`` (a's rows), any strides.
+        route_weights: ``[T, K]`` routing weights that multiply each row (weights on the input).
+        bias: float ``[E, N_out]``. expected_m, active_groups, regime, config: as in :func:`masked_gemm`.
+
+    Returns:
+        ``[1, N, N_out]``.
+    """
+    fp8 = b_scale is not None
+    name = "sorted_gemm"
+    _check_operands(name, a, b, fp8, 2 if gather else 3, grouped=False)
+    e, n, k = b.shape
+    num_rows = rows.num_rows
+    if rows.num_experts != e or rows.scratch.dtype != torch.int32 or rows.scratch.device != a.device:
+        raise ValueError(f"{name}: rows were sorted for {rows.num_experts} experts on {rows.scratch.device}, "
+                         f"b has {e} on {a.device}")
+    if not gather and tuple(a.shape[:2]) != (1, num_rows):
+        raise ValueError(f"{name}: sorted rows must be [1, {num_rows}, K], got {list(a.shape)}")
+    _check_bias(name, bias, e, n, a.device)
+    if fp8:
+        if a_scale is None:
+            raise ValueError(f"{name}: fp8 weights need a_scale")
+        _check_scales(name, a_scale, tuple(a.shape[:-1]), b_scale, e, n, k)
+    if route_weights is not None and (route_weights.dim() != 2 or route_weights.shape[1] != rows.topk):
+        raise ValueError(f"{name}: route_weights must be [T, {rows.topk}], got {list(route_weights.shape)}")
+    if route_weights is not None and not gather:
+        raise ValueError(f"{name}: route_weights apply to the gathered GEMM (the first) only")
+    out = _out(name, out, (1, num_rows, n), torch.bfloat16 if fp8 else a.dtype, a.device)
+    check_offsets(name, a if a.dim() == 3 else a.unsqueeze(0), out)
+    if _known_empty(num_rows, n):
+        return out
+    kind = "fp8" if fp8 else "bf16"
+    hints = {"expected_m": expected_m, "active_groups": active_groups, "regime": regime}
+    cfg = config or _gemm_config(kind, a, n, k, hints, "sorted")
+    if fp8:
+        _check_fp8_block_k(name, cfg)
+    # group strides 0: row offsets come from the expert's start (the kernels' SORTED mode)
+    a_strides = (0, *a.stride()) if gather else (0, *a.stride()[1:])
+    as_strides = () if not fp8 else (0, *a_scale.stride()) if gather else (0, *a_scale.stride()[1:])
+    _launch_gemm(kind, a, a_scale, b, b_scale, rows.scratch, out, e, num_rows, n, k, cfg,
+                 _tile_bound(e, num_rows, n, cfg, num_rows), a_strides=a_strides, as_strides=as_strides,
+                 c_strides=(0, *out.stride()[1:]), bias=bias, sorted_rows=rows, gather=gather,
+                 route_weights=route_weights)
     return out
 
 

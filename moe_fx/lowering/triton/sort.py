@@ -1,0 +1,90 @@
+"""The contiguous ("sorted") layout on one GPU: every (token, k) slot gets a row, rows grouped by expert.
+
+vLLM's "standard" experts format, without its block padding: the GEMMs walk each expert's rows in
+tiles from the counts (as the masked kernels do), so no row is padded and no ``[E, max_m, H]`` buffer
+exists. Two kernels (:func:`sort_by_expert`): a histogram of the expert ids, then each slot's row
+``start[e] + rank``. GEMM1 then reads the tokens where they are (through ``sorted_slots``), GEMM2
+writes the sorted rows, and the combine gathers each token's K rows (``slot_pos``) and sums them with
+their routing weights in fp32 (:func:`moe_fx.lowering.triton.permute.unpermute_from_masked`, the
+same kernel as the masked layout's). Memory per call: ``T * K * (N1 + I + H)`` activations, the
+bound of the contiguous layout.
+
+Every slot sends its own row: a token naming one expert twice computes it twice (each slot counts,
+as in the op contract), so K may exceed E. Ids outside ``[0, E)`` (``-1``, identity experts,
+anything else) send no row. Nothing synchronises with the host (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_fx.lowering.triton._loader import launch
+from moe_fx.lowering.triton.grouped_gemm import SortedRows, _known_empty, _out, _pow2
+from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
+
+__all__ = ["SortedRows", "quantize_rows", "sort_by_expert"]
+
+
+def _slots_per_program(e_pow2: int) -> int:
+    # the row lookup compares every slot with every expert: keep [BLOCK, E_POW2] near 16K elements
+    return max(16, min(1024, 16384 // e_pow2))
+
+
+#: decode-sized sorts (at most this many slots, or the decode regime) run in one program
+SMALL_SORT_SLOTS = 1024
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, *, small: bool | None = None) -> SortedRows:
+    """Rows of the contiguous layout for ``topk_ids [T, K]`` (int32/int64, any strides).
+
+    Returns a :class:`SortedRows` with ``num_rows = T * K``. ``small`` (default: ``T * K <=``
+    :data:`SMALL_SORT_SLOTS` when T is known) sorts in one program, a stable counting sort with no
+    memset (decode: the pipeline passes its regime); otherwise two launches over the slots and one
+    memset, with rows inside an expert in no set order (atomics). Every result is deterministic.
+    """
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"sort_by_expert: topk_ids must be int32/int64 [T, K], got {topk_ids.dtype} {list(topk_ids.shape)}")
+    if num_experts <= 0:
+        raise ValueError(f"sort_by_expert: need num_experts > 0, got {num_experts}")
+    t, k = topk_ids.shape
+    n = t * k
+    dev = topk_ids.device
+    if small is None:
+        small = isinstance(n, int) and n <= SMALL_SORT_SLOTS
+    e_pow2 = _pow2(num_experts)
+    sorted_slots = torch.empty(n, dtype=torch.int32, device=dev)
+    slot_pos = torch.empty(n, dtype=torch.int64, device=dev)
+    if small:  # counts and total written whole: no memset
+        scratch = torch.empty(2 * num_experts + 1, dtype=torch.int32, device=dev)
+        launch("sort_small_kernel", dev, (1,), topk_ids, scratch, sorted_slots, slot_pos, n, num_experts,
+               *topk_ids.stride(), TOPK=int(k), CHUNK=max(16, min(64, 8192 // e_pow2)), E_POW2=e_pow2, num_warps=4)
+        return SortedRows(scratch, sorted_slots, slot_pos, int(k), n, num_experts)
+    # counts [E], total, cursors [E]: one buffer, one memset
+    scratch = torch.zeros(2 * num_experts + 1, dtype=torch.int32, device=dev)
+    if not _known_empty(t, k):
+        block = _slots_per_program(e_pow2)
+        grid = (cdiv(n, block),)
+        launch("expert_counts_kernel", dev, grid, topk_ids, scratch, n, num_experts, *topk_ids.stride(),
+               TOPK=int(k), BLOCK=block, E_POW2=e_pow2, num_warps=4)
+        launch("sort_slots_kernel", dev, grid, topk_ids, scratch, sorted_slots, slot_pos, n, num_experts,
+               *topk_ids.stride(), TOPK=int(k), BLOCK=block, E_POW2=e_pow2, num_warps=4)
+    return SortedRows(scratch, sorted_slots, slot_pos, int(k), n, num_experts)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, H]`` -> ``(codes [T, H] float8_e4m3fn, scales [T, ceil(H/128)] fp32)``, 1x128 groups.
+
+    The recipe of :func:`moe_fx.lowering.quant.quantize_fp8_per_token_group`, in one Triton kernel.
+    """
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"quantize_rows: want a bf16/fp16/fp32 [T, H] tensor, got {x.dtype} {list(x.shape)}")
+    t, h = x.shape
+    q = torch.empty(t, h, dtype=FP8_DTYPE, device=x.device)
+    s = _out("quantize_rows", None, (t, cdiv(h, FP8_BLOCK)), torch.float32, x.device)
+    if _known_empty(t, h):
+        return q, s
+    block_t = 8
+    launch("quantize_rows_kernel", x.device, (cdiv(t, block_t), cdiv(h, FP8_BLOCK)),
+           x, q, s, t, h, *x.stride(), *q.stride(), *s.stride(),
+           BLOCK_T=block_t, INTERP=x.device.type == "cpu", num_warps=4)
+    return q, s

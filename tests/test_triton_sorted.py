@@ -1,0 +1,198 @@
+"""The contiguous ("sorted") layout on CPU (Triton interpreter, tiny shapes): the sort, its GEMMs, and the
+whole experts op on it and on the masked layout, against the torch reference, outputs poisoned with NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _triton_util import rel_err
+
+from moe_fx.lowering.experts import plan_experts, run_experts
+from moe_fx.lowering.quant import quantize_fp8_blockwise, quantize_fp8_per_token_group
+from moe_fx.lowering.triton.grouped_gemm import sorted_gemm
+from moe_fx.lowering.triton.sort import quantize_rows, sort_by_expert
+from moe_fx.ops import ExpertActivation, dequantize_blockwise, experts_reference
+
+
+def _ids(t, k, e, gen, extra=0):
+    """Random ids with every hazard: -1, repeats inside a token, ids past E (identity / out of range)."""
+    ids = torch.randint(0, e, (t, k), generator=gen)
+    ids[torch.rand(t, k, generator=gen) < 0.15] = -1
+    if t > 1 and k > 1:
+        ids[1, :] = ids[1, 0].clamp(min=0)  # one token names one expert K times
+    if extra:
+        ids[torch.rand(t, k, generator=gen) < 0.15] = e + extra - 1
+    return ids
+
+
+@pytest.mark.parametrize("small", [False, True])
+@pytest.mark.parametrize("t,k,e", [(9, 3, 5), (4, 6, 3), (1, 1, 1), (0, 2, 4), (40, 2, 3)])
+def test_sort_by_expert_puts_every_slot_in_its_expert_segment(t, k, e, small):
+    gen = torch.Generator().manual_seed(t * 100 + k)
+    ids = _ids(t, k, e, gen, extra=2)  # 2 ids past E: identity experts or out of range: no row either way
+    rows = sort_by_expert(ids.to(torch.int32), e, small=small)
+    flat = ids.flatten()
+    valid = (flat >= 0) & (flat < e)
+    counts = [int((flat == x).sum()) for x in range(e)]
+    assert rows.counts.tolist() == counts and rows.total.item() == int(valid.sum()) and rows.num_rows == t * k
+    starts = [sum(counts[:x]) for x in range(e)]
+    for s in range(t * k):
+        pos = rows.slot_pos[s].item()
+        if not valid[s]:
+            assert pos == -1
+            continue
+        x = flat[s].item()
+        assert starts[x] <= pos < starts[x] + counts[x] and rows.sorted_slots[pos].item() == s
+    assert sorted(rows.sorted_slots[: rows.total.item()].tolist()) == [s for s in range(t * k) if valid[s]]
+    if small:  # the one-program sort is stable: slots in order inside each expert
+        for x in range(e):
+            seg = rows.sorted_slots[starts[x]: starts[x] + counts[x]].tolist()
+            assert seg == sorted(seg)
+
+
+def test_sorted_gemms_gather_weight_bias_and_leave_padding_unwritten():
+    gen = torch.Generator().manual_seed(3)
+    t, k, e, h, n = 7, 3, 4, 136, 72
+    ids = _ids(t, k, e, gen)
+    rows = sort_by_expert(ids, e)
+    x = torch.randn(t, h, generator=gen)
+    w = torch.randn(e, n, h, generator=gen) / h**0.5
+    rw = torch.rand(t, k, generator=gen)
+    bias = torch.randn(e, n, generator=gen)
+    out = torch.full((1, t * k, n), float("nan"))
+    sorted_gemm(x, w, rows, out, gather=True, route_weights=rw, bias=bias)
+    a2 = torch.randn(1, t * k, h, generator=gen)
+    out2 = sorted_gemm(a2, w, rows, torch.full((1, t * k, n), float("nan")))
+    out, out2, a2 = out[0], out2[0], a2[0]
+    flat = ids.flatten()
+    for s in range(t * k):
+        pos = rows.slot_pos[s].item()
+        if pos < 0:
+            continue
+        tok, x_e = s // k, flat[s].item()
+        torch.testing.assert_close(out[pos], (x[tok] @ w[x_e].T) * rw[tok, s % k] + bias[x_e], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out2[pos], a2[pos] @ w[x_e].T, rtol=1e-4, atol=1e-4)
+    total = rows.total.item()
+    assert torch.isnan(out[total:]).all() and torch.isnan(out2[total:]).all()
+    with pytest.raises(ValueError):
+        sorted_gemm(a2[None], w, rows, route_weights=rw)  # weights go with the gathered GEMM only
+
+
+def test_sorted_fp8_gemm_matches_dequantised_product():
+    gen = torch.Generator().manual_seed(4)
+    t, k, e, h, n = 5, 2, 3, 256, 136
+    ids = _ids(t, k, e, gen)
+    rows = sort_by_expert(ids, e)
+    xq, xs = quantize_rows(torch.randn(t, h, generator=gen).bfloat16())
+    wq, ws = quantize_fp8_blockwise(torch.randn(e, n, h, generator=gen) / h**0.5)
+    out = torch.full((1, t * k, n), float("nan"), dtype=torch.bfloat16)
+    sorted_gemm(xq, wq, rows, out, a_scale=xs, b_scale=ws, gather=True)
+    out = out[0]
+    x32 = xq.float() * xs.repeat_interleave(128, -1)[:, :h]
+    flat = ids.flatten()
+    for s in range(t * k):
+        pos = rows.slot_pos[s].item()
+        if pos >= 0:
+            ref = x32[s // k] @ dequantize_blockwise(wq[flat[s]], ws[flat[s]]).T
+            assert rel_err(out[pos], ref) < 2e-2
+    assert torch.isnan(out[rows.total.item():].float()).all()
+
+
+def test_quantize_rows_is_the_recipe():
+    x = torch.randn(5, 200, generator=torch.Generator().manual_seed(5)).bfloat16()
+    q, s = quantize_rows(x)
+    q_ref, s_ref = quantize_fp8_per_token_group(x)
+    torch.testing.assert_close(s, s_ref)
+    assert torch.equal(q.float(), q_ref.float())
+
+
+FORMS = {
+    "silu": (ExpertActivation(), False, False, 0),
+    "gpt_oss": (ExpertActivation("silu", True, "interleaved", 1.702, 7.0, 1.0), True, False, 0),
+    "relu2_plain_identity": (ExpertActivation("relu2", gated=False), False, False, 2),
+    "gelu_weights_on_input": (ExpertActivation("gelu_tanh"), True, True, 0),
+}
+
+
+def _layer(form, t, k, e, h, i, gen, dtype=torch.bfloat16):
+    spec, biases, on_input, identity = FORMS[form]
+    n1 = spec.columns(i)
+    hidden = torch.randn(t, h, generator=gen).to(dtype)
+    ids = _ids(t, k, e, gen, extra=identity)
+    w = torch.softmax(torch.randn(t, k, generator=gen), -1)
+    w13 = (torch.randn(e, n1, h, generator=gen) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=gen) / i**0.5).to(dtype)
+    b13 = (torch.randn(e, n1, generator=gen) * 0.1).to(dtype) if biases else None
+    b2 = (torch.randn(e, h, generator=gen) * 0.1).to(dtype) if biases else None
+    return spec, hidden, ids, w, w13, w2, b13, b2, on_input, identity
+
+
+@pytest.mark.parametrize("layout", ["local_sorted", "local_permute"])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_both_layouts_run_every_form(layout, form):
+    gen = torch.Generator().manual_seed(hash(form) % 1000)
+    t, k, e, h, i = 6, 3, 4, 136, 72  # K close to E: repeats and uneven loads
+    spec, hidden, ids, w, w13, w2, b13, b2, on_input, identity = _layer(form, t, k, e, h, i, gen)
+    plan = plan_experts(hidden, ids, w13, w2, spec, "triton", w13_bias=b13, w2_bias=b2, layout=layout)
+    assert plan.layout == ("sorted" if layout == "local_sorted" else "masked")
+    out = run_experts(hidden, ids, w, w13, w2, spec, plan, weights_on_input=on_input, w13_bias=b13, w2_bias=b2,
+                      identity_experts=identity)
+    ref = experts_reference(hidden, ids, w, w13, w2, spec.name, on_input, w13_bias=b13, w2_bias=b2, gated=spec.gated,
+                            gate_up_layout=spec.gate_up_layout, alpha=spec.alpha, limit=spec.limit,
+                            up_offset=spec.up_offset, identity_experts=identity)
+    assert torch.isfinite(out).all()
+    # bf16 intermediates against an fp32 reference, and the interpreter truncates fp32 -> bf16
+    assert rel_err(out, ref) < 4e-2, rel_err(out, ref)
+
+
+def test_sorted_layout_fp8_more_slots_than_experts_and_empty_batch():
+    gen = torch.Generator().manual_seed(12)
+    t, k, e, h, i = 5, 4, 2, 256, 128  # K > E
+    spec = ExpertActivation()
+    hidden = torch.randn(t, h, generator=gen).bfloat16()
+    ids = torch.randint(0, e, (t, k), generator=gen)
+    w = torch.rand(t, k, generator=gen)
+    q13, s13 = quantize_fp8_blockwise(torch.randn(e, 2 * i, h, generator=gen) / h**0.5)
+    q2, s2 = quantize_fp8_blockwise(torch.randn(e, h, i, generator=gen) / i**0.5)
+    plan = plan_experts(hidden, ids, q13, q2, spec, "triton")
+    assert plan.layout == "sorted"
+    out = run_experts(hidden, ids, w, q13, q2, spec, plan, w13_scale=s13, w2_scale=s2)
+    ref = experts_reference(hidden, ids, w, q13, q2, w13_scale=s13, w2_scale=s2)
+    assert rel_err(out, ref) < 8e-2, rel_err(out, ref)
+    empty = run_experts(hidden[:0], ids[:0], w[:0], q13, q2, spec, plan, w13_scale=s13, w2_scale=s2)
+    assert empty.shape == (0, h)
+
+
+@pytest.mark.parametrize("swap_ab,tma", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sorted_gemm_swapped_and_device_descriptor_variants(swap_ab, tma, fp8):
+    """acc^T = b^T a^T (decode tiles on wgmma) and descriptors made in the kernel compute the same GEMMs."""
+    from moe_fx.lowering.triton.configs import TileConfig
+
+    gen = torch.Generator().manual_seed(6)
+    t, k, e, h, n = 6, 2, 3, 256, 192
+    ids = _ids(t, k, e, gen)
+    rows = sort_by_expert(ids, e)
+    cfg = TileConfig(16, 64, 128, 1, 4, 1, 1, tma=tma, swap_ab=swap_ab)
+    x = torch.randn(t, h, generator=gen)
+    a2 = torch.randn(1, t * k, h, generator=gen)
+    if fp8:
+        w, ws = quantize_fp8_blockwise(torch.randn(e, n, h, generator=gen) / h**0.5)
+        xq, xs = quantize_rows(x.bfloat16())
+        aq, as_ = quantize_rows(a2[0].bfloat16())
+        out1 = sorted_gemm(xq, w, rows, a_scale=xs, b_scale=ws, gather=True, config=cfg)[0]
+        out2 = sorted_gemm(aq[None], w, rows, a_scale=as_[None], b_scale=ws, config=cfg)[0]
+        ref1 = sorted_gemm(xq, w, rows, a_scale=xs, b_scale=ws, gather=True, config=TileConfig(16, 64, 128, 1, 4, 1))[0]
+        ref2 = sorted_gemm(aq[None], w, rows, a_scale=as_[None], b_scale=ws, config=TileConfig(16, 64, 128, 1, 4, 1))[0]
+    else:
+        w = torch.randn(e, n, h, generator=gen) / h**0.5
+        out1 = sorted_gemm(x, w, rows, gather=True, config=cfg)[0]
+        out2 = sorted_gemm(a2, w, rows, config=cfg)[0]
+        ref1 = sorted_gemm(x, w, rows, gather=True, config=TileConfig(16, 64, 128, 1, 4, 1))[0]
+        ref2 = sorted_gemm(a2, w, rows, config=TileConfig(16, 64, 128, 1, 4, 1))[0]
+    total = rows.total.item()
+    for out, ref in ((out1, ref1), (out2, ref2)):
+        torch.testing.assert_close(out[:total].float(), ref[:total].float(), rtol=1e-3, atol=1e-3)
+        flat = ids.flatten()
+        s = int((rows.slot_pos >= 0).nonzero()[0])
+        assert torch.isfinite(out[rows.slot_pos[s]].float()).all() and flat[s] >= 0
