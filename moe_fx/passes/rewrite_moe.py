@@ -323,7 +323,8 @@ def _next_layer_start(flow: DataFlow, anchors: ExpertWeights, groups: list[Exper
     return min(later, key=flow.order.__getitem__, default=None)
 
 
-def _guard(region: Region, ctx: PassContext, flow: DataFlow, plan: ProbePlan | str) -> ProbeResult:
+def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked: tuple[torch.Tensor, torch.Tensor],
+           plan: ProbePlan | str) -> ProbeResult:
     """Is it safe? The structure proves what the region computes (:func:`~moe_fx.passes.read_form.read_region`),
     then the numerical check confirms it (:func:`~moe_fx.passes.verify_region.probe_region`).
 
@@ -338,8 +339,7 @@ def _guard(region: Region, ctx: PassContext, flow: DataFlow, plan: ProbePlan | s
         return ProbeResult(False, reason=reading)
     if isinstance(plan, str):
         return ProbeResult(True, reading.spec.name, reading.weights_on_input, reason="structure", spec=reading.spec)
-    _, build = _weight_sources(region, ctx)
-    return probe_region(region, flow, ctx.real_value, reading, plan, build)
+    return probe_region(region, flow, ctx.real_value, reading, plan, _weight_sources(region, ctx, stacked).build)
 
 
 def _record_verification(report: RegionReport, plan: ProbePlan | str, probe: ProbeResult) -> None:
@@ -396,7 +396,7 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
             report.reason = "the real expert weights are not available to the pass"
             continue
         plan = _probe_plan(region, ctx, stacked)
-        probe = _guard(region, ctx, flow, plan)
+        probe = _guard(region, ctx, flow, stacked, plan)
         _record_verification(report, plan, probe)
         if not probe.ok:
             report.reason = probe.reason
