@@ -121,8 +121,8 @@ class MoEConfig:
             reference; at its own token count when that costs at most ``verify_max_flops``, else on a
             reduced problem of a few tokens (see :mod:`moe_fx.passes.probe_plan`). ``"always"``: at its
             own token count whatever it costs. ``"never"`` (an expert option): no numerical check at
-            all; a region that matches structurally is rewritten even if it computes something else
-            (a sigmoid GLU, an extra scale, ...), and the report and explain mark it "UNVERIFIED".
+            all; a region whose structure proves the form is rewritten with its routing plumbing
+            unchecked (docs/soundness.md), and the report and explain mark it "UNVERIFIED".
         verify_max_flops: the most flops one probe run at the region's own token count may cost on CPU
             weights (1000x that on an accelerator) under ``verify="auto"``; above it the probe runs a
             reduced problem instead (never no probe). A finite number > 0.

@@ -207,9 +207,9 @@ def _untouched(model, x, why: str) -> None:
 @pytest.mark.parametrize(
     "make, why",
     [
-        (lambda: ClampedSwiGLUMoE(up_limit=3.0), "numerical check failed"),  # gate and up clamped differently
-        (lambda: ClampedSwiGLUMoE(clamp_after_act=True), "numerical check failed"),  # Step-3.7's clamp after silu
-        (lambda: ClampedSwiGLUMoE(bias="after_weight"), "numerical check failed"),  # bias not scaled by the weight
+        (lambda: ClampedSwiGLUMoE(up_limit=3.0), "gate and up are clamped at different bounds (1.5 and 3)"),
+        (lambda: ClampedSwiGLUMoE(clamp_after_act=True), "clamps the activation"),  # Step-3.7's clamp after silu
+        (lambda: ClampedSwiGLUMoE(bias="after_weight"), "after the routing weight"),  # bias not scaled by the weight
         (lambda: DenseScoresMoE(scores="softmax"), "does not prove zero outside the router's top-k"),
     ],
     ids=["other_up_limit", "clamp_after_act", "bias_after_weight", "dense_softmax_scores"],
@@ -230,15 +230,20 @@ def test_gpt_oss_with_another_up_clamp_is_untouched():
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     experts._apply_gate = types.MethodType(other_clamp, experts)
-    _untouched(model, _tokens(), "numerical check failed")
+    _untouched(model, _tokens(), "gate and up are clamped at different bounds (7 and 5)")
 
 
-def test_clamped_form_needs_the_numerical_check():
-    """Read from constants alone (verify='never'), a clamped SwiGLU could hide a clamp after the activation."""
+def test_clamp_placement_is_read_from_the_graph():
+    """Where a clamp sits is read from the graph, not guessed from its constants: with no numerical check at
+    all (verify='never') a clamped SwiGLU is rewritten (marked unverified) and a clamp after the activation
+    is still refused; with the check, the clamped form is verified."""
     torch.manual_seed(0)
     model, x = ClampedSwiGLUMoE(), torch.randn(6, 32)
     _, cap = run_captured(model, x, config=MoEConfig(verify="never"))
-    assert cap.count(OP) == 0 and "needs the numerical check" in cap.reports[0].reason
+    assert cap.count(OP) == 1 and cap.reports[0].verified == "unverified"
+    assert cap.reports[0].details == "gated silu(limit=1.5)"
+    _, cap = run_captured(ClampedSwiGLUMoE(clamp_after_act=True), x, config=MoEConfig(verify="never"))
+    assert cap.count(OP) == 0 and "clamps the activation" in cap.reports[0].reason
     _, cap = run_captured(model, x)
     assert cap.count(OP) == 1 and cap.reports[0].verified.startswith("numerics")
 

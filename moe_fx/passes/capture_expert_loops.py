@@ -36,19 +36,35 @@ module back as it was (forwards, parameter objects, attributes).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import logging
 import math
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from moe_fx.config import MoEConfig
-from moe_fx.ops import ACTIVATIONS, ExpertActivation, experts_reference
+from moe_fx.ops import ExpertActivation
+from moe_fx.passes.check_numerics import (
+    NumericsResult,
+    OpWeights,
+    ProbeCase,
+    Semantics,
+    check_cases,
+    clamp_scale,
+    large_tokens,
+    make_cases,
+    random_weight,
+)
+from moe_fx.passes.probe_plan import plan_probe, probe_routing
+from moe_fx.passes.read_form import Boundary, FormReading, WeightView, read_form
+from moe_fx.passes.record_forward import RecordedForward, record_forward
 from moe_fx.passes.report import RegionReport
 
 __all__ = [
@@ -62,18 +78,9 @@ __all__ = [
 
 log = logging.getLogger("moe_fx.passes")
 
-_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 3e-2, torch.float16: 1e-2}
-#: transformers' traceable experts implementations: the graph pass sees these, no capture needed.
 _TRACEABLE = ("grouped_mm", "batched_mm")
-#: Activation modules (transformers ACT2FN / torch.nn) by class name -> moe_fx activation names.
-_ACTIVATION_CLASSES = {
-    "SiLU": "silu", "SiLUActivation": "silu", "Swish": "silu", "GELU": "gelu", "GELUActivation": "gelu",
-    "PytorchGELUTanh": "gelu_tanh", "GELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh",
-    "ReLU": "relu", "ReLUSquaredActivation": "relu2",
-}  # fmt: skip
-_ACTIVATION_ATTRS = ("act_fn", "activation_fn", "activation", "act")
-#: Most probe tokens; fewer when the probe would cost more than MoEConfig.verify_max_flops.
-_MAX_PROBE_TOKENS = 64
+#: Runs at a large token count (random weights) after the planned ones.
+LARGE_T_RUNS = 2
 
 
 @dataclass(frozen=True)
@@ -88,10 +95,11 @@ class LoopExpertsMatch:
         identity_experts: ids ``E .. E + identity_experts - 1`` return their input (LongCat-Flash).
         spec: the activation.
         weights_on_input: routing weights scale the expert input (Llama 4 style) instead of the output.
-        error: the largest relative error of the probe against the reference.
+        error: the largest per-token error of the numerical check (:mod:`check_numerics`).
         up: the up projection's parameter when gate (``w13``) and up are separate (DBRX).
         batch_view: the module takes ``[B, S, H]`` and returns ``out.view(B, -1, H)`` (DBRX), also for
             ``[T, H]`` inputs (``[T, 1, H]``).
+        probe: what the numerical check ran, for reports.
     """
 
     w13: str
@@ -108,6 +116,7 @@ class LoopExpertsMatch:
     error: float
     up: str | None = None
     batch_view: bool = False
+    probe: str = ""
 
     def weights(self, module: nn.Module, copy: bool = False) -> dict[str, torch.Tensor | None] | None:
         """The op's weight arguments as views of ``module``'s own parameters (no copy).
@@ -117,17 +126,23 @@ class LoopExpertsMatch:
         them; None when they no longer lie that way (a parameter was replaced since), unless ``copy``
         (the probe, before packing) allows building it.
         """
+        names = [n for n in (self.w13, self.w2, self.up, self.w13_bias, self.w2_bias) if n is not None]
+        return self.weights_from({n: module.get_parameter(n) for n in names}, copy)
+
+    def weights_from(self, params: Mapping[str, torch.Tensor], copy: bool = False
+                     ) -> dict[str, torch.Tensor | None] | None:
+        """:meth:`weights` from tensors by parameter name (the module's own, or the probe's float32 / random ones)."""
         e = self.num_experts
-        w13, w2 = module.get_parameter(self.w13), module.get_parameter(self.w2)
+        w13, w2 = params[self.w13], params[self.w2]
         if self.up is not None:
-            w13 = _interleaved_view(w13, module.get_parameter(self.up), e, copy)
+            w13 = _interleaved_view(w13, params[self.up], e, copy)
             if w13 is None:
                 return None
             w2 = w2.view(e, self.intermediate, self.hidden).transpose(1, 2)
         elif self.transposed:
             w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
-        b13 = None if self.w13_bias is None else module.get_parameter(self.w13_bias)
-        b2 = None if self.w2_bias is None else module.get_parameter(self.w2_bias)
+        b13 = None if self.w13_bias is None else params[self.w13_bias]
+        b2 = None if self.w2_bias is None else params[self.w2_bias]
         return {
             "w13": w13 if w13.shape[0] == e else w13[:e],
             "w2": w2,
@@ -284,53 +299,8 @@ def _layouts(params: dict[str, torch.Tensor]) -> list[_Layout]:
     return out
 
 
-def _bias_readings(params: dict[str, torch.Tensor], lay: _Layout) -> list[tuple[str | None, str | None]]:
-    """``(w13_bias, w2_bias)`` parameter names compatible with ``lay``, most complete first."""
-    n1 = 2 * lay.intermediate if lay.gated else lay.intermediate
-    flat = {n: p for n, p in params.items() if p.dim() == 2 and p.dtype.is_floating_point}
-    b13 = [n for n, p in flat.items() if p.shape[0] in (lay.num_experts, lay.num_experts + lay.extra_rows)
-           and p.shape[1] == n1]
-    b2 = [n for n, p in flat.items() if tuple(p.shape) == (lay.num_experts, lay.hidden)]
-    pairs = [(x, y) for x in b13 for y in b2 if x != y] + [(x, None) for x in b13] + [(None, y) for y in b2]
-    return [*pairs, (None, None)]
-
-
-def _float_attr(module: nn.Module, words: tuple[str, ...]) -> list[float]:
-    """Finite positive float attributes of ``module`` whose names contain one of ``words``."""
-    out = []
-    for key, value in vars(module).items():
-        if any(w in key.lower() for w in words) and isinstance(value, float) and math.isfinite(value) and value > 0:
-            out.append(value)
-    return out
-
-
-def _activation_names(module: nn.Module) -> list[str]:
-    for owner in (module, *module.children()):  # DBRX keeps it on the experts' ``mlp``
-        for attr in _ACTIVATION_ATTRS:
-            fn = getattr(owner, attr, None)
-            name = _ACTIVATION_CLASSES.get(type(fn).__name__) if fn is not None else None
-            if name is not None:
-                return [name]
-    return list(ACTIVATIONS)
-
-
-def _specs(module: nn.Module, gated: bool) -> list[ExpertActivation]:
-    """Activation readings of ``module``, the one its attributes suggest first."""
-    limits = [*_float_attr(module, ("limit",)), None]
-    alphas = [a for a in _float_attr(module, ("alpha",)) if a != 1.0] + [1.0]
-    concatenated = getattr(module, "is_concatenated", True)
-    layouts = (["halves", "interleaved"] if concatenated else ["interleaved", "halves"]) if gated else ["halves"]
-    out = []
-    for name in _activation_names(module):
-        for layout, limit, alpha, offset in itertools.product(layouts, limits, alphas, (0.0, 1.0) if gated else (0.0,)):
-            spec = ExpertActivation(name, gated, layout, alpha if name == "silu" else 1.0, limit, offset)
-            if not spec.problems() and spec not in out:
-                out.append(spec)
-    return out
-
-
 # ------------------------------------------------------------------------------------------------
-# The probe
+# Reading and checking
 
 
 def _top_k(module: nn.Module, slots: int) -> int:
@@ -339,79 +309,126 @@ def _top_k(module: nn.Module, slots: int) -> int:
     return max(1, min(int(k) if isinstance(k, int) else 2, slots))
 
 
-def _probe_ids(tokens: int, slots: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """``[T, K]`` distinct ids per row in ``[0, slots)``; every id appears (T >= slots), loads uneven."""
-    rows = []
-    for t in range(tokens):
-        first = t % slots
-        rest = [i for i in torch.randperm(slots, generator=gen).tolist() if i != first][: k - 1]
-        rows.append([first, *rest])
-    return torch.tensor(rows, dtype=torch.long)
-
-
-def _probe_tokens(lay: _Layout, slots: int, k: int, budget: float) -> int:
-    per_token = 6.0 * k * lay.hidden * lay.intermediate
-    return int(max(slots, min(_MAX_PROBE_TOKENS, budget // max(per_token, 1.0))))
-
-
-@dataclass
-class _Probe:
-    hidden: torch.Tensor
-    ids: torch.Tensor
-    weights: torch.Tensor
-    out: torch.Tensor | None = None
-    batch_view: bool = False  # the module returned [T, 1, H] (DBRX's view(batch, -1, H))
-
-
-def _run_module(module: nn.Module, probes: list[_Probe]) -> str | None:
-    """Fill every probe's ``out`` with the module's own forward; the reason when it cannot run."""
-    for p in probes:
-        try:
-            out = type(module).forward(module, p.hidden, p.ids, p.weights)
-        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-            return f"the module's forward failed on probe inputs: {str(exc).splitlines()[0][:200]}"
-        t, h = p.hidden.shape
-        p.batch_view = isinstance(out, torch.Tensor) and tuple(out.shape) == (t, 1, h)
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) not in ((t, h), (t, 1, h)):
-            got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            return f"the module returns {got} for hidden states {list(p.hidden.shape)}"
-        p.out = out.view(t, h)
-    return None
-
-
-def _error(want: torch.Tensor, got: torch.Tensor) -> float:
-    want, got = want.float(), got.float()
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
-
-
 def _params(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in module.named_parameters()}
 
 
-def _probes(module: nn.Module, lay: _Layout, slots: int, spec_limits: list[float], budget: float) -> list[_Probe]:
-    """Probe inputs for a reading with ``slots`` ids: scales 1 and 4, and one that reaches the clamp bound."""
-    w13 = module.get_parameter(lay.w13).detach()
-    dtype, device = w13.dtype, w13.device
+def _views(rec: RecordedForward, lay: _Layout) -> dict[fx.Node, WeightView] | str:
+    """What each parameter the recorded forward read is, under the reading ``lay`` (biases: the other 2-D ones)."""
+    views: dict[fx.Node, WeightView] = {}
+    if lay.up is not None:  # DBRX: flat [E * I, H] gate, up and down, viewed [E, I, H] per expert
+        named = {lay.w13: WeightView("gate", ("e*o", "i")), lay.up: WeightView("up", ("e*o", "i")),
+                 lay.w2: WeightView("w2", ("e*i", "o"))}
+    else:
+        axes = ("e", "i", "o") if lay.transposed else ("e", "o", "i")
+        named = {lay.w13: WeightView("w13", axes), lay.w2: WeightView("w2", axes)}
+    for name, view in named.items():
+        if name not in rec.params:
+            return f"its forward does not read {name}"
+        views[rec.params[name]] = view
+    rows = {lay.num_experts, lay.num_experts + lay.extra_rows}
+    for name, node in rec.params.items():
+        v = node.meta["example_value"]
+        if name not in named and v.dim() == 2 and v.dtype.is_floating_point and v.shape[0] in rows:
+            views[node] = WeightView("bias", ("e", "o"))
+    return views
+
+
+def _trace_inputs(module: nn.Module, lay: _Layout, slots: int, k: int) -> tuple[torch.Tensor, ...]:
+    """Routed tokens in the module's dtype whose ids hit every one of ``slots`` experts (identity ones too)."""
+    w13 = module.get_parameter(lay.w13)
+    gen = torch.Generator().manual_seed(4321)
+    tokens = max(2, math.ceil(slots / k))
+    (ids,) = probe_routing(tokens, 1, slots, k, gen)
+    hidden = torch.randn(tokens, lay.hidden, generator=gen).to(device=w13.device, dtype=w13.dtype)
+    weights = (torch.rand(tokens, k, generator=gen) + 0.1).to(device=w13.device, dtype=w13.dtype)
+    return hidden, ids.to(w13.device), weights
+
+
+def _read_module(module: nn.Module, lay: _Layout, identity: int) -> tuple[FormReading, bool] | tuple[int, str]:
+    """Record the module's forward on tokens that hit every expert and read it (:func:`read_form`): the reading
+    and whether the module returns ``[T, 1, H]``, or ``(rank, reason)`` (a lower rank got further)."""
+    slots = lay.num_experts + identity
     k = _top_k(module, slots)
-    tokens = _probe_tokens(lay, slots, k, budget)
-    gen = torch.Generator().manual_seed(1234)
-    scales = [1.0, 4.0]
-    if spec_limits:
-        rows = w13.transpose(1, 2) if lay.transposed else w13
-        norm = rows[: lay.num_experts].float().pow(2).sum(-1).mean().sqrt().item()
-        if norm > 0:
-            scales.append(3.0 * max(spec_limits) / norm)
-    out = []
-    for scale in scales:
-        hidden = (torch.randn(tokens, lay.hidden, generator=gen) * scale).to(device=device, dtype=dtype)
-        ids = _probe_ids(tokens, slots, k, gen).to(device)
-        weights = (torch.rand(tokens, k, generator=gen) + 0.1).to(device=device, dtype=dtype)
-        out.append(_Probe(hidden, ids, weights))
+    inputs = _trace_inputs(module, lay, slots, k)
+    try:
+        rec = record_forward(lambda h, i, w: type(module).forward(module, h, i, w), inputs, dict(module.named_parameters()))
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        return 3, f"the module's forward failed on probe inputs: {str(exc).splitlines()[0][:200]}"
+    t, h = inputs[0].shape
+    out = rec.value
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) not in ((t, h), (t, 1, h)) or rec.output is None:
+        got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return 3, f"the module returns {got} for hidden states {list(inputs[0].shape)}"
+    views = _views(rec, lay)
+    if isinstance(views, str):
+        return 2, views
+    hidden, ids, weights = rec.inputs
+    boundary = Boundary(hidden, ids, weights, False, views, lay.num_experts, k, lay.gated)
+    nodes = [n for n in rec.graph.nodes if n.op in ("call_function", "call_method")]
+    reading = read_form(nodes, rec.output, boundary)
+    if isinstance(reading, str):
+        return 1, reading
+    if reading.identity_experts != identity:
+        return 1, f"{reading.identity_experts} of its experts return their input, where {identity} were routed"
+    return reading, tuple(out.shape) == (t, 1, h)
+
+
+def _random_params(module: nn.Module, m: LoopExpertsMatch, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random float32 tensors of the real shapes for the op's weights and biases (fan-in: their input width)."""
+    out = {}
+    for name, fan_in in ((m.w13, m.hidden), (m.up, m.hidden), (m.w2, m.intermediate), (m.w13_bias, 4),
+                         (m.w2_bias, 4)):
+        if name is not None:
+            p = module.get_parameter(name)
+            out[name] = random_weight(tuple(p.shape), fan_in, gen, device=p.device, windowed_bytes=math.inf)
     return out
 
 
+def _check_module(module: nn.Module, m: LoopExpertsMatch, config: MoEConfig) -> tuple[NumericsResult, str]:
+    """The module's own forward in float32 against the reference for ``m`` (:mod:`check_numerics`), with its real
+    weights and with random ones of the same shapes, on routing that reaches every expert, also at a large T;
+    returns the result and what ran."""
+    slots = m.num_experts + m.identity_experts
+    k = _top_k(module, slots)
+    gen = torch.Generator().manual_seed(1234)
+    params = _params(module)
+    real = {n: p.float() for n, p in params.items() if p.dtype.is_floating_point}
+    sets = {"real": real, "random": {**real, **_random_params(module, m, gen)}}
+    ops = {}
+    for name, ps in sets.items():
+        w = m.weights_from(ps, copy=True)
+        ops[name] = OpWeights(w["w13"], w["w2"], w["w13_bias"], w["w2_bias"])
+    clamps = {name: clamp_scale(op.w13, m.spec.limit) for name, op in ops.items()}
+    plan = plan_probe(None, k, slots, k, m.hidden, m.intermediate, config.verify_max_flops, config.verify)
+    device = params[m.w13].device
+    cases = make_cases(probe_routing(plan.tokens, plan.runs, slots, k, gen), m.hidden, clamps, gen, device=device)
+    big = probe_routing(large_tokens(slots, k), LARGE_T_RUNS, slots, k, gen)
+    cases += make_cases(big, m.hidden, {"random": clamps["random"]}, gen, device=device)
+
+    def run(case: ProbeCase) -> torch.Tensor | str:
+        try:
+            out = torch.func.functional_call(module, sets[case.weights], (case.hidden, case.ids, case.routing))
+        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+            return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        return out.reshape(case.hidden.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+
+    ran = f"the module's forward in float32: {plan.describe()}, real and random weights, T={big[0].shape[0]} x{len(big)}"
+    result = check_cases(run, ops.__getitem__, Semantics(m.spec, m.weights_on_input, m.identity_experts), cases,
+                         f" ({ran})")
+    return result, ran
+
+
+def _param_name(node: fx.Node | None) -> str | None:
+    return None if node is None else node.meta["moe_fx_param"]
+
+
 def match_loop_experts(module: nn.Module, config: MoEConfig | None = None) -> LoopExpertsMatch | str:
-    """How ``module`` maps onto ``moe_fx::experts``, checked on probe inputs; else why it does not."""
+    """How ``module`` maps onto ``moe_fx::experts``, or why it does not.
+
+    Its forward is recorded on tokens that hit every expert and read by :func:`read_form` (the structure proves
+    the form), then checked numerically (:func:`_check_module`). No module is captured on the probe alone.
+    """
     config = config or MoEConfig()
     if config.verify == "never":
         return "a loop over hit experts is captured only after the numerical check, and verify='never'"
@@ -419,62 +436,27 @@ def match_loop_experts(module: nn.Module, config: MoEConfig | None = None) -> Lo
     layouts = _layouts(params) or _split_layouts(module, params)
     if not layouts:
         return _no_layout_reason(params)
-    budget = config.verify_max_flops
-    best: tuple[float, str] = (math.inf, "")
+    reasons: list[tuple[int, str]] = []
     with torch.no_grad():
         for lay in layouts:
-            specs = _specs(module, lay.gated)
-            if lay.up is not None:  # gate and up rows interleave once packed into one storage
-                specs = [sp for sp in specs if sp.gate_up_layout == "interleaved"]
-            limits = sorted({s.limit for s in specs if s.limit is not None})
             extra = {lay.extra_rows} | {int(getattr(module, "zero_expert_num", 0) or 0)}
             for identity in sorted(extra, reverse=True):
-                probes = _probes(module, lay, lay.num_experts + identity, limits, budget)
-                failed = _run_module(module, probes)
-                if failed is not None:
-                    best = min(best, (math.inf, failed))
+                read = _read_module(module, lay, identity)
+                if isinstance(read[0], int):
+                    reasons.append(read)  # type: ignore[arg-type]
                     continue
-                found = _first_match(module, lay, identity, specs, probes, params)
-                if isinstance(found, LoopExpertsMatch):
-                    return found
-                best = min(best, found)
-    return best[1] or "no reading of its parameters computes what the module computes"
-
-
-def _first_match(
-    module: nn.Module, lay: _Layout, identity: int, specs: list[ExpertActivation], probes: list[_Probe],
-    params: dict[str, torch.Tensor],
-) -> LoopExpertsMatch | tuple[float, str]:
-    """The first (biases, activation, weights on input/output) reading equal to the module on every probe."""
-    dtype = probes[0].hidden.dtype
-    tol = _TOLERANCE.get(dtype, 3e-2)
-    best: tuple[float, str] = (math.inf, "")
-    for b13, b2 in _bias_readings(params, lay):
-        draft = LoopExpertsMatch(lay.w13, lay.w2, lay.transposed, b13, b2, lay.num_experts, lay.hidden,
-                                 lay.intermediate, identity, specs[0], False, math.nan, lay.up)
-        w = draft.weights(module, copy=True)
-        for spec in specs:
-            for on_input in (False, True):
-                err = 0.0
-                for p in probes:
-                    want = experts_reference(
-                        p.hidden, p.ids, p.weights, w["w13"], w["w2"], spec.name, on_input,
-                        w13_bias=w["w13_bias"], w2_bias=w["w2_bias"], gated=spec.gated,
-                        gate_up_layout=spec.gate_up_layout, alpha=spec.alpha, limit=spec.limit,
-                        up_offset=spec.up_offset, identity_experts=identity,
-                    )
-                    err = max(err, _error(want, p.out))
-                    if not err <= tol:
-                        break
-                if err <= tol:
-                    return LoopExpertsMatch(lay.w13, lay.w2, lay.transposed, b13, b2, lay.num_experts, lay.hidden,
-                                            lay.intermediate, identity, spec, on_input, err, lay.up,
-                                            probes[0].batch_view)
-                if err < best[0]:
-                    biases = "+".join(x for x in (b13, b2) if x) or "no biases"
-                    best = (err, f"numerical check failed: relative error {err:.2e} > {tol:.0e} (best reading: "
-                                 f"{spec.describe()}, {biases}, weights on {'input' if on_input else 'output'})")
-    return best
+                reading, batch_view = read
+                spec = reading.spec
+                if lay.up is not None:  # gate and up rows interleave once packed into one storage
+                    spec = dataclasses.replace(spec, gate_up_layout="interleaved")
+                m = LoopExpertsMatch(lay.w13, lay.w2, lay.transposed, _param_name(reading.w13_bias),
+                                     _param_name(reading.w2_bias), lay.num_experts, lay.hidden, lay.intermediate,
+                                     identity, spec, reading.weights_on_input, math.nan, lay.up, batch_view)
+                result, ran = _check_module(module, m, config)
+                if result.ok:
+                    return dataclasses.replace(m, error=result.error, probe=ran)
+                reasons.append((0, result.reason))
+    return min(reasons, key=lambda r: r[0])[1]
 
 
 def _no_layout_reason(params: dict[str, torch.Tensor]) -> str:
@@ -559,7 +541,7 @@ def capture_expert_loops(model: nn.Module, config: MoEConfig | None = None) -> l
         report.dtype, report.device = str(w13.dtype).replace("torch.", ""), w13.device.type
         report.activation, report.weights_on_input = found.spec.name, found.weights_on_input
         report.verified, report.details = "numerics", _details(found)
-        report.probe, report.probe_error = "the module's own forward on random routed tokens", found.error
+        report.probe, report.probe_error = found.probe, found.error
         log.info("moe_fx: experts loop %s -> moe_fx::experts: %s", report.layer, report.one_line())
     return reports
 

@@ -14,7 +14,10 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-__all__ = ["DataFlow", "add_weight_buffer", "fake_mode_of", "is_factory", "is_matmul", "is_mutation", "node_value", "op_name", "tensor_value"]
+__all__ = [
+    "DataFlow", "add_weight_buffer", "fake_mode_of", "is_factory", "is_matmul", "is_mutation", "node_value", "op_name",
+    "scalar_hint", "tensor_value",
+]
 
 _FACTORIES = frozenset(
     {"zeros", "zeros_like", "empty", "empty_like", "new_zeros", "new_empty", "full", "full_like",
@@ -38,6 +41,24 @@ def tensor_value(node: object) -> torch.Tensor | None:
         return None
     v = node_value(node)
     return v if isinstance(v, torch.Tensor) else None
+
+
+def scalar_hint(a: object) -> float | int | None:
+    """``a`` as a Python number: a literal, or a node computing a backed SymFloat / SymInt (a model float
+    Dynamo made an input under ``dynamic=True``) at the value it was traced with; else None (bools too)."""
+    if isinstance(a, bool):
+        return None
+    if isinstance(a, (int, float)):
+        return a
+    if not isinstance(a, fx.Node):
+        return None
+    v = node_value(a)
+    if isinstance(v, (torch.SymFloat, torch.SymInt, torch.SymBool)):
+        hint = v.node.hint
+        return None if hint is None or isinstance(hint, bool) else hint
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return v  # a Python number recorded as a node's value (a traced forward's .item())
+    return None
 
 
 def op_name(node: fx.Node) -> str:

@@ -1,7 +1,8 @@
 """How big a numerical probe of an experts region is, which routing it uses, and how it is resized.
 
 Every region the pass rewrites is run on random inputs and compared with the op's reference
-(:func:`moe_fx.passes.verify_region.probe_region`). This module decides the probe's shape:
+(:func:`moe_fx.passes.verify_region.probe_region`, :mod:`moe_fx.passes.check_numerics`). This module decides the
+probe's shape:
 
 * **size**: the region's own token count T when one run costs at most ``verify_max_flops`` (or under
   ``verify="always"``); otherwise a *reduced* problem of a few tokens. A reduced probe runs the same
@@ -15,7 +16,7 @@ Every region the pass rewrites is run on random inputs and compared with the op'
 * **routing**: top-k ids with distinct experts per token (as top-k gives). The first runs give every
   expert at least one token between them (every expert weight is exercised; with few tokens, decode
   with T * K < E, as many runs as that takes); two more runs send most tokens to a few experts
-  (uneven loads). Input scales alternate between two values.
+  (uneven loads). Input scales, weight sets and the comparison are :mod:`~moe_fx.passes.check_numerics`'s.
 
 Nothing here reads a graph beyond the region's subgraph; nothing runs the region.
 """
@@ -44,8 +45,6 @@ __all__ = [
 
 #: Token count of a reduced probe when the budget allows more: enough for uneven loads, still cheap.
 REDUCED_TOKENS = 32
-#: Input scales of the runs, in turn (a second scale catches a region that is not homogeneous).
-SCALES = (1.0, 4.0)
 #: Runs after the covering ones whose routing sends most tokens to a few experts (capacity limits,
 #: per-expert buffers and other load-dependent code must show there).
 SKEWED_RUNS = 2

@@ -32,15 +32,8 @@ from moe_fx.passes.context import PassContext
 from moe_fx.passes.near_misses import per_expert_near_misses
 from moe_fx.passes.probe_plan import ProbePlan, plan_probe, token_hint
 from moe_fx.passes.report import RegionReport
-from moe_fx.passes.verify_region import (
-    ProbeResult,
-    activation_hypotheses,
-    check_ops,
-    needs_numerics,
-    probe_region,
-    region_rows_per_token,
-    specialize_scalars,
-)
+from moe_fx.passes.read_form import FormReading, read_region
+from moe_fx.passes.verify_region import ProbeResult, probe_region, region_rows_per_token, specialize_scalars
 
 __all__ = ["rewrite_moe_regions"]
 
@@ -330,29 +323,23 @@ def _next_layer_start(flow: DataFlow, anchors: ExpertWeights, groups: list[Exper
     return min(later, key=flow.order.__getitem__, default=None)
 
 
-def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked, plan: ProbePlan | str) -> ProbeResult:
-    """Structural and numerical checks; the ProbeResult says yes (with the semantics) or why not.
+def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked: tuple[torch.Tensor, torch.Tensor],
+           plan: ProbePlan | str) -> ProbeResult:
+    """Is it safe? The structure proves what the region computes (:func:`~moe_fx.passes.read_form.read_region`),
+    then the numerical check confirms it (:func:`~moe_fx.passes.verify_region.probe_region`).
 
-    ``plan`` is the numerical check to run (:func:`_probe_plan`); a string (the reason there is none)
-    matches on structure alone, with the activation read from the graph and weights on the output,
-    and only for the plain forms (:func:`needs_numerics`).
+    ``plan`` is the numerical check to run (:func:`_probe_plan`); a string (the reason there is none) rewrites
+    on the structure alone, which the report marks unverified.
     """
-    bad = check_ops(region) or check_autocast(region)
+    bad = check_autocast(region)
     if bad:
         return ProbeResult(False, reason=bad)
-    acts = activation_hypotheses(region)
-    if not acts:
-        return ProbeResult(False, reason="no activation (silu/gelu/relu) inside the region")
+    reading = read_region(region)
+    if not isinstance(reading, FormReading):
+        return ProbeResult(False, reason=reading)
     if isinstance(plan, str):
-        why = needs_numerics(region, acts[0])
-        if why is not None:
-            return ProbeResult(False, reason=f"{why}, which was skipped ({plan})")
-        return ProbeResult(True, acts[0].name, False, reason="structure", spec=acts[0])
-    nodes = (region.w13_bias, region.w2_bias)
-    biases = tuple(None if b is None else ctx.real_value(b) for b in nodes)
-    if any(b is not None and not isinstance(v, torch.Tensor) for b, v in zip(nodes, biases, strict=True)):
-        return ProbeResult(False, reason="the real expert biases are not available to the pass")
-    return probe_region(region, flow, ctx.real_value, stacked, acts, plan, biases)
+        return ProbeResult(True, reading.spec.name, reading.weights_on_input, reason="structure", spec=reading.spec)
+    return probe_region(region, flow, ctx.real_value, reading, plan, _weight_sources(region, ctx, stacked).build)
 
 
 def _record_verification(report: RegionReport, plan: ProbePlan | str, probe: ProbeResult) -> None:
@@ -364,7 +351,7 @@ def _record_verification(report: RegionReport, plan: ProbePlan | str, probe: Pro
                                    "something else than moe_fx::experts, the compiled model is wrong")
         return
     if probe.ok or not math.isnan(probe.error):  # the probe ran (a failed structural check runs none)
-        report.probe, report.probe_error = plan.describe(), probe.error
+        report.probe, report.probe_error = probe.probe or plan.describe(), probe.error
     if probe.ok:
         report.verified = "numerics"
 
