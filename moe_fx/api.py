@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,16 +48,19 @@ def compile(model: Callable, config: MoEConfig | None = None, **torch_compile_kw
     return torch.compile(model, backend=make_backend(config), **torch_compile_kwargs)
 
 
-def _capture_modules(model: Callable, config: MoEConfig) -> list[RegionReport]:
-    """Module-level capture before tracing: experts whose forwards Dynamo cannot trace as one graph
-    (FP8 checkpoint experts; loops over the experts a batch hits)."""
-    from moe_fx.passes.capture_expert_loops import capture_expert_loops
-    from moe_fx.passes.match_fp8_experts import capture_fp8_experts
-
+def _module_of(model: Callable) -> torch.nn.Module | None:
+    """The module behind ``model`` (a module, or a bound method of one such as ``model.forward``), or None."""
     module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
-    if not isinstance(module, torch.nn.Module) or not config.enabled:
-        return []
-    return capture_fp8_experts(module, config.kernel) + capture_expert_loops(module, config)
+    return module if isinstance(module, torch.nn.Module) else None
+
+
+def _capture_modules(model: Callable, config: MoEConfig) -> list[RegionReport]:
+    """Module-level capture before tracing (:data:`moe_fx.capture.steps.STEPS`): experts whose forwards Dynamo
+    cannot trace as one graph (FP8 checkpoint experts; loops over the experts a batch hits)."""
+    from moe_fx.capture.steps import capture_modules
+
+    module = _module_of(model)
+    return [] if module is None else capture_modules(module, config)
 
 
 @dataclass
@@ -164,8 +166,8 @@ def _fill_kernels(regions: list[RegionReport], config: MoEConfig) -> None:
 
 def _mode_notes(model: Callable) -> list[str]:
     """What the model's mode means for the report (explain itself always traces under no_grad)."""
-    module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
-    if not isinstance(module, torch.nn.Module) or not module.training:
+    module = _module_of(model)
+    if module is None or not module.training:
         return []
     grads = any(p.requires_grad for p in module.parameters())
     return [
@@ -260,12 +262,13 @@ def explain(
     import time
 
     from moe_fx.backend import make_backend
-    from moe_fx.passes.inventory import qualify_layer_names, unseen_moe_layers
+    from moe_fx.capture.inventory import qualify_layer_names, unseen_moe_layers
+    from moe_fx.capture.steps import release_modules
 
     config = config or MoEConfig()
     enable_capture()
-    module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
-    states = _snapshot(module) if isinstance(module, torch.nn.Module) else {}
+    module = _module_of(model)
+    states = _snapshot(module) if module is not None else {}
     report = ExplainReport()
     try:
         sink: list[RegionReport] = _capture_modules(model, config)
@@ -284,9 +287,12 @@ def explain(
         with torch.no_grad():
             torch.compile(model, backend=counting_backend, dynamic=dynamic)(*example_inputs, **example_kwargs)
     finally:
+        # the capture steps' own release first (their forwards), then everything else explain changed
+        # (parameters repacked for the trace, attributes Dynamo set)
+        released = release_modules(module) if module is not None else 0
         restored = _restore(states)
-        log.debug("moe_fx: explain restored %d module(s)", restored)
-    if isinstance(module, torch.nn.Module):
+        log.debug("moe_fx: explain released %d captured module(s) and restored %d module(s)", released, restored)
+    if module is not None:
         qualify_layer_names(module, sink)
         sink += unseen_moe_layers(module, sink)
     report.regions = sink

@@ -128,7 +128,7 @@ def _make_model(kind: str) -> nn.Module:
     if kind == "epmoe":
         return EPMoE(hidden=32, inter=16, num_experts=8, top_k=2).eval()
     if kind == "dense_bmm":
-        from moe_fx.testing import DenseBmmMoE
+        from moe_fx.testing.models import DenseBmmMoE
 
         torch.manual_seed(0)
         return DenseBmmMoE(hidden=32, inter=16, num_experts=8, top_k=2).eval()
@@ -432,7 +432,7 @@ def hf_model_worker(rank: int, world: int, family: str, steps: int, tokens: int,
     numerical check reads the full expert weights, which only the first compilation still has).
     """
     from moe_fx.config import MoEConfig
-    from moe_fx.testing import tiny_hf_model
+    from moe_fx.testing.models import tiny_hf_model
 
     model = tiny_hf_model(family, num_layers=1, num_experts=4)
     ids = [torch.randint(0, 128, (1, tokens + 5 * rank), generator=torch.Generator().manual_seed(5 * i + rank))

@@ -148,7 +148,7 @@ def test_compiled_tiny_model_takes_deepgemm_end_to_end(counting_dg, quantize):
 
     from moe_fx.backend import make_backend
     from moe_fx.config import MoEConfig
-    from moe_fx.testing import tiny_hf_model
+    from moe_fx.testing.models import tiny_hf_model
 
     torch.manual_seed(0)
     model = tiny_hf_model(
@@ -188,8 +188,8 @@ def test_fp8_checkpoint_model_uses_its_fp8_weights_on_deepgemm(counting_dg):
     """
     pytest.importorskip("transformers")
     from moe_fx.backend import make_backend
-    from moe_fx.passes.match_fp8_experts import capture_fp8_experts
-    from moe_fx.testing_fp8 import dequantized_copy, tiny_fp8_hf_model
+    from moe_fx.capture.fp8_modules import capture_fp8_experts
+    from moe_fx.testing.fp8 import dequantized_copy, tiny_fp8_hf_model
 
     model = tiny_fp8_hf_model("mixtral", hidden=256, intermediate=128, num_experts=8, top_k=2, device="cuda")
     oracle = dequantized_copy(model)

@@ -13,12 +13,12 @@ import types
 import pytest
 import torch
 from expecttest import TestCase
-
 from helpers import capture_backend, logits, rel_err, run_captured
+
 from moe_fx.api import enable_capture
 from moe_fx.config import MoEConfig
-from moe_fx.testing import tiny_hf_model
-from moe_fx.testing_families import ClampedSwiGLUMoE, DenseScoresMoE, JetSortMoE, NonGatedMoE, tiny_family_model
+from moe_fx.testing.families import ClampedSwiGLUMoE, DenseScoresMoE, JetSortMoE, NonGatedMoE, tiny_family_model
+from moe_fx.testing.models import tiny_hf_model
 
 OP = "torch.ops.moe_fx.experts.default("
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}

@@ -8,8 +8,9 @@ import torch
 pytest.importorskip("transformers")
 
 from helpers import OpSpy  # noqa: E402
-from moe_fx.passes.match_fp8_experts import capture_fp8_experts, match_fp8_experts, release_fp8_experts  # noqa: E402
-from moe_fx.testing_fp8 import dequantized_copy, is_fp8_experts, tiny_fp8_hf_model  # noqa: E402
+
+from moe_fx.capture.fp8_modules import capture_fp8_experts, match_fp8_experts, release_fp8_experts  # noqa: E402
+from moe_fx.testing.fp8 import dequantized_copy, is_fp8_experts, tiny_fp8_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 
 import moe_fx  # noqa: F401  (registers the ops and backend="moe_fx")
 from moe_fx.ops import ACTIVATIONS
-from moe_fx.testing import LoopMoE
+from moe_fx.testing.models import LoopMoE
 
 
 def _op_cpu(hidden, ids, weights, w13, w2, **kwargs):

@@ -8,10 +8,10 @@ import re
 import pytest
 import torch
 from expecttest import TestCase
-
 from helpers import experts_in_one_copy, run_captured
+
 from moe_fx.config import MoEConfig
-from moe_fx.testing import DENSE_VARIANTS, HF_FAMILIES, DenseBmmMoE, LoopMoE, TitanGroupedMoE, tiny_hf_model
+from moe_fx.testing.models import DENSE_VARIANTS, HF_FAMILIES, DenseBmmMoE, LoopMoE, TitanGroupedMoE, tiny_hf_model
 
 OP = "torch.ops.moe_fx.experts.default("
 
@@ -214,7 +214,8 @@ def test_routing_weights_on_input_detected(dtype):
 def test_other_hf_families(family, matched):
     """Qwen2-MoE, OLMoE, GPT-OSS (biased, clamped, interleaved experts) and Llama 4 (dense scores) match."""
     from helpers import logits, rel_err
-    from moe_fx.testing import tiny_hf_model
+
+    from moe_fx.testing.models import tiny_hf_model
 
     model = tiny_hf_model(family, num_layers=1, num_experts=4)
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))

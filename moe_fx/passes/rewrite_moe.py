@@ -1,7 +1,7 @@
 """The pass ``rewrite_moe_regions``: replace every recognised experts region by ``moe_fx::experts``.
 
 For each group of expert weights (:mod:`find_experts`), cut out the region from routing results to
-combined output (:mod:`extract_region`), check it (:mod:`verify_region`), and if every guard says
+combined output (:mod:`extract_region`), check it (:mod:`~moe_fx.passes.recognize.verify_region`), and if every guard says
 yes, insert one ``torch.ops.moe_fx.experts`` call and delete the region. Routing stays as written.
 
 Per-expert weights (``nn.ModuleList`` experts) are stacked once into ``w13 [E, 2I, H]`` and
@@ -23,17 +23,17 @@ import torch
 import torch.fx as fx
 
 from moe_fx.ops import ExpertActivation
-from moe_fx.passes.autocast_guard import check_autocast
-from moe_fx.passes.expert_storage import PerExpertSync, WeightSources, share_storage, stack_per_expert
-from moe_fx.passes.extract_region import Region, expert_products, extract_region
-from moe_fx.passes.find_experts import ExpertWeights, find_expert_weights
-from moe_fx.passes.graph_utils import DataFlow, add_weight_buffer, fake_mode_of, tensor_value
 from moe_fx.passes.context import PassContext
-from moe_fx.passes.near_misses import per_expert_near_misses
-from moe_fx.passes.probe_plan import ProbePlan, plan_probe, token_hint
+from moe_fx.passes.expert_storage import PerExpertSync, WeightSources, share_storage, stack_per_expert
+from moe_fx.passes.graph_utils import DataFlow, add_weight_buffer, fake_mode_of, tensor_value
+from moe_fx.passes.recognize.autocast_guard import check_autocast
+from moe_fx.passes.recognize.extract_region import Region, expert_products, extract_region
+from moe_fx.passes.recognize.find_experts import ExpertWeights, find_expert_weights
+from moe_fx.passes.recognize.near_misses import per_expert_near_misses
+from moe_fx.passes.recognize.read_form import FormReading, read_region
+from moe_fx.passes.recognize.verify_region import ProbeResult, probe_region, region_rows_per_token, specialize_scalars
 from moe_fx.passes.report import RegionReport
-from moe_fx.passes.read_form import FormReading, read_region
-from moe_fx.passes.verify_region import ProbeResult, probe_region, region_rows_per_token, specialize_scalars
+from moe_fx.verify.probe_plan import ProbePlan, plan_probe, token_hint
 
 __all__ = ["rewrite_moe_regions"]
 
@@ -325,8 +325,8 @@ def _next_layer_start(flow: DataFlow, anchors: ExpertWeights, groups: list[Exper
 
 def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked: tuple[torch.Tensor, torch.Tensor],
            plan: ProbePlan | str) -> ProbeResult:
-    """Is it safe? The structure proves what the region computes (:func:`~moe_fx.passes.read_form.read_region`),
-    then the numerical check confirms it (:func:`~moe_fx.passes.verify_region.probe_region`).
+    """Is it safe? The structure proves what the region computes (:func:`~moe_fx.passes.recognize.read_form.read_region`),
+    then the numerical check confirms it (:func:`~moe_fx.passes.recognize.verify_region.probe_region`).
 
     ``plan`` is the numerical check to run (:func:`_probe_plan`); a string (the reason there is none) rewrites
     on the structure alone, which the report marks unverified.

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moe_fx.capture.record_forward import record_forward
 from moe_fx.ops import ExpertActivation
-from moe_fx.passes.read_form import Boundary, FormReading, WeightView, read_form
-from moe_fx.passes.record_forward import record_forward
+from moe_fx.passes.recognize.read_form import Boundary, FormReading, WeightView, read_form
 
 T, K, E, H, I = 6, 2, 4, 8, 4
 G = torch.Generator().manual_seed(0)

@@ -9,7 +9,7 @@ Many experts modules are written as a loop over the experts that received tokens
 transformers' ``eager`` experts implementation, GPT-OSS's and LongCat-Flash's experts, Step-3.7's and DBRX's
 are. Dynamo cannot trace such a loop as one graph (it breaks the graph at the loop, even with
 ``capture_dynamic_output_shape_ops``), so the graph pass never sees these blocks. This capture step
-works on the module instead, before tracing, like :mod:`~moe_fx.passes.match_fp8_experts`:
+works on the module instead, before tracing, like :mod:`~moe_fx.capture.fp8_modules`:
 
 * :func:`loop_experts_candidates` picks the modules to look at: experts modules called as
   ``experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K])`` whose forward is not one of
@@ -51,7 +51,7 @@ from torch import nn
 
 from moe_fx.config import MoEConfig
 from moe_fx.ops import ExpertActivation
-from moe_fx.passes.check_numerics import (
+from moe_fx.verify.check_numerics import (
     NumericsResult,
     OpWeights,
     ProbeCase,
@@ -62,9 +62,9 @@ from moe_fx.passes.check_numerics import (
     make_cases,
     random_weight,
 )
-from moe_fx.passes.probe_plan import plan_probe, probe_routing
-from moe_fx.passes.read_form import Boundary, FormReading, WeightView, read_form
-from moe_fx.passes.record_forward import RecordedForward, record_forward
+from moe_fx.verify.probe_plan import plan_probe, probe_routing
+from moe_fx.passes.recognize.read_form import Boundary, FormReading, WeightView, read_form
+from moe_fx.capture.record_forward import RecordedForward, record_forward
 from moe_fx.passes.report import RegionReport
 
 __all__ = [
@@ -95,7 +95,7 @@ class LoopExpertsMatch:
         identity_experts: ids ``E .. E + identity_experts - 1`` return their input (LongCat-Flash).
         spec: the activation.
         weights_on_input: routing weights scale the expert input (Llama 4 style) instead of the output.
-        error: the largest per-token error of the numerical check (:mod:`check_numerics`).
+        error: the largest per-token error of the numerical check (:mod:`~moe_fx.verify.check_numerics`).
         up: the up projection's parameter when gate (``w13``) and up are separate (DBRX).
         batch_view: the module takes ``[B, S, H]`` and returns ``out.view(B, -1, H)`` (DBRX), also for
             ``[T, H]`` inputs (``[T, 1, H]``).
@@ -386,7 +386,7 @@ def _random_params(module: nn.Module, m: LoopExpertsMatch, gen: torch.Generator)
 
 
 def _check_module(module: nn.Module, m: LoopExpertsMatch, config: MoEConfig) -> tuple[NumericsResult, str]:
-    """The module's own forward in float32 against the reference for ``m`` (:mod:`check_numerics`), with its real
+    """The module's own forward in float32 against the reference for ``m`` (:mod:`~moe_fx.verify.check_numerics`), with its real
     weights and with random ones of the same shapes, on routing that reaches every expert, also at a large T;
     returns the result and what ran."""
     slots = m.num_experts + m.identity_experts

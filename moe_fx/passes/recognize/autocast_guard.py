@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_fx.passes.extract_region import Region
+from moe_fx.passes.recognize.extract_region import Region
 from moe_fx.passes.graph_utils import is_matmul, tensor_value
 
 __all__ = ["check_autocast"]
