@@ -318,7 +318,7 @@ def forms_worker(rank: int, world: int, names: list[str], steps: list[list[int]]
 
 
 def fixed_exchange_worker(rank: int, world: int, max_tokens: int) -> dict:
-    """The sync-free exchange (``backend="torch_dist_fixed"``) at the op level, against the one-process op.
+    """The sync-free exchange (``kernel="torch_dist_fixed"``) at the op level, against the one-process op.
 
     Routing with -1 slots, a token naming one expert twice, ids out of range (skipped: the GPU rule),
     an empty rank, fp8 dispatch, and a step of 3 rounds through ``ep_remaining_rounds``. Returns

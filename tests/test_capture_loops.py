@@ -12,7 +12,7 @@ from expecttest import TestCase
 from helpers import OpSpy, capture_backend, logits, rel_err
 
 import moe_fx
-from moe_fx.api import enable_capture
+from moe_fx.backend import enable_capture
 from moe_fx.capture.hit_loops import (
     capture_expert_loops,
     loop_experts_candidates,

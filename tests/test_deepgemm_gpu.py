@@ -77,7 +77,7 @@ def counting_dg(monkeypatch):
 
 
 def _op(*args, impl, **kw):
-    return torch.ops.moe_fx.experts(*args, impl=impl, **kw)
+    return torch.ops.moe_fx.experts(*args, kernel_choice=impl, **kw)
 
 
 def _weights(e, h, i, fp8, gen):
@@ -109,9 +109,9 @@ def test_deepgemm_experts_matches_reference_and_triton(counting_dg, t, e, k, h, 
     w13, w2, s13, s2 = _weights(e, h, i, fp8, gen)
     args = (hidden, ids, w, w13, w2, "silu", weights_on_input, s13, s2)
     _poison_allocator()
-    out = _op(*args, impl="deepgemm")
+    out = _op(*args, kernel="deepgemm")
     ref = experts_reference(*args)
-    tri = _op(*args, impl="triton")
+    tri = _op(*args, kernel="triton")
     assert len(counting_dg.calls) == 2, "two DeepGEMM GEMMs per call"
     torch.cuda.synchronize()
     assert out.shape == (t, h) and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
@@ -134,11 +134,11 @@ def test_op_auto_selects_deepgemm_and_explicit_requests():
     w13, w2, _, _ = _weights(8, 256, 128, False, gen)
     ref = experts_reference(hidden, ids, w, w13, w2)
     for kernel in ("auto", "deepgemm", "triton", "reference"):
-        out = torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, impl=kernel)
+        out = torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, kernel_choice=kernel)
         assert _rel(out, ref) < 0.01, kernel
     w13u, w2u, _, _ = _weights(8, 256, 96, False, gen)
-    with pytest.raises(RuntimeError, match="impl='deepgemm' was requested but cannot run"):
-        torch.ops.moe_fx.experts(hidden, ids, w, w13u, w2u, impl="deepgemm")
+    with pytest.raises(RuntimeError, match="kernel='deepgemm' was requested but cannot run"):
+        torch.ops.moe_fx.experts(hidden, ids, w, w13u, w2u, kernel_choice="deepgemm")
 
 
 @pytest.mark.parametrize("quantize", [None, "fp8"])

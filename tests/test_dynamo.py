@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import capture_backend, rel_err
 
-from moe_fx.api import enable_capture
+from moe_fx.backend import enable_capture
 from moe_fx.testing.models import HF_FAMILIES, DenseBmmMoE, LoopMoE, TitanGroupedMoE, tiny_hf_model
 
 OP = "torch.ops.moe_fx.experts.default("

@@ -37,7 +37,7 @@ def test_hf_family_matches_eager(family, impl):
     torch._dynamo.reset()
     from helpers import capture_backend
 
-    from moe_fx.api import enable_capture
+    from moe_fx.backend import enable_capture
 
     enable_capture()
     backend, cap = capture_backend()
@@ -85,7 +85,7 @@ def test_hf_family_bf16_blocks_match_eager(family, impl, prompts):
     truth.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     from helpers import capture_backend
 
-    from moe_fx.api import enable_capture
+    from moe_fx.backend import enable_capture
 
     enable_capture()
     for i, inputs in enumerate(_block_inputs(model, [PROMPTS[p]() for p in prompts])):
@@ -145,7 +145,7 @@ def test_greedy_generate_identical_fp32():
     torch._dynamo.reset()
     from helpers import capture_backend
 
-    from moe_fx.api import enable_capture
+    from moe_fx.backend import enable_capture
 
     enable_capture()
     backend, cap = capture_backend()

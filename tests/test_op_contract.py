@@ -32,7 +32,7 @@ def _op_cpu(hidden, ids, weights, w13, w2, **kwargs):
 #: are added here; each may declare the cases it does not take with :data:`SUPPORTS`.
 def _triton_interpreted(hidden, ids, weights, w13, w2, **kwargs):
     """The op's Triton kernels (permute, GEMMs, activation, unpermute) under Triton's interpreter on CPU."""
-    return torch.ops.moe_fx.experts(hidden, ids, weights, w13, w2, impl="triton", **kwargs)
+    return torch.ops.moe_fx.experts(hidden, ids, weights, w13, w2, kernel_choice="triton", **kwargs)
 
 
 IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {"op_cpu": _op_cpu, "triton_interpreted": _triton_interpreted}

@@ -12,7 +12,7 @@ from helpers import capture_backend, rel_err, run_captured
 from torch import nn
 
 import moe_fx
-from moe_fx.api import enable_capture
+from moe_fx.backend import enable_capture
 from moe_fx.capture.hit_loops import capture_expert_loops
 from moe_fx.testing.families import HitLoopExperts
 from moe_fx.testing.models import SwiGLUExpert

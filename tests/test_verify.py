@@ -116,7 +116,7 @@ def test_region_reading_a_run_time_scalar_is_specialised_on_its_value():
     torch._dynamo.reset()
     from helpers import capture_backend
 
-    from moe_fx.api import enable_capture
+    from moe_fx.backend import enable_capture
 
     enable_capture()
     backend, cap = capture_backend()

@@ -11,7 +11,7 @@ import torch
 from helpers import capture_backend, experts_in_one_copy, logits, rel_err
 
 import moe_fx
-from moe_fx.api import enable_capture
+from moe_fx.backend import enable_capture
 from moe_fx.config import MoEConfig
 from moe_fx.testing.models import DenseBmmMoE, LoopMoE, TitanGroupedMoE, tiny_hf_model
 

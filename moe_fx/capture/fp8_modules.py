@@ -30,7 +30,7 @@ from torch import nn
 import moe_fx.ops  # noqa: F401  (registers torch.ops.moe_fx.experts)
 from moe_fx.passes.report import RegionReport
 
-__all__ = ["Fp8ExpertsMatch", "capture_fp8_experts", "match_fp8_experts", "release_fp8_experts"]
+__all__ = ["Fp8ExpertsMatch", "capture_fp8_experts", "fp8_candidates", "match_fp8_experts", "release_fp8_experts"]
 
 log = logging.getLogger("moe_fx.passes")
 
@@ -180,3 +180,9 @@ def release_fp8_experts(model: nn.Module) -> int:
             del module.forward
             count += 1
     return count
+
+
+def fp8_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every FP8 experts module of ``model`` that :func:`capture_fp8_experts` has not routed."""
+    return [(name, m) for name, m in model.named_modules() if _looks_like_fp8_experts(m)
+            and getattr(vars(m).get("forward"), "__func__", None) is not _moe_fx_fp8_forward]

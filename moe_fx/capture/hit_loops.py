@@ -70,10 +70,11 @@ from moe_fx.passes.report import RegionReport
 __all__ = [
     "LoopExpertsMatch",
     "capture_expert_loops",
+    "loop_candidates",
     "loop_experts_candidates",
     "match_loop_experts",
-    "release_expert_loops",
     "pack_split_gate_up",
+    "release_expert_loops",
 ]
 
 log = logging.getLogger("moe_fx.passes")
@@ -554,3 +555,8 @@ def release_expert_loops(model: nn.Module) -> int:
             del module.forward
             count += 1
     return count
+
+
+def loop_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The candidates of :func:`loop_experts_candidates` that are not captured (the module runs its own loop)."""
+    return [(name, m) for name, m in loop_experts_candidates(model) if not _captured(m)]

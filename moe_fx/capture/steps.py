@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from moe_fx.capture.fp8_modules import capture_fp8_experts, release_fp8_experts
-from moe_fx.capture.hit_loops import capture_expert_loops, release_expert_loops
+from moe_fx.capture.fp8_modules import capture_fp8_experts, fp8_candidates, release_fp8_experts
+from moe_fx.capture.hit_loops import capture_expert_loops, loop_candidates, release_expert_loops
 from moe_fx.config import MoEConfig
 from moe_fx.passes.report import RegionReport
 
-__all__ = ["STEPS", "CaptureStep", "capture_modules", "describe_steps", "release_modules"]
+__all__ = ["STEPS", "CaptureStep", "capture_modules", "describe_steps", "release_modules", "uncaptured_modules"]
 
 log = logging.getLogger("moe_fx.capture")
 
@@ -37,12 +37,15 @@ class CaptureStep:
         name: how logs, timings and :func:`describe_steps` call it.
         apply: ``(model, config) -> reports``: patch the matching modules of ``model`` in place.
         release: ``(model) -> count``: undo ``apply`` on every module it patched.
+        candidates: ``(model) -> [(path, module)]``: the modules ``apply`` examines that it has not patched
+            (cheap: no matching, no probe).
         what: one line for :func:`describe_steps`.
     """
 
     name: str
     apply: Callable[[nn.Module, MoEConfig], list[RegionReport]]
     release: Callable[[nn.Module], int]
+    candidates: Callable[[nn.Module], list[tuple[str, nn.Module]]]
     what: str
 
 
@@ -52,9 +55,9 @@ def _fp8_modules(model: nn.Module, config: MoEConfig) -> list[RegionReport]:
 
 #: The capture order (see the module docstring).
 STEPS: list[CaptureStep] = [
-    CaptureStep("fp8_modules", _fp8_modules, release_fp8_experts,
+    CaptureStep("fp8_modules", _fp8_modules, release_fp8_experts, fp8_candidates,
                 "transformers' fine-grained FP8 experts -> moe_fx::experts on their fp8 weights and scales"),
-    CaptureStep("hit_loops", capture_expert_loops, release_expert_loops,
+    CaptureStep("hit_loops", capture_expert_loops, release_expert_loops, loop_candidates,
                 "loops over the experts a batch hits (graph breaks) -> moe_fx::experts on views of their weights"),
 ]
 
@@ -75,6 +78,8 @@ def capture_modules(model: nn.Module, config: MoEConfig) -> list[RegionReport]:
     for step in STEPS:
         start = time.perf_counter()
         found = step.apply(model, config)
+        for r in found:
+            r.entry = "moe_fx.compile" if r.matched else ""  # a torch.compile backend never sees modules
         log.debug("capture step %s: %d of %d module(s) captured in %.1f ms", step.name,
                   sum(r.matched for r in found), len(found), 1e3 * (time.perf_counter() - start))
         reports += found
@@ -84,3 +89,9 @@ def capture_modules(model: nn.Module, config: MoEConfig) -> list[RegionReport]:
 def release_modules(model: nn.Module) -> int:
     """Release every step of :data:`STEPS` on ``model``, last step first; returns how many modules were released."""
     return sum(step.release(model) for step in reversed(STEPS))
+
+
+def uncaptured_modules(model: nn.Module) -> list[tuple[str, str, str]]:
+    """``(path, class name, step name)`` of every module of ``model`` a capture step would examine and has not
+    patched: what ``torch.compile(model, backend="moe_fx")`` leaves as written (the backend's warning)."""
+    return [(path, type(m).__name__, step.name) for step in STEPS for path, m in step.candidates(model)]

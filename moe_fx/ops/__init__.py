@@ -6,7 +6,7 @@ also imports.
 """
 
 from moe_fx.ops import ep, masked_experts  # noqa: F401  (register the expert-parallel ops and masked_experts)
-from moe_fx.ops.checks import KERNELS
+from moe_fx.ops.checks import EP_KERNELS, KERNELS
 from moe_fx.ops.experts import (
     ACTIVATIONS,
     GATE_UP_LAYOUTS,
@@ -23,6 +23,7 @@ __all__ = [
     "FP8_DTYPE",
     "FP8_E4M3_MAX",
     "FP8_SCALE_FLOOR",
+    "EP_KERNELS",
     "GATE_UP_LAYOUTS",
     "KERNELS",
     "ExpertActivation",

@@ -25,8 +25,14 @@ class RegionReport:
         activation: gated activation found (``silu``, ...).
         weights_on_input: True when routing weights scale the expert input (Llama 4 style).
         reason: why the region was not rewritten (empty when matched).
-        kernel: kernel the lowering will pick (filled by explain / the backend).
-        kernel_reasons: why the other kernels were not picked.
+        kernel: the experts kernel the lowering picks for the op as traced (filled by explain from the
+            lowering's own plan of the op node: :func:`moe_fx.lowering.experts.explain_experts`).
+        layout: the row layout that kernel runs on (``"sorted"``, ``"masked"``, ``"reference"``).
+        kernel_reasons: why the other kernels were not picked (and ``"layout"``: the plan of every
+            token-count regime).
+        entry: for a rewritten region, which entry rewrites it: ``"any"`` (``torch.compile(model,
+            backend="moe_fx")`` and ``moe_fx.compile``) or ``"moe_fx.compile"`` (a capture step patched
+            the module before tracing; a backend never sees modules).
         verified: how a matched region was checked: ``"numerics"`` (the region itself, run on random
             inputs, equals the op's reference), ``"unverified"`` (``MoEConfig(verify="never")`` or an
             expert-parallel recompile: rewritten on its structure alone) or ``"attributes"`` (FP8
@@ -58,7 +64,9 @@ class RegionReport:
     weights_on_input: bool = False
     reason: str = ""
     kernel: str = ""
+    layout: str = ""
     kernel_reasons: dict[str, str] = field(default_factory=dict)
+    entry: str = ""
     verified: str = ""
     tokens: str = ""
     probe: str = ""

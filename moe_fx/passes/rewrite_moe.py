@@ -25,7 +25,15 @@ import torch.fx as fx
 from moe_fx.ops import ExpertActivation
 from moe_fx.passes.context import PassContext
 from moe_fx.passes.expert_storage import PerExpertSync, WeightSources, share_storage, stack_per_expert
-from moe_fx.passes.graph_utils import DataFlow, add_weight_buffer, fake_mode_of, tensor_value
+from moe_fx.passes.graph_utils import (
+    DataFlow,
+    add_weight_buffer,
+    clean_module_path,
+    experts_module_of,
+    fake_mode_of,
+    module_stack,
+    tensor_value,
+)
 from moe_fx.passes.recognize.autocast_guard import check_autocast
 from moe_fx.passes.recognize.extract_region import Region, expert_products, extract_region
 from moe_fx.passes.recognize.find_experts import ExpertWeights, find_expert_weights
@@ -40,33 +48,11 @@ __all__ = ["rewrite_moe_regions"]
 log = logging.getLogger("moe_fx.passes")
 
 
-def _module_stack(node: fx.Node) -> list[tuple[str, str]]:
-    """``(module path, class name)`` of every module around ``node``, outermost first."""
-    stack = node.meta.get("nn_module_stack") or {}
-    entries = []
-    for key, value in stack.items():
-        path, cls = value if isinstance(value, tuple) else (key, value)
-        name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
-        entries.append((str(path), name))
-    return entries
-
-
-def _module_of(node: fx.Node) -> tuple[str, str]:
-    """(module path, class name) of the innermost ``*Experts`` module around ``node``, else the innermost."""
-    entries = _module_stack(node)
-    if not entries:
-        return "", ""
-    for path, name in reversed(entries):
-        if name.endswith("Experts"):
-            return path, name
-    return entries[-1]
-
-
 def _common_module(a: fx.Node, b: fx.Node) -> tuple[str, str]:
     """The innermost module around both ``a`` and ``b`` (JetMoE keeps w13 and w2 in two sibling modules)."""
     inner = ("", "")
-    for x, y in zip(_module_stack(a), _module_stack(b)):
-        if _clean_path(x[0]) != _clean_path(y[0]):
+    for x, y in zip(module_stack(a), module_stack(b)):
+        if clean_module_path(x[0]) != clean_module_path(y[0]):
             break
         inner = x
     return inner
@@ -81,12 +67,6 @@ def _family(cls: str) -> str:
         if cls.endswith(suffix) and len(cls) > len(suffix):
             return cls[: -len(suffix)]
     return ""
-
-
-def _clean_path(path: str) -> str:
-    # Dynamo spells module paths as L['self'].model.layers[0].mlp or L__self___model_layers_0_mlp.
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    return re.sub(r"\[(\d+)\]", r".\1", path)
 
 
 def _per_expert_values(anchors: ExpertWeights, ctx: PassContext) -> list[torch.Tensor] | None:
@@ -163,7 +143,7 @@ def _insert_op(
             w13_node, w2_node = a.w13, a.w2
         weights_node = _gather_scores(g, region) if region.dense_scores else region.weights
         kwargs = {"activation": probe.activation, "weights_on_input": probe.weights_on_input,
-                  "impl": ctx.config.kernel, **_variant_kwargs(region, probe.spec)}
+                  "kernel_choice": ctx.config.kernel, **_variant_kwargs(region, probe.spec)}
         op = g.call_function(
             torch.ops.moe_fx.experts.default,
             (region.hidden, region.ids, weights_node, w13_node, w2_node),
@@ -255,21 +235,21 @@ def _tied_weights(anchors: ExpertWeights) -> str | None:
 
 
 def _report_for(anchors: ExpertWeights, region: Region | None) -> RegionReport:
-    path, cls = _module_of(region.output) if region is not None else ("", "")
+    path, cls = experts_module_of(region.output) if region is not None else ("", "")
     if not cls.endswith("Experts"):
         # No experts module around the output: name the region after its weights' owner, or the
         # module around both weights when each lives in its own (JetMoE's input_linear / output_linear).
         owners = [next(iter(w.users), w) for w in (anchors.w13, anchors.w2) if w is not None]
         owners = owners or [next(iter(anchors.nodes[-1].users), anchors.nodes[-1])]
-        split = len({_module_of(o)[0] for o in owners}) > 1
-        wpath, wcls = _common_module(*owners) if split else _module_of(owners[-1])
+        split = len({experts_module_of(o)[0] for o in owners}) > 1
+        wpath, wcls = _common_module(*owners) if split else experts_module_of(owners[-1])
         if wpath and (split or wcls.endswith("Experts")) or not path:
             path, cls = wpath, wcls
     if anchors.kind == "per_expert" and not cls.endswith("Experts"):
         path = re.sub(r"\.\d+\.[^.]+\.weight$", "", _param_path(anchors.down[0]))
         cls = ""
     family = _family(cls)
-    layer = _clean_path(path) or ".".join(_param_path(anchors.nodes[-1]).split(".")[:-1]) or _param_path(anchors.nodes[-1])
+    layer = clean_module_path(path) or ".".join(_param_path(anchors.nodes[-1]).split(".")[:-1]) or _param_path(anchors.nodes[-1])
     return RegionReport(
         layer=layer, family=family, num_experts=anchors.num_experts,
         hidden=anchors.hidden, intermediate=anchors.intermediate,
