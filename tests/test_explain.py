@@ -146,7 +146,7 @@ def test_triton_request_on_cpu_reports_what_runs():
     assert r.kernel == "triton (interpreted on CPU)" and "cannot run" not in str(report).split("\n")[1]
     assert any("interpreter" in w for w in r.warnings)
     got, cap = run_captured(model, x, config=MoEConfig(kernel="triton"))
-    assert "impl = 'triton'" in cap.code
+    assert "kernel_choice = 'triton'" in cap.code
     with torch.no_grad():
         assert rel_err(got, model(x)) < 1e-4  # it ran, as reported
     report = moe_fx.explain(model, x, config=MoEConfig(kernel="deepgemm"))
