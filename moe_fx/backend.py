@@ -141,7 +141,6 @@ def _run_moe_passes(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: MoEConfig, sink: list[RegionReport] | None
 ) -> PassContext:
     import moe_fx.lowering  # noqa: F401  (registers device kernels for the ops)
-
     from moe_fx.lowering.weights import pack_experts_weights
 
     ctx = PassContext(config=config, example_inputs=list(example_inputs), pack_weights=pack_experts_weights)

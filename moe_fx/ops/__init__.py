@@ -19,11 +19,11 @@ from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, FP8_E4M3_MAX, FP8_SCALE_FLOO
 
 __all__ = [
     "ACTIVATIONS",
+    "EP_KERNELS",
     "FP8_BLOCK",
     "FP8_DTYPE",
     "FP8_E4M3_MAX",
     "FP8_SCALE_FLOOR",
-    "EP_KERNELS",
     "GATE_UP_LAYOUTS",
     "KERNELS",
     "ExpertActivation",

@@ -27,9 +27,11 @@ class _Record(fx.Interpreter):
         return out
 
 
-def traced(fn: Callable, *inputs: torch.Tensor, root: torch.nn.Module | None = None) -> fx.GraphModule:
-    """``fn`` as a GraphModule whose nodes carry their example values (``root``: where get_attr targets live)."""
-    gm = fx.GraphModule(root or torch.nn.Module(), fx.Tracer().trace(fn))
+def traced(fn: Callable | torch.nn.Module, *inputs: torch.Tensor) -> fx.GraphModule:
+    """``fn`` (a function, or a module: its parameters become get_attr nodes) as a GraphModule whose nodes
+    carry their example values."""
+    root = fn if isinstance(fn, torch.nn.Module) else torch.nn.Module()
+    gm = fx.GraphModule(root, fx.Tracer().trace(fn))
     with torch.no_grad():
         _Record(gm).run(*inputs)
     return gm

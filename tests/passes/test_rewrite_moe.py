@@ -94,7 +94,7 @@ def test_what_follows_the_combine_stays_outside_the_region():
 
 
 def test_without_a_numerical_check_the_report_says_unverified():
-    gm, _, count, (report,) = _rewrite(batched, _inputs(), verify="never")
+    _, _, count, (report,) = _rewrite(batched, _inputs(), verify="never")
     assert count == 1 and report.verified == "unverified" and any("without a numerical check" in w
                                                                   for w in report.warnings)
 
