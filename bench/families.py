@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import logits, rel_err, run_captured  # noqa: E402
 
 import moe_fx  # noqa: E402
-from moe_fx.api import _capture_modules  # noqa: E402
+from moe_fx.capture.steps import capture_modules  # noqa: E402
 from moe_fx.capture.inventory import qualify_layer_names, unseen_moe_layers  # noqa: E402
 from moe_fx.testing.families import TEXT_MOE_FAMILIES, tiny_family_model  # noqa: E402
 
@@ -43,7 +43,7 @@ def run_family(family: str, impl: str, dtype: torch.dtype, layers: int) -> dict:
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = logits(model(ids))
-    module_reports = _capture_modules(model, moe_fx.MoEConfig())
+    module_reports = capture_modules(model, moe_fx.MoEConfig())
     got, cap = run_captured(model, ids)
     reports = module_reports + [r for r in cap.reports if r.layer != "<graph>"]
     qualify_layer_names(model, reports)

@@ -32,7 +32,7 @@ Call checks (run before every call of the compiled graph, in Python): ``ep_agree
 largest token count of the graph's expert-parallel layers (every rank learns how many rounds this
 step needs), and, with ``MoEConfig.eplb_interval``, the EPLB rebalance trigger.
 
-Invariants kept (moe_fx/passes/manager.py): every new node gets a fake value (``example_value`` and
+Invariants kept (moe_fx/passes/README.md): every new node gets a fake value (``example_value`` and
 ``val``) computed by the ops' fake implementations under the graph's own fake mode; no graph input is
 mutated (the EPLB counts live in buffers the pass adds); nothing it cannot handle is changed.
 ``E % world_size != 0`` is a ``ValueError`` here, at compile time.
