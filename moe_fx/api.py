@@ -158,6 +158,7 @@ def _explain_ops(gm: torch.fx.GraphModule, reports: list[RegionReport], first: i
     bound from its schema, on the node's fake tensors: what the lowering decides when it compiles the op."""
     from moe_fx.lowering.experts import explain_experts
     from moe_fx.passes.graph_utils import bound_op_args, moe_fx_op
+    from moe_fx.verify.probe_plan import tokens_text
 
     for node in gm.graph.nodes:
         if moe_fx_op(node) not in ("experts", "masked_experts"):
@@ -177,6 +178,8 @@ def _explain_ops(gm: torch.fx.GraphModule, reports: list[RegionReport], first: i
             reasons["layout"] = why.regimes
         for r in targets:
             r.kernel, r.layout, r.kernel_reasons = kernel, plan.layout, reasons
+            if not r.tokens and "hidden" in a:  # a captured module: its T as traced
+                r.tokens = tokens_text(a["hidden"].shape[0])
 
 
 def _kernel_warnings(regions: list[RegionReport], config: MoEConfig) -> None:

@@ -41,7 +41,7 @@ from moe_fx.passes.recognize.near_misses import per_expert_near_misses
 from moe_fx.passes.recognize.read_form import FormReading, read_region
 from moe_fx.passes.recognize.verify_region import ProbeResult, probe_region, region_rows_per_token, specialize_scalars
 from moe_fx.passes.report import RegionReport
-from moe_fx.verify.probe_plan import ProbePlan, plan_probe, token_hint
+from moe_fx.verify.probe_plan import ProbePlan, plan_probe, token_hint, tokens_text
 
 __all__ = ["rewrite_moe_regions"]
 
@@ -202,14 +202,6 @@ def _param_path(node: fx.Node) -> str:
     return re.sub(r"_(modules|parameters|buffers)_", ".", "_" + name).lstrip("._")
 
 
-def _tokens_text(num_tokens: object) -> str:
-    """``"5"``, ``"symbolic (traced at 5)"`` or ``"data-dependent"``: the region's T for reports."""
-    if not isinstance(num_tokens, torch.SymInt):
-        return str(num_tokens)
-    hint = token_hint(num_tokens)
-    return "data-dependent" if hint is None else f"symbolic (traced at {hint})"
-
-
 def _tied_weights(anchors: ExpertWeights) -> str | None:
     """Why a group whose experts share a weight (one Parameter in two slots) is left as written, or None.
 
@@ -368,7 +360,7 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
             log.info("moe_fx: left %s untouched: %s", report.layer, report.reason)
             continue
         report.form, report.top_k = region.form, region.top_k
-        report.tokens = _tokens_text(region.num_tokens)
+        report.tokens = tokens_text(region.num_tokens)
         report.dtype = str(tensor_value(region.hidden).dtype).replace("torch.", "")
         report.device = tensor_value(region.hidden).device.type
         stacked = _stacked_weights(region, ctx)

@@ -36,6 +36,7 @@ __all__ = [
     "plan_probe",
     "probe_routing",
     "token_hint",
+    "tokens_text",
 ]
 
 #: Token count of a reduced probe when the budget allows more: enough for uneven loads, still cheap.
@@ -81,6 +82,14 @@ def token_hint(value: object) -> int | None:
         hint = value.node.hint
         return None if hint is None else int(hint)
     return int(value)  # type: ignore[call-overload]
+
+
+def tokens_text(num_tokens: object) -> str:
+    """``"5"``, ``"symbolic (traced at 5)"`` or ``"data-dependent"``: a token count T for reports."""
+    if not isinstance(num_tokens, torch.SymInt):
+        return str(num_tokens)
+    hint = token_hint(num_tokens)
+    return "data-dependent" if hint is None else f"symbolic (traced at {hint})"
 
 
 def plan_probe(
