@@ -310,7 +310,8 @@ def _check(module: nn.Module, reading: FormReading, k: int, config: MoEConfig):
     sets = {"real": real, "random": rand}
     ops = {n: OpWeights(ws["gate_up_proj"], ws["down_proj"], w13_scale=ws["gate_up_proj_scale_inv"],
                         w2_scale=ws["down_proj_scale_inv"]) for n, ws in sets.items()}
-    clamps = {n: clamp_scale(dequantize_blockwise(op.w13[:8], op.w13_scale[:8]), reading.spec.limit)
+    limit = reading.spec.limit
+    clamps = {n: None if limit is None else clamp_scale(dequantize_blockwise(op.w13[:8], op.w13_scale[:8]), limit)
               for n, op in ops.items()}
     sem = Semantics(reading.spec, reading.weights_on_input)
     intermediate = module.down_proj.shape[2]

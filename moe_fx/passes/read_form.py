@@ -49,7 +49,8 @@ from moe_fx.passes.graph_utils import is_factory, is_mutation, node_value, op_na
 if TYPE_CHECKING:
     from moe_fx.passes.extract_region import Region
 
-__all__ = ["DATA_DEPENDENT_ROWS", "Boundary", "FormReading", "WeightView", "read_form", "read_region", "region_boundary"]
+__all__ = ["DATA_DEPENDENT_ROWS", "Boundary", "FormReading", "WeightView", "expert_id_bound", "read_form", "read_region",
+           "region_boundary"]
 
 #: Node meta key a recorder sets on tensors whose number of rows depends on the data (``nonzero`` and
 #: what it indexes); Dynamo graphs say the same with unbacked sizes.
@@ -1262,6 +1263,44 @@ def read_form(nodes: Iterable[fx.Node], output: fx.Node, boundary: Boundary) -> 
         return str(exc)
 
 
+#: Ops through which the top-k ids keep their values (a cast, a layout change, a subset of slots).
+_ID_KEEPS = frozenset({"to", "long", "int", "type", "contiguous", "clone", "detach", "view", "reshape", "flatten",
+                       "unsqueeze", "squeeze", "expand", "getitem", "narrow"})
+#: Ops whose ids are positions along their input's ``dim``: the argument position of ``dim``, its default.
+_ID_SOURCES = {"topk": (2, -1), "argmax": (1, None), "max": (1, None), "sort": (1, -1), "argsort": (1, -1)}
+
+
+def expert_id_bound(ids: fx.Node) -> tuple[int | None, str]:
+    """How many experts the top-k ids ``ids`` can name, read from where they come from: ``(bound, where)``, the ids
+    then lie in ``[0, bound)`` (``topk`` / ``sort`` / ``argmax`` over a ``[T, bound]`` tensor, through casts,
+    reshapes and slices); or ``(None, why not)`` when the graph gives no bound (the ids are a graph input, or
+    computed by other ops)."""
+    n: object = ids
+    while isinstance(n, fx.Node):
+        name = op_name(n)
+        if name == "getitem" and isinstance(n.args[0], fx.Node) and op_name(n.args[0]) in _ID_SOURCES and \
+                n.args[1] == 1:
+            n = n.args[0]  # the indices of (values, indices)
+            break
+        if name in _ID_SOURCES and isinstance(tensor_value(n), torch.Tensor):
+            break  # argmax / argsort return the indices themselves
+        if name not in _ID_KEEPS or not n.args or not isinstance(n.args[0], fx.Node):
+            what = "a graph input" if n.op == "placeholder" else f"computed by {name} ({n.name})"
+            return None, f"the expert ids are {what}"
+        n = n.args[0]
+    if not isinstance(n, fx.Node):
+        return None, "the expert ids are not computed in the graph"
+    pos, default = _ID_SOURCES[op_name(n)]
+    src = _shape(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+    dim = _arg(n, pos, "dim", default)
+    if src is None or dim is None or not isinstance(dim, int) or not src:
+        return None, f"the expert ids come from {op_name(n)} ({n.name}) over an axis the pass cannot tell"
+    size = src[dim]
+    if not isinstance(size, int):
+        return None, f"the expert ids come from {op_name(n)} ({n.name}) over a symbolic axis ({size})"
+    return size, f"{op_name(n)} over {list(src)} at {n.name}"
+
+
 def region_boundary(region: Region) -> Boundary:
     """The :class:`Boundary` of a region cut out of a Dynamo graph (:mod:`extract_region`)."""
     a = region.anchors
@@ -1287,4 +1326,10 @@ def read_region(region: Region) -> FormReading | str:
         return "the biases are not added where their shapes say (w13's to the first product, w2's to the second)"
     if isinstance(reading, FormReading) and reading.identity_experts:
         return "the region adds weighted hidden states to its output (identity experts) inside a traced graph"
+    bound, where = expert_id_bound(region.ids)
+    if isinstance(reading, FormReading) and bound is not None and bound > region.anchors.num_experts:
+        # The probe draws ids in [0, E): ids the router makes beyond them would meet code never checked.
+        return (f"the router chooses among {bound} experts ({where}) but the expert weights hold "
+                f"{region.anchors.num_experts}: ids past them would be skipped by moe_fx::experts, and what the "
+                "region does with them is not proved")
     return reading

@@ -32,7 +32,7 @@ from moe_fx.passes.context import PassContext
 from moe_fx.passes.near_misses import per_expert_near_misses
 from moe_fx.passes.probe_plan import ProbePlan, plan_probe, token_hint
 from moe_fx.passes.report import RegionReport
-from moe_fx.passes.read_form import FormReading, read_region
+from moe_fx.passes.read_form import FormReading, expert_id_bound, read_region
 from moe_fx.passes.verify_region import ProbeResult, probe_region, region_rows_per_token, specialize_scalars
 
 __all__ = ["rewrite_moe_regions"]
@@ -406,6 +406,10 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         warning = _keep_weights_in_step(region, ctx, stacked)
         if warning:
             report.warnings.append(warning)
+        bound, why = expert_id_bound(region.ids)
+        if bound is None:  # read_region refused ids that can pass E; here nothing says they cannot
+            report.warnings.append(f"the graph gives no bound on the expert ids ({why}): ids outside "
+                                   f"[0, {region.anchors.num_experts}) are skipped, as a range(E) loop skips them")
         _insert_op(gm, flow, region, probe, ctx, stacked, count, len(ctx.report) - 1)
         ctx.weight_sources[len(ctx.report) - 1] = _weight_sources(region, ctx, stacked)
         report.matched, report.activation, report.weights_on_input = True, probe.activation, probe.weights_on_input
