@@ -1272,12 +1272,18 @@ _ID_SOURCES = {"topk": (2, -1), "argmax": (1, None), "max": (1, None), "sort": (
 
 def expert_id_bound(ids: fx.Node) -> tuple[int | None, str]:
     """How many experts the top-k ids ``ids`` can name, read from where they come from: ``(bound, where)``, the ids
-    then lie in ``[0, bound)`` (``topk`` / ``sort`` / ``argmax`` over a ``[T, bound]`` tensor, through casts,
-    reshapes and slices); or ``(None, why not)`` when the graph gives no bound (the ids are a graph input, or
-    computed by other ops)."""
+    then lie in ``[0, bound)`` (``topk`` / ``sort`` / ``max`` / ``argmax`` over a ``[T, bound]`` tensor, through
+    casts, reshapes and slices, and concatenations of such ids); or ``(None, why not)`` when the graph gives no
+    bound (the ids are a graph input, or computed by other ops)."""
     n: object = ids
     while isinstance(n, fx.Node):
         name = op_name(n)
+        if name in ("cat", "concat", "stack") and n.args and isinstance(n.args[0], (list, tuple)):
+            parts = [expert_id_bound(p) if isinstance(p, fx.Node) else (None, "a constant") for p in n.args[0]]
+            unbounded = next((why for b, why in parts if b is None), None)
+            if unbounded is not None or not parts:
+                return None, unbounded or f"the expert ids are an empty {name}"
+            return max(b for b, _ in parts), f"{name} ({n.name}) of " + ", ".join(why for _, why in parts)
         if name == "getitem" and isinstance(n.args[0], fx.Node) and op_name(n.args[0]) in _ID_SOURCES and \
                 n.args[1] == 1:
             n = n.args[0]  # the indices of (values, indices)
