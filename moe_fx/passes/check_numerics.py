@@ -217,7 +217,7 @@ def _want(case: ProbeCase, op: OpWeights, sem: Semantics) -> tuple[torch.Tensor,
         sem.weights_on_input, op.w13_scale, op.w2_scale, w13_bias=op.w13_bias, w2_bias=op.w2_bias, gated=s.gated,
         gate_up_layout=s.gate_up_layout, alpha=s.alpha, limit=s.limit, up_offset=s.up_offset,
         identity_experts=sem.identity_experts,
-    ).to(case.hidden.dtype).view(t, k, -1)  # fmt: skip
+    ).to(case.hidden.dtype).view(t, k, case.hidden.shape[-1])  # fmt: skip (T may be 0)
     if not sem.weights_on_input:
         slots = slots * case.routing.unsqueeze(-1)
     return slots.sum(1), slots.norm(dim=-1).sum(1)
