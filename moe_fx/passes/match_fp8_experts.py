@@ -204,8 +204,11 @@ def modelled_fp8_kernels() -> Iterator[None]:
     """Meanwhile, transformers' fine-grained fp8 kernels (``fp8_linear``, the Hub kernel's ``matmul`` /
     ``batched_matmul`` / ``grouped_matmul``) are the products of their contract (:func:`fp8_block_linear` and
     kin), so a module's forward runs anywhere and records into nodes :mod:`read_form` reads."""
-    from transformers.integrations import finegrained_fp8 as tf8
-
+    try:
+        from transformers.integrations import finegrained_fp8 as tf8
+    except ImportError:  # a look-alike module without transformers: its own forward, as it is
+        yield
+        return
     saved = {name: getattr(tf8, name) for name in ("fp8_linear", "load_finegrained_fp8_kernel") if hasattr(tf8, name)}
     tf8.fp8_linear = _linear
     tf8.load_finegrained_fp8_kernel = lambda: _MODELLED_KERNEL

@@ -231,14 +231,6 @@ class ProbeResult:
     probe: str = ""  # what the numerical check ran, for reports ("T=14 x3, real and random weights")
 
 
-def _routing_args(region: Region, ids: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
-    """What the region reads for the probe's routing: ``[ids, weights]``, or the dense ``[T, E]`` scores."""
-    if not region.dense_scores:
-        return [ids, weights]
-    scores = torch.zeros(ids.shape[0], region.anchors.num_experts, dtype=weights.dtype, device=weights.device)
-    return [scores.scatter(1, ids.long(), weights)]
-
-
 def _random_set(region: Region, real: dict[fx.Node, torch.Tensor], gen: torch.Generator) -> dict[fx.Node, torch.Tensor]:
     """Random float32 weights and biases of the real shapes, for every anchor and bias of the region."""
     views = region_boundary(region).weights_of
