@@ -172,25 +172,33 @@ def _check_block(block_size: object, activation_scale: object = None) -> None:
         raise ValueError("static activation scales are not modelled (only dynamic quantisation)")
 
 
-def _linear(input, weight, weight_scale_inv, block_size=None, bias=None, activation_scale=None, allow_deepgemm=True):
+def _linear(input: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size: object = None,
+            bias: torch.Tensor | None = None, activation_scale: torch.Tensor | None = None,
+            allow_deepgemm: bool = True) -> torch.Tensor:
     """transformers' ``fp8_linear`` by its contract (DeepGEMM or the Hub's Triton kernel there)."""
     _check_block(block_size, activation_scale)
     out = fp8_block_linear(input, weight, weight_scale_inv)
     return out if bias is None else out + bias
 
 
-def _kernel_matmul(input, weight, weight_scale_inv, block_size=None, output_dtype=None, activation_scale=None):
+# The Hub kernel's entry points (transformers' ``FineGrainedFP8`` bundle), by their contract.
+def _kernel_matmul(input: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size: object = None,
+                   output_dtype: torch.dtype | None = None, activation_scale: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     _check_block(block_size, activation_scale)
     out = fp8_block_linear(input, weight, weight_scale_inv)
     return out if output_dtype is None else out.to(output_dtype)
 
 
-def _kernel_batched(input, weight, weight_scale_inv, block_size=None, expert_ids=None):
+def _kernel_batched(input: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size: object = None,
+                    expert_ids: torch.Tensor | None = None) -> torch.Tensor:
     _check_block(block_size)
     return fp8_block_batched_mm(input, weight, weight_scale_inv, expert_ids)
 
 
-def _kernel_grouped(input, weight, weight_scale_inv, offsets=None, tokens_per_expert=None, block_size=None):
+def _kernel_grouped(input: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                    offsets: torch.Tensor | None = None, tokens_per_expert: torch.Tensor | None = None,
+                    block_size: object = None) -> torch.Tensor:
     _check_block(block_size)
     return fp8_block_grouped_mm(input, weight, weight_scale_inv, offsets)
 
