@@ -58,7 +58,7 @@ def _capture_modules(model: Callable, config: MoEConfig) -> list[RegionReport]:
     module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
     if not isinstance(module, torch.nn.Module) or not config.enabled:
         return []
-    return capture_fp8_experts(module, config.kernel) + capture_expert_loops(module, config)
+    return capture_fp8_experts(module, config) + capture_expert_loops(module, config)
 
 
 @dataclass
