@@ -157,9 +157,9 @@ def ep_model_worker(rank: int, world: int, kind: str, steps: list[list[int]], ma
     with torch.no_grad():
         eager = [model(x) for x in inputs]
     sink: list = []
-    # verify="never": the recognizer's numeric probe would read the full expert weights again on a
-    # recompile, and after the first EP compile only this rank's experts are left in them.
-    config = MoEConfig(ep_group="default", max_tokens_per_rank=max_tokens, verify="never")
+    # The default check: the first compile probes the real weights; a recompile (the steps change T), after which
+    # only this rank's experts are left in them, probes random weights of the full shapes instead.
+    config = MoEConfig(ep_group="default", max_tokens_per_rank=max_tokens)
     inner = make_backend(config, sink=sink, inductor=inductor)
     compiles: list = []
 

@@ -45,10 +45,11 @@ _SPLIT = ["ep_dispatch_send.default", "ep_dispatch_recv.default", "masked_expert
           "ep_remaining_rounds.default"]
 
 
-def _capture(model, x, config, dynamic=False):
-    """Compile ``model`` with the moe_fx passes; return the rewritten graph (the graph is not run)."""
+def _capture(model, x, config, dynamic=False, sink=None):
+    """Compile ``model`` with the moe_fx passes; return the rewritten graph (the graph is not run). ``sink``
+    collects the pass reports."""
     graphs = []
-    inner = make_backend(config, inductor=False)
+    inner = make_backend(config, sink=sink, inductor=False)
 
     def backend(gm, example_inputs):
         inner(gm, example_inputs)
@@ -266,3 +267,51 @@ def test_split_ep_eplb_graph(fake_group):
     # the parameter now holds the rank's 5 physical experts (its 4 and a copy of expert 4) in its first rows
     assert model.w13.untyped_storage().nbytes() == 5 * 32 * 32 * 4
     assert torch.equal(model.w13.detach()[:5], full[:5]) and torch.equal(layer.weights["w13"], full[:5])
+
+
+class ShiftedRowsMoE(torch.nn.Module):
+    """transformers' ``batched_mm`` shape over stacked weights; with ``shift`` set, every routed row reads the
+    hidden state of a later token (plumbing the structure does not model; the numerical check sees it)."""
+
+    shift = 0
+
+    def __init__(self, hidden=32, inter=16, num_experts=8, top_k=2):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.router = torch.nn.Parameter(torch.randn(num_experts, hidden, generator=g) * 0.3)
+        self.w13 = torch.nn.Parameter(torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.2)
+        self.w2 = torch.nn.Parameter(torch.randn(num_experts, hidden, inter, generator=g) * 0.2)
+        self.top_k = top_k
+
+    def forward(self, x):
+        weights, ids = torch.topk(torch.softmax(x @ self.router.t(), dim=-1), self.top_k, dim=-1)
+        flat = ids.reshape(-1)
+        rows = (torch.arange(x.shape[0] * self.top_k) // self.top_k + self.shift) % x.shape[0]
+        h = torch.bmm(self.w13[flat], x[rows].unsqueeze(-1)).squeeze(-1)
+        g, u = h.chunk(2, dim=-1)
+        y = torch.bmm(self.w2[flat], (torch.nn.functional.silu(g) * u).unsqueeze(-1)).squeeze(-1)
+        return (y * weights.reshape(-1, 1)).view(x.shape[0], self.top_k, x.shape[1]).sum(dim=1)
+
+
+@pytest.mark.parametrize("fake_group", [(1, 2)], indirect=True)
+def test_split_ep_recompile_checks_on_random_weights_of_the_full_shapes(fake_group):
+    """After a compile under EP the expert weights hold only this rank's experts: a recompile must not read the
+    real values, yet is checked: the structure proves the form and the probe runs on random weights of the full
+    shapes (before: structure only, "unverified"). A recompile the check refuses cannot leave the block as
+    written (it would read experts that are gone): it is an error that says why."""
+    config = MoEConfig(ep_group="default", max_tokens_per_rank=8)
+    model = ShiftedRowsMoE()
+    first: list = []
+    _capture(model, torch.randn(6, 32), config, sink=first)
+    assert first[0].matched and "real and random weights" in first[0].probe
+    assert ep_weights_freed(model.w13) and ep_weights_freed(model.w2)
+    again: list = []
+    gm = _capture(model, torch.randn(5, 32), config, sink=again)
+    assert _ops(gm) == _SPLIT
+    (report,) = again
+    assert report.matched and report.verified == "numerics" and report.probe_error < 1e-4, report
+    assert "random weights only (the real ones are split across ranks)" in report.probe
+    assert "UNVERIFIED" not in report.verification() and not report.warnings
+    model.shift = 1  # the recompile now sends every token's rows to the next token's experts
+    with pytest.raises(Exception, match=r"cannot be rewritten \(numerical check failed.*split across ranks"):
+        _capture(model, torch.randn(5, 32), config)

@@ -46,7 +46,6 @@ def test_recognizer_accepts_and_rejects(fp8_model):
     plain = dequantized_copy(fp8_model).model.layers[0].mlp.experts
     assert "not an FP8 experts module" in match_fp8_experts(plain)
     for attr, value, why in [
-        ("swiglu_limit", 7.0, "swiglu_limit"),
         ("activation_scheme", "static", "static"),
         ("block_size", [64, 64], "not 128x128"),
         ("_is_expert_parallel", True, "expert-parallel"),
@@ -65,6 +64,75 @@ def test_recognizer_accepts_and_rejects(fp8_model):
         e.down_proj_scale_inv = scale
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm", "eager"])
+def test_fp8_experts_are_proved_by_their_forward_and_checked(fp8_model, impl):
+    """Each experts implementation's forward is recorded (transformers' fp8 kernels at their contract) and read,
+    then checked numerically against the reference on the dequantised weights; the activation is read from the
+    forward (a clamp the attributes do not announce is found), not taken from the config."""
+    e = fp8_model.model.layers[0].mlp.experts
+    old = e.config._experts_implementation
+    e.config._experts_implementation = impl
+    try:
+        m = match_fp8_experts(e)
+        assert not isinstance(m, str), m
+        assert m.activation == "silu" and m.spec.is_plain and not m.weights_on_input
+        assert m.error < 1e-4 and "real and random weights" in m.probe
+        e.limit = 7.0  # FP8Experts._apply_gate then clamps gate and up (GPT-OSS style)
+        clamped = match_fp8_experts(e)
+        assert not isinstance(clamped, str), clamped
+        assert clamped.spec.limit == 7.0 and clamped.op_kwargs()["limit"] == 7.0
+    finally:
+        e.limit = None
+        e.config._experts_implementation = old
+
+
+def _fp8_subclass(experts, forward=None, gate=None, linear=None):
+    """``experts`` turned into an instance of a subclass of its class that overrides some methods."""
+    body = {k: v for k, v in (("forward", forward), ("_apply_gate", gate), ("linear", linear)) if v is not None}
+    experts.__class__ = type("Custom" + type(experts).__name__, (type(experts),), body)
+    return experts
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+def test_fp8_experts_that_compute_something_else_are_left_alone(impl):
+    """Near misses, with the eager model as the reference: an extra scale after the experts, a softcapped gate,
+    products without the block scales, shuffled routing (the check catches it). On attributes alone all of these
+    were captured (or refused for the wrong reason); each now keeps its forward and says why."""
+    import torch.nn.functional as F
+
+    from moe_fx.capture.fp8_modules import modelled_fp8_kernels
+
+    def scaled(self, h, i, w):
+        return type(self).__mro__[1].forward(self, h, i, w) * 1.5
+
+    def softcap(self, gate_up):
+        g, u = gate_up.chunk(2, dim=-1)
+        return torch.tanh(g) * u
+
+    def no_scale(self, x, w, s, activation_scale=None):
+        return F.linear(x, w.to(x.dtype))
+
+    def shuffled(self, h, i, w):
+        return type(self).__mro__[1].forward(self, h, (i + 1) % self.num_experts, w)
+
+    cases = [({"forward": scaled}, "scales the combined output by 1.5"), ({"gate": softcap}, "'tanh'"),
+             ({"forward": shuffled}, "numerical check failed")]
+    if impl == "eager":
+        cases.append(({"linear": no_scale}, "without its block scales"))
+    tokens = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(3))
+    for override, why in cases:
+        model = tiny_fp8_hf_model("mixtral", num_layers=1, hidden=256, intermediate=128, num_experts=4, top_k=2)
+        experts = _fp8_subclass(model.model.layers[0].mlp.experts, **override)
+        experts.config._experts_implementation = impl
+        with torch.no_grad(), modelled_fp8_kernels():
+            want = model(tokens).logits
+        reports = capture_fp8_experts(model)
+        assert [r.matched for r in reports] == [False] and why in reports[0].reason, (override, reports[0].reason)
+        assert "forward" not in vars(experts)  # left exactly as written
+        with torch.no_grad(), modelled_fp8_kernels():
+            assert torch.equal(model(tokens).logits, want)
+
+
 def test_capture_uses_fp8_weights_as_stored_and_matches_dequantized_eager(fp8_model):
     tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     oracle = dequantized_copy(fp8_model)
@@ -72,6 +140,7 @@ def test_capture_uses_fp8_weights_as_stored_and_matches_dequantized_eager(fp8_mo
         reports = capture_fp8_experts(fp8_model)
         assert [r.matched for r in reports] == [True, True]
         assert reports[0].layer == "model.layers.0.mlp.experts" and reports[0].fp8 and reports[0].dtype == "bfloat16"
+        assert reports[0].verified == "numerics" and reports[0].probe_error < 1e-4
         spy = OpSpy()
         with torch.no_grad():
             want = oracle(tokens).logits

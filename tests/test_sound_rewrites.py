@@ -252,3 +252,58 @@ def test_plumbing_is_checked_by_the_probe():
     """Which row meets which token is plumbing: the structure reads the form, the probe catches the wrong rows."""
     model = ShiftedTokensMoE()
     _left_as_written(model, _x(6), "numerical check failed")
+
+
+class WideRouterMoE(StackedMoE):
+    """A router over ``E + 1`` experts in front of ``E`` experts' weights; the block clamps the ids into range (the
+    extra expert's tokens go to the last one). The probe draws ids in ``[0, E)``, where the clamp does nothing."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        e, h = self.router.shape
+        g = torch.Generator().manual_seed(5)
+        self.router = nn.Parameter(torch.cat([self.router.data, torch.randn(1, h, generator=g) + 1.0]))
+        self.num_experts = e
+
+    def forward(self, x):
+        probs = F.softmax(x @ self.router.t(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        flat = ids.reshape(-1).clamp(max=self.num_experts - 1)
+        h = torch.bmm(self.w13[flat], x.repeat_interleave(self.top_k, dim=0).unsqueeze(-1)).squeeze(-1)
+        g, u = h.chunk(2, dim=-1)
+        y = torch.bmm(self.w2[flat], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1) * weights.reshape(-1, 1)
+        return y.view(x.shape[0], self.top_k, x.shape[1]).sum(dim=1)
+
+
+def test_router_wider_than_the_experts_is_refused():
+    """Where the ids come from is read from the graph: top-k over ``[T, 9]`` names 9 experts, the weights hold 8.
+    Rewritten, the ids of the ninth were skipped instead of going to the eighth (relative error 0.87)."""
+    model = WideRouterMoE()
+    x = _x(12)
+    with torch.no_grad():
+        assert (torch.topk(x @ model.router.t(), 2, dim=-1).indices == 8).any(), "the ninth expert must be chosen"
+    _left_as_written(model, x, "the router chooses among 9 experts (topk over [12, 9]")
+
+
+class ExpertsOnly(StackedMoE):
+    """The experts alone, ids and routing weights handed in: nothing in the graph bounds the ids."""
+
+    def forward(self, x, ids, weights):
+        flat = ids.reshape(-1)
+        h = torch.bmm(self.w13[flat], x.repeat_interleave(self.top_k, dim=0).unsqueeze(-1)).squeeze(-1)
+        g, u = h.chunk(2, dim=-1)
+        y = torch.bmm(self.w2[flat], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1) * weights.reshape(-1, 1)
+        return y.view(x.shape[0], self.top_k, x.shape[1]).sum(dim=1)
+
+
+def test_ids_without_a_bound_in_the_graph_are_reported():
+    """A region whose ids are a graph input is rewritten (ids outside [0, E) are skipped, as a ``range(E)`` loop
+    skips them) and the report says that the graph gives no bound; ids from the router's top-k give one."""
+    gen = torch.Generator().manual_seed(2)
+    x, ids, w = _x(6), torch.randint(0, 8, (6, 2), generator=gen), torch.rand(6, 2, generator=gen)
+    _, cap = run_captured(ExpertsOnly(), x, ids, w)
+    (report,) = cap.reports
+    assert report.matched and any("no bound on the expert ids (the expert ids are a graph input)" in m
+                                  for m in report.warnings), report.warnings
+    _, cap = run_captured(StackedMoE(), x)
+    assert cap.reports[0].matched and not any("expert ids" in m for m in cap.reports[0].warnings)

@@ -229,3 +229,14 @@ def test_capacity_token_dropping_is_never_rewritten(dynamic, budget):
         want = model(x)
     assert rel_err(want, GatherBmmMoE()(x)) > 1e-2, "the input must make the capacity drop tokens"
     assert rel_err(got, want) < 1e-6
+
+
+def test_a_graph_traced_with_no_tokens_compiles():
+    """T = 0 (a rank with no tokens in a step, under expert parallelism): the check's reference has nothing to
+    compare and must not fail on the empty reshape (it raised out of the compile before)."""
+    from moe_fx.testing.models import DenseBmmMoE
+
+    torch.manual_seed(0)
+    model = DenseBmmMoE()
+    out, cap = run_captured(model, torch.randn(0, 32))
+    assert out.shape == (0, 32) and cap.reports[0].matched and cap.reports[0].probe.startswith("T=0")

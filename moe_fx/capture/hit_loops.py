@@ -36,21 +36,25 @@ module back as it was (forwards, parameter objects, attributes).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import itertools
 import logging
 import math
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch import nn
 
+from moe_fx.capture.record_forward import RecordedForward, record_forward
 from moe_fx.config import MoEConfig
 from moe_fx.ops import ExpertActivation
+from moe_fx.passes.recognize.read_form import Boundary, FormReading, WeightView, read_form
+from moe_fx.passes.report import RegionReport
 from moe_fx.verify.check_numerics import (
     NumericsResult,
     OpWeights,
@@ -63,18 +67,17 @@ from moe_fx.verify.check_numerics import (
     random_weight,
 )
 from moe_fx.verify.probe_plan import plan_probe, probe_routing
-from moe_fx.passes.recognize.read_form import Boundary, FormReading, WeightView, read_form
-from moe_fx.capture.record_forward import RecordedForward, record_forward
-from moe_fx.passes.report import RegionReport
 
 __all__ = [
     "LoopExpertsMatch",
     "capture_expert_loops",
+    "check_forward",
     "loop_candidates",
     "loop_experts_candidates",
     "match_loop_experts",
     "pack_split_gate_up",
     "release_expert_loops",
+    "trace_inputs",
 ]
 
 log = logging.getLogger("moe_fx.passes")
@@ -335,15 +338,16 @@ def _views(rec: RecordedForward, lay: _Layout) -> dict[fx.Node, WeightView] | st
     return views
 
 
-def _trace_inputs(module: nn.Module, lay: _Layout, slots: int, k: int) -> tuple[torch.Tensor, ...]:
-    """Routed tokens in the module's dtype whose ids hit every one of ``slots`` experts (identity ones too)."""
-    w13 = module.get_parameter(lay.w13)
+def trace_inputs(hidden_size: int, slots: int, k: int, device: torch.device, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Routed tokens ``(hidden [T, H], ids [T, K], weights [T, K])`` whose ids hit every one of ``slots`` experts
+    (identity ones too): what a module's forward is recorded on (:func:`record_forward`)."""
     gen = torch.Generator().manual_seed(4321)
     tokens = max(2, math.ceil(slots / k))
     (ids,) = probe_routing(tokens, 1, slots, k, gen)
-    hidden = torch.randn(tokens, lay.hidden, generator=gen).to(device=w13.device, dtype=w13.dtype)
-    weights = (torch.rand(tokens, k, generator=gen) + 0.1).to(device=w13.device, dtype=w13.dtype)
-    return hidden, ids.to(w13.device), weights
+    hidden = torch.randn(tokens, hidden_size, generator=gen).to(device=device, dtype=dtype)
+    weights = (torch.rand(tokens, k, generator=gen) + 0.1).to(device=device, dtype=dtype)
+    return hidden, ids.to(device), weights
 
 
 def _read_module(module: nn.Module, lay: _Layout, identity: int) -> tuple[FormReading, bool] | tuple[int, str]:
@@ -351,7 +355,8 @@ def _read_module(module: nn.Module, lay: _Layout, identity: int) -> tuple[FormRe
     and whether the module returns ``[T, 1, H]``, or ``(rank, reason)`` (a lower rank got further)."""
     slots = lay.num_experts + identity
     k = _top_k(module, slots)
-    inputs = _trace_inputs(module, lay, slots, k)
+    w13 = module.get_parameter(lay.w13)
+    inputs = trace_inputs(lay.hidden, slots, k, w13.device, w13.dtype)
     try:
         rec = record_forward(lambda h, i, w: type(module).forward(module, h, i, w), inputs, dict(module.named_parameters()))
     except (RuntimeError, ValueError, TypeError, IndexError) as exc:
@@ -387,11 +392,8 @@ def _random_params(module: nn.Module, m: LoopExpertsMatch, gen: torch.Generator)
 
 
 def _check_module(module: nn.Module, m: LoopExpertsMatch, config: MoEConfig) -> tuple[NumericsResult, str]:
-    """The module's own forward in float32 against the reference for ``m`` (:mod:`~moe_fx.verify.check_numerics`), with its real
-    weights and with random ones of the same shapes, on routing that reaches every expert, also at a large T;
-    returns the result and what ran."""
+    """The module's own forward in float32 against the reference for ``m`` (:func:`check_forward`)."""
     slots = m.num_experts + m.identity_experts
-    k = _top_k(module, slots)
     gen = torch.Generator().manual_seed(1234)
     params = _params(module)
     real = {n: p.float() for n, p in params.items() if p.dtype.is_floating_point}
@@ -401,23 +403,37 @@ def _check_module(module: nn.Module, m: LoopExpertsMatch, config: MoEConfig) -> 
         w = m.weights_from(ps, copy=True)
         ops[name] = OpWeights(w["w13"], w["w2"], w["w13_bias"], w["w2_bias"])
     clamps = {name: clamp_scale(op.w13, m.spec.limit) for name, op in ops.items()}
-    plan = plan_probe(None, k, slots, k, m.hidden, m.intermediate, config.verify_max_flops, config.verify)
-    device = params[m.w13].device
-    cases = make_cases(probe_routing(plan.tokens, plan.runs, slots, k, gen), m.hidden, clamps, gen, device=device)
+    sem = Semantics(m.spec, m.weights_on_input, m.identity_experts)
+    return check_forward(module, sets, ops, clamps, sem, _top_k(module, slots), m.intermediate, config, gen)
+
+
+def check_forward(
+    module: nn.Module, sets: Mapping[str, Mapping[str, torch.Tensor]], ops: Mapping[str, OpWeights],
+    clamps: Mapping[str, float | None], sem: Semantics, top_k: int, intermediate: int, config: MoEConfig,
+    gen: torch.Generator, context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> tuple[NumericsResult, str]:
+    """The module's own forward in float32 against the reference for ``sem`` (:mod:`check_numerics`), with each
+    weight set of ``sets`` (``"real"`` and ``"random"``: parameter name -> tensor, through ``functional_call``;
+    ``ops`` are the op's weights of each set, ``clamps`` their clamp scales), on routing that reaches every expert,
+    also at a large T; each run inside ``context()``. Returns the result and what ran."""
+    e = ops["real"].w13.shape[0]
+    slots, k, hidden = e + sem.identity_experts, top_k, ops["real"].w2.shape[1]
+    plan = plan_probe(None, k, slots, k, hidden, intermediate, config.verify_max_flops, config.verify)
+    device = ops["real"].w13.device
+    cases = make_cases(probe_routing(plan.tokens, plan.runs, slots, k, gen), hidden, dict(clamps), gen, device=device)
     big = probe_routing(large_tokens(slots, k), LARGE_T_RUNS, slots, k, gen)
-    cases += make_cases(big, m.hidden, {"random": clamps["random"]}, gen, device=device)
+    cases += make_cases(big, hidden, {"random": clamps["random"]}, gen, device=device)
 
     def run(case: ProbeCase) -> torch.Tensor | str:
         try:
-            out = torch.func.functional_call(module, sets[case.weights], (case.hidden, case.ids, case.routing))
+            with context():
+                out = torch.func.functional_call(module, sets[case.weights], (case.hidden, case.ids, case.routing))
         except (RuntimeError, ValueError, TypeError, IndexError) as exc:
             return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         return out.reshape(case.hidden.shape) if isinstance(out, torch.Tensor) else type(out).__name__
 
     ran = f"the module's forward in float32: {plan.describe()}, real and random weights, T={big[0].shape[0]} x{len(big)}"
-    result = check_cases(run, ops.__getitem__, Semantics(m.spec, m.weights_on_input, m.identity_experts), cases,
-                         f" ({ran})")
-    return result, ran
+    return check_cases(run, ops.__getitem__, sem, cases, f" ({ran})"), ran
 
 
 def _param_name(node: fx.Node | None) -> str | None:

@@ -49,13 +49,9 @@ class CaptureStep:
     what: str
 
 
-def _fp8_modules(model: nn.Module, config: MoEConfig) -> list[RegionReport]:
-    return capture_fp8_experts(model, config.kernel)
-
-
 #: The capture order (see the module docstring).
 STEPS: list[CaptureStep] = [
-    CaptureStep("fp8_modules", _fp8_modules, release_fp8_experts, fp8_candidates,
+    CaptureStep("fp8_modules", capture_fp8_experts, release_fp8_experts, fp8_candidates,
                 "transformers' fine-grained FP8 experts -> moe_fx::experts on their fp8 weights and scales"),
     CaptureStep("hit_loops", capture_expert_loops, release_expert_loops, loop_candidates,
                 "loops over the experts a batch hits (graph breaks) -> moe_fx::experts on views of their weights"),

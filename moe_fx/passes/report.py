@@ -33,10 +33,9 @@ class RegionReport:
         entry: for a rewritten region, which entry rewrites it: ``"any"`` (``torch.compile(model,
             backend="moe_fx")`` and ``moe_fx.compile``) or ``"moe_fx.compile"`` (a capture step patched
             the module before tracing; a backend never sees modules).
-        verified: how a matched region was checked: ``"numerics"`` (the region itself, run on random
-            inputs, equals the op's reference), ``"unverified"`` (``MoEConfig(verify="never")`` or an
-            expert-parallel recompile: rewritten on its structure alone) or ``"attributes"`` (FP8
-            checkpoint modules, matched by their attributes before tracing).
+        verified: how a matched region was checked: ``"numerics"`` (the structure proves the form and the
+            region itself, or a captured module's forward, run on random inputs, equals the op's reference) or
+            ``"unverified"`` (``MoEConfig(verify="never")``: rewritten on its structure alone).
         tokens: the region's token count T as traced: ``"5"``, ``"symbolic (traced at 5)"`` when the graph
             is compiled for any T (``dynamic=True``, or automatic dynamic shapes after a recompile), or
             ``"data-dependent"``; empty where unknown (modules captured before tracing).
@@ -77,8 +76,6 @@ class RegionReport:
         """How the region was checked, for explain: ``"T=14 x3, err 3e-07"``, ``"UNVERIFIED (...)"``."""
         if self.verified == "unverified":
             return "UNVERIFIED (rewritten on structure alone)"
-        if self.verified == "attributes":
-            return "module attributes (no numerical check)"
         if self.probe:
             err = "" if math.isnan(self.probe_error) else f", err {self.probe_error:.1e}"
             return self.probe + err

@@ -38,9 +38,10 @@ from moe_fx.passes.recognize.autocast_guard import check_autocast
 from moe_fx.passes.recognize.extract_region import Region, expert_products, extract_region
 from moe_fx.passes.recognize.find_experts import ExpertWeights, find_expert_weights
 from moe_fx.passes.recognize.near_misses import per_expert_near_misses
-from moe_fx.passes.recognize.read_form import FormReading, read_region
+from moe_fx.passes.recognize.read_form import FormReading, expert_id_bound, read_region
 from moe_fx.passes.recognize.verify_region import ProbeResult, probe_region, region_rows_per_token, specialize_scalars
 from moe_fx.passes.report import RegionReport
+from moe_fx.passes.split_ep import ep_weights_freed
 from moe_fx.verify.probe_plan import ProbePlan, plan_probe, token_hint, tokens_text
 
 __all__ = ["rewrite_moe_regions"]
@@ -259,23 +260,17 @@ def _details(region: Region, spec: ExpertActivation | None) -> str:
     return "; ".join(parts)
 
 
-def _weights_freed(region: Region, ctx: PassContext) -> bool:
-    try:
-        from moe_fx.passes.split_ep import ep_weights_freed
-    except ImportError:
-        return False
-    values = [ctx.real_value(n) for n in region.anchors.nodes]
+def _weights_freed(anchors: ExpertWeights, ctx: PassContext) -> bool:
+    """True if ``split_ep`` already reduced these expert weights to this rank's experts (an earlier compile under
+    expert parallelism): the other experts' rows are gone, so their values must not be read."""
+    values = [ctx.real_value(n) for n in anchors.nodes]
     return any(isinstance(v, torch.Tensor) and ep_weights_freed(v) for v in values)
 
 
 def _probe_plan(region: Region, ctx: PassContext, stacked) -> ProbePlan | str:
-    """The numerical check this region gets, or why it gets none (``verify="never"``, an EP recompile)."""
+    """The numerical check this region gets, or why it gets none (``verify="never"``)."""
     if ctx.config.verify == "never":
         return "verify='never'"
-    if _weights_freed(region, ctx):
-        # split_ep already narrowed these weights to this rank's experts (a recompile): the other
-        # experts' rows are gone, so only the structure can be checked.
-        return "expert weights already split across ranks by an earlier compile"
     budget = ctx.config.verify_max_flops
     if stacked[0].device.type != "cpu":
         budget *= 1000  # an accelerator runs the probe in milliseconds at prefill sizes
@@ -296,12 +291,13 @@ def _next_layer_start(flow: DataFlow, anchors: ExpertWeights, groups: list[Exper
 
 
 def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked: tuple[torch.Tensor, torch.Tensor],
-           plan: ProbePlan | str) -> ProbeResult:
+           plan: ProbePlan | str, real_weights: bool = True) -> ProbeResult:
     """Is it safe? The structure proves what the region computes (:func:`~moe_fx.passes.recognize.read_form.read_region`),
     then the numerical check confirms it (:func:`~moe_fx.passes.recognize.verify_region.probe_region`).
 
     ``plan`` is the numerical check to run (:func:`_probe_plan`); a string (the reason there is none) rewrites
-    on the structure alone, which the report marks unverified.
+    on the structure alone, which the report marks unverified. ``real_weights=False`` checks with random weights
+    of the real shapes only (weights split across ranks by an earlier compile).
     """
     bad = check_autocast(region)
     if bad:
@@ -311,7 +307,19 @@ def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked: tuple[torc
         return ProbeResult(False, reason=reading)
     if isinstance(plan, str):
         return ProbeResult(True, reading.spec.name, reading.weights_on_input, reason="structure", spec=reading.spec)
-    return probe_region(region, flow, ctx.real_value, reading, plan, _weight_sources(region, ctx, stacked).build)
+    return probe_region(region, flow, ctx.real_value, reading, plan, _weight_sources(region, ctx, stacked).build,
+                        real_weights)
+
+
+def _refuse_split(anchors: ExpertWeights, ctx: PassContext, report: RegionReport) -> None:
+    """A region left as written must be able to run: not when its weights hold only this rank's experts (split by
+    an earlier compile under expert parallelism, the other rows freed). Raises then, with the reason."""
+    if _weights_freed(anchors, ctx):
+        raise RuntimeError(
+            f"moe_fx: {report.layer} cannot be rewritten ({report.reason}), and its expert weights hold only this "
+            "rank's experts (split across ranks by an earlier compile under expert parallelism): the block as "
+            "written would read experts that are not there. Compile the model as it was compiled first."
+        )
 
 
 def _record_verification(report: RegionReport, plan: ProbePlan | str, probe: ProbeResult) -> None:
@@ -357,6 +365,7 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         ctx.report.append(report)
         if region is None:
             report.reason = str(found)
+            _refuse_split(anchors, ctx, report)
             log.info("moe_fx: left %s untouched: %s", report.layer, report.reason)
             continue
         report.form, report.top_k = region.form, region.top_k
@@ -368,16 +377,21 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
             report.reason = "the real expert weights are not available to the pass"
             continue
         plan = _probe_plan(region, ctx, stacked)
-        probe = _guard(region, ctx, flow, stacked, plan)
+        probe = _guard(region, ctx, flow, stacked, plan, real_weights=not _weights_freed(anchors, ctx))
         _record_verification(report, plan, probe)
         if not probe.ok:
             report.reason = probe.reason
+            _refuse_split(anchors, ctx, report)
             log.info("moe_fx: left %s untouched: %s", report.layer, report.reason)
             continue
         specialize_scalars(region)  # the op's arguments take the traced values of model floats
         warning = _keep_weights_in_step(region, ctx, stacked)
         if warning:
             report.warnings.append(warning)
+        bound, why = expert_id_bound(region.ids)
+        if bound is None:  # read_region refused ids that can pass E; here nothing says they cannot
+            report.warnings.append(f"the graph gives no bound on the expert ids ({why}): ids outside "
+                                   f"[0, {region.anchors.num_experts}) are skipped, as a range(E) loop skips them")
         _insert_op(gm, flow, region, probe, ctx, stacked, count, len(ctx.report) - 1)
         ctx.weight_sources[len(ctx.report) - 1] = _weight_sources(region, ctx, stacked)
         report.matched, report.activation, report.weights_on_input = True, probe.activation, probe.weights_on_input
@@ -387,7 +401,6 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         flow = DataFlow(gm.graph)  # node positions changed
     unverified = [r.layer for r in ctx.report if r.matched and r.verified == "unverified"]
     if unverified:
-        log.warning("moe_fx: %d region(s) rewritten without a numerical check (%s): %s", len(unverified),
-                    "verify='never'" if ctx.config.verify == "never" else "expert-parallel recompile",
-                    ", ".join(unverified))
+        log.warning("moe_fx: %d region(s) rewritten without a numerical check (verify='never'): %s",
+                    len(unverified), ", ".join(unverified))
     return count

@@ -70,12 +70,15 @@ class Semantics:
 
 @dataclass(frozen=True)
 class OpWeights:
-    """The op's weight arguments for one weight set: ``w13 [E, N1, H]``, ``w2 [E, H, I]``, optional biases."""
+    """The op's weight arguments for one weight set: ``w13 [E, N1, H]``, ``w2 [E, H, I]``, optional biases, and
+    for fp8 weights their fp32 128x128 block scales (the reference dequantises one expert at a time)."""
 
     w13: torch.Tensor
     w2: torch.Tensor
     w13_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -149,21 +152,22 @@ def signed_weights(tokens: int, top_k: int, gen: torch.Generator) -> torch.Tenso
 
 
 def random_weight(shape: Sequence[int], fan_in: int, gen: torch.Generator, *, device: torch.device | str = "cpu",
-                  windowed_bytes: int = WINDOWED_BYTES) -> torch.Tensor:
-    """A float32 random tensor of ``shape`` with standard deviation ``1 / sqrt(fan_in)``.
+                  windowed_bytes: int = WINDOWED_BYTES, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A random tensor of ``shape`` with standard deviation ``1 / sqrt(fan_in)``, in ``dtype`` (float32; fp8
+    weights get float8_e4m3fn values, which their block scales then scale).
 
-    A 3-D ``[E, A, B]`` tensor of more than ``windowed_bytes`` is made of overlapping windows of one buffer
-    (expert ``e + 1`` is expert ``e`` shifted by one row and one column): every expert differs from the others,
-    at the memory of one expert; read-only, as the probe uses it.
+    A 3-D ``[E, A, B]`` tensor of more than ``windowed_bytes`` (in float32) is made of overlapping windows of one
+    buffer (expert ``e + 1`` is expert ``e`` shifted by one row and one column): every expert differs from the
+    others, at the memory of one expert; read-only, as the probe uses it.
     """
     std = 1.0 / math.sqrt(max(fan_in, 1))
     numel = math.prod(shape)
     if len(shape) == 3 and numel * 4 > windowed_bytes and shape[0] > 1:
         e, a, b = shape
         step = b + 1
-        buf = torch.randn(a * b + (e - 1) * step, generator=gen).mul_(std).to(device)
+        buf = torch.randn(a * b + (e - 1) * step, generator=gen).mul_(std).to(device=device, dtype=dtype)
         return buf.as_strided((e, a, b), (step, b, 1))
-    return torch.randn(*shape, generator=gen).mul_(std).to(device)
+    return torch.randn(*shape, generator=gen).mul_(std).to(device=device, dtype=dtype)
 
 
 def clamp_scale(w13: torch.Tensor, limit: float | None) -> float | None:
@@ -210,10 +214,10 @@ def _want(case: ProbeCase, op: OpWeights, sem: Semantics) -> tuple[torch.Tensor,
     s = sem.spec
     slots = experts_reference(
         flat_hidden, flat_ids, w if sem.weights_on_input else torch.ones_like(w), op.w13, op.w2, s.name,
-        sem.weights_on_input, w13_bias=op.w13_bias, w2_bias=op.w2_bias, gated=s.gated,
+        sem.weights_on_input, op.w13_scale, op.w2_scale, w13_bias=op.w13_bias, w2_bias=op.w2_bias, gated=s.gated,
         gate_up_layout=s.gate_up_layout, alpha=s.alpha, limit=s.limit, up_offset=s.up_offset,
         identity_experts=sem.identity_experts,
-    ).to(case.hidden.dtype).view(t, k, -1)  # fmt: skip
+    ).to(case.hidden.dtype).view(t, k, case.hidden.shape[-1])  # fmt: skip (T may be 0)
     if not sem.weights_on_input:
         slots = slots * case.routing.unsqueeze(-1)
     return slots.sum(1), slots.norm(dim=-1).sum(1)

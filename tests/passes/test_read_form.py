@@ -215,3 +215,21 @@ def test_weights_read_the_wrong_way_round_are_refused():
         P.update({"w13": torch.randn(E, 2 * I, H, generator=G)})
     assert isinstance(ok, FormReading)
     assert isinstance(wrong, str) and "not an expert product" in wrong
+
+
+@pytest.mark.parametrize("route, want", [
+    (lambda s: s.topk(K, dim=-1).indices, (5, "topk over [6, 5]")),
+    (lambda s: torch.topk(s, K, -1)[1].to(torch.int32).reshape(-1), (5, "topk over [6, 5]")),
+    (lambda s: torch.cat([s.max(dim=-1, keepdim=True)[1], s.argmax(-1, keepdim=True)], dim=-1), (5, "cat")),
+    (lambda s: s.argsort(dim=-1, descending=True)[:, :K], (5, "argsort over [6, 5]")),
+    (lambda s: s.topk(K, dim=-1).indices.clamp(max=E - 1), (None, "computed by clamp")),
+    (lambda s: s.topk(K, dim=0).indices, (6, "topk over [6, 5]")),
+])
+def test_expert_id_bound_reads_where_the_ids_come_from(route, want):
+    """How many experts the ids can name, from the op that made them; no bound from any other op."""
+    from moe_fx.passes.recognize.read_form import expert_id_bound
+
+    rec = record_forward(route, [torch.randn(T, 5, generator=torch.Generator().manual_seed(2))], {})
+    bound, where = expert_id_bound(rec.output)
+    assert bound == want[0] and want[1] in where, (bound, where)
+    assert expert_id_bound(rec.inputs[0]) == (None, "the expert ids are a graph input")

@@ -49,7 +49,8 @@ from moe_fx.passes.graph_utils import is_factory, is_mutation, node_value, op_na
 if TYPE_CHECKING:
     from moe_fx.passes.recognize.extract_region import Region
 
-__all__ = ["DATA_DEPENDENT_ROWS", "Boundary", "FormReading", "WeightView", "read_form", "read_region", "region_boundary"]
+__all__ = ["DATA_DEPENDENT_ROWS", "Boundary", "FormReading", "WeightView", "expert_id_bound", "read_form", "read_region",
+           "region_boundary"]
 
 #: Node meta key a recorder sets on tensors whose number of rows depends on the data (``nonzero`` and
 #: what it indexes); Dynamo graphs say the same with unbacked sizes.
@@ -58,9 +59,12 @@ DATA_DEPENDENT_ROWS = "moe_fx_data_dependent_rows"
 _CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone", "detach",
                     "alias", "_to_copy"})
 _SHAPE_READS = frozenset({"size", "sym_size", "sym_size.int", "dim", "numel", "sym_numel", "sym_stride", "stride",
-                          "sym_storage_offset", "is_contiguous"})
+                          "sym_storage_offset", "is_contiguous", "element_size"})
 _PRODUCTS = frozenset({"linear", "matmul", "mm", "bmm", "_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
 _GROUPED = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
+#: Expert products with fp8 weights and their 128x128 block scales: the kernels of transformers' fine-grained FP8
+#: experts, as :mod:`~moe_fx.capture.fp8_modules` records them (each one node, read by its contract).
+_FP8_PRODUCTS = frozenset({"fp8_block_linear", "fp8_block_grouped_mm", "fp8_block_batched_mm"})
 #: In-place spellings that compute what the functional op computes (the base then holds the result).
 _INPLACE = {"iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "truediv"}
 
@@ -81,17 +85,21 @@ class WeightView:
 
     Attributes:
         role: ``"w13"`` (stacked gate+up or, non-gated, up), ``"gate"``, ``"up"`` (gate / up projections apart:
-            per-expert linears, DBRX's ``w1`` / ``v1``), ``"w2"`` (down) or ``"bias"`` (where it is added decides
-            whether it is the w13 or the w2 bias).
+            per-expert linears, DBRX's ``w1`` / ``v1``), ``"w2"`` (down), ``"bias"`` (where it is added decides
+            whether it is the w13 or the w2 bias) or ``"scale"`` (the fp32 128x128 block scales of the fp8 weight
+            ``of``; its axes count blocks).
         axes: one name per dimension of the tensor: ``"e"`` experts, ``"o"`` the product's output features,
             ``"i"`` its input features; ``"e*o"`` / ``"e*i"`` for experts flattened into rows (DBRX's
             ``[E * I, H]``). ``[E, 2I, H]`` is ``("e", "o", "i")``, its transpose ``("e", "i", "o")``.
         expert: the expert index of a per-expert weight (one ``nn.Linear`` of a ``ModuleList``), else None.
+        of: for a ``"scale"``, the fp8 weight it scales: every product of that weight must be an fp8 product
+            with this scale, of the same experts.
     """
 
     role: str
     axes: tuple[str, ...]
     expert: int | None = None
+    of: fx.Node | None = None
 
 
 @dataclass(frozen=True)
@@ -314,7 +322,9 @@ class _Reader:
         self.order = {n: i for i, n in enumerate(self.nodes)}
         self.val: dict[fx.Node, object] = {}
         self.label: dict[fx.Node, str] = {}
-        self.uses: dict[fx.Node, list] = {n: [] for n, w in boundary.weights_of.items() if w.role != "bias"}
+        self.uses: dict[fx.Node, list] = {n: [] for n, w in boundary.weights_of.items()
+                                          if w.role not in ("bias", "scale")}
+        self.scale_of = {w.of: n for n, w in boundary.weights_of.items() if w.role == "scale"}
         self._src = itertools.count(1)
         self.inputs = {boundary.hidden, boundary.weights, *boundary.weights_of}
         if boundary.ids is not None:
@@ -438,6 +448,8 @@ class _Reader:
             handler = self.op_cast
         elif op in _PRODUCTS:
             handler = self.op_product
+        elif op in _FP8_PRODUCTS:
+            handler = self.op_fp8_product
         if handler is None:
             raise _NearMiss(self.unsupported(n, name))
         return handler(n)
@@ -839,7 +851,39 @@ class _Reader:
         raise self.refuse(n, f"multiplies {_words(a)} by {_words(b)}, which is not an expert product (a product "
                              "over the wrong axis or of two activations)")
 
-    def product(self, n: fx.Node, d: _Data, w: _Weight, feat: int, grid: bool) -> tuple[object, str]:
+    def op_fp8_product(self, n: fx.Node) -> tuple[object, str]:
+        """``fp8_block_linear(x, w[e], s[e])``, ``fp8_block_grouped_mm(x, w, s, offsets)``,
+        ``fp8_block_batched_mm(x, w, s, ids)``: rows times the fp8 weight dequantised by its block scale (``x @
+        (w * s).T`` per 128x128 block), the weight stored ``[E, N, K]`` as the kernels read it."""
+        name = op_name(n)
+        if len(n.args) < 3 or n.kwargs:
+            raise _NearMiss(self.unsupported(n, name))
+        d, w, s = (self.value(a) for a in n.args[:3])
+        if not isinstance(d, _Data) or not isinstance(w, _Weight) or d.feat != -1:
+            raise self.refuse(n, f"multiplies {_words(d)} by {_words(w)} in a way that is not an expert product")
+        scale = self.scale_of.get(w.anchor)
+        if not isinstance(s, _Weight) or scale is None or s.anchor is not scale:
+            raise self.refuse(n, f"scales fp8 weight {w.anchor.name} by {_words(s)}, not by its own block scales")
+        if s.axes != w.axes or _sel_key(s.sel) != _sel_key(w.sel):
+            raise self.refuse(n, f"reads other experts of the block scales {s.anchor.name} than of {w.anchor.name}")
+        if name == "fp8_block_linear" and w.axes == ("o", "i"):
+            return self.product(n, d, dataclasses.replace(w, axes=("i", "o")), feat=-1, grid=False, scaled=True)
+        if name == "fp8_block_grouped_mm" and w.axes == ("e", "o", "i") and w.sel == "all":
+            return self.product(n, d, dataclasses.replace(w, axes=("e", "i", "o")), feat=-1, grid=False, scaled=True)
+        ids = n.args[3] if len(n.args) > 3 else None
+        if name == "fp8_block_batched_mm" and w.axes == ("e", "o", "i") and w.sel == "all" and \
+                isinstance(ids, fx.Node) and isinstance(self.value(ids), _Plumb):
+            rows = dataclasses.replace(w, axes=("r", "i", "o"), sel=("rows", ids))
+            return self.product(n, d, rows, feat=-1, grid=False, scaled=True)
+        raise self.refuse(n, f"applies {_words(w)} {list(w.axes)} in a way the pass cannot follow")
+
+    def product(self, n: fx.Node, d: _Data, w: _Weight, feat: int, grid: bool, scaled: bool = False
+                ) -> tuple[object, str]:
+        if w.anchor not in self.uses:
+            raise self.refuse(n, f"multiplies {_words(d)} by {w.anchor.name}, which is not an expert weight")
+        if w.anchor in self.scale_of and not scaled:
+            raise self.refuse(n, f"multiplies by fp8 weight {w.anchor.name} without its block scales "
+                                 f"({self.scale_of[w.anchor].name})")
         self.uses[w.anchor].append(w.sel)
         sel = w.sel
         if w.role in ("w13", "gate", "up"):
@@ -1219,6 +1263,50 @@ def read_form(nodes: Iterable[fx.Node], output: fx.Node, boundary: Boundary) -> 
         return str(exc)
 
 
+#: Ops through which the top-k ids keep their values (a cast, a layout change, a subset of slots).
+_ID_KEEPS = frozenset({"to", "long", "int", "type", "contiguous", "clone", "detach", "view", "reshape", "flatten",
+                       "unsqueeze", "squeeze", "expand", "getitem", "narrow"})
+#: Ops whose ids are positions along their input's ``dim``: the argument position of ``dim``, its default.
+_ID_SOURCES = {"topk": (2, -1), "argmax": (1, None), "max": (1, None), "sort": (1, -1), "argsort": (1, -1)}
+
+
+def expert_id_bound(ids: fx.Node) -> tuple[int | None, str]:
+    """How many experts the top-k ids ``ids`` can name, read from where they come from: ``(bound, where)``, the ids
+    then lie in ``[0, bound)`` (``topk`` / ``sort`` / ``max`` / ``argmax`` over a ``[T, bound]`` tensor, through
+    casts, reshapes and slices, and concatenations of such ids); or ``(None, why not)`` when the graph gives no
+    bound (the ids are a graph input, or computed by other ops)."""
+    n: object = ids
+    while isinstance(n, fx.Node):
+        name = op_name(n)
+        if name in ("cat", "concat", "stack") and n.args and isinstance(n.args[0], (list, tuple)):
+            parts = [expert_id_bound(p) if isinstance(p, fx.Node) else (None, "a constant") for p in n.args[0]]
+            unbounded = next((why for b, why in parts if b is None), None)
+            if unbounded is not None or not parts:
+                return None, unbounded or f"the expert ids are an empty {name}"
+            return max(b for b, _ in parts), f"{name} ({n.name}) of " + ", ".join(why for _, why in parts)
+        if name == "getitem" and isinstance(n.args[0], fx.Node) and op_name(n.args[0]) in _ID_SOURCES and \
+                n.args[1] == 1:
+            n = n.args[0]  # the indices of (values, indices)
+            break
+        if name in _ID_SOURCES and isinstance(tensor_value(n), torch.Tensor):
+            break  # argmax / argsort return the indices themselves
+        if name not in _ID_KEEPS or not n.args or not isinstance(n.args[0], fx.Node):
+            what = "a graph input" if n.op == "placeholder" else f"computed by {name} ({n.name})"
+            return None, f"the expert ids are {what}"
+        n = n.args[0]
+    if not isinstance(n, fx.Node):
+        return None, "the expert ids are not computed in the graph"
+    pos, default = _ID_SOURCES[op_name(n)]
+    src = _shape(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+    dim = _arg(n, pos, "dim", default)
+    if src is None or dim is None or not isinstance(dim, int) or not src:
+        return None, f"the expert ids come from {op_name(n)} ({n.name}) over an axis the pass cannot tell"
+    size = src[dim]
+    if not isinstance(size, int):
+        return None, f"the expert ids come from {op_name(n)} ({n.name}) over a symbolic axis ({size})"
+    return size, f"{op_name(n)} over {list(src)} at {n.name}"
+
+
 def region_boundary(region: Region) -> Boundary:
     """The :class:`Boundary` of a region cut out of a Dynamo graph (:mod:`extract_region`)."""
     a = region.anchors
@@ -1244,4 +1332,10 @@ def read_region(region: Region) -> FormReading | str:
         return "the biases are not added where their shapes say (w13's to the first product, w2's to the second)"
     if isinstance(reading, FormReading) and reading.identity_experts:
         return "the region adds weighted hidden states to its output (identity experts) inside a traced graph"
+    bound, where = expert_id_bound(region.ids)
+    if isinstance(reading, FormReading) and bound is not None and bound > region.anchors.num_experts:
+        # The probe draws ids in [0, E): ids the router makes beyond them would meet code never checked.
+        return (f"the router chooses among {bound} experts ({where}) but the expert weights hold "
+                f"{region.anchors.num_experts}: ids past them would be skipped by moe_fx::experts, and what the "
+                "region does with them is not proved")
     return reading

@@ -232,14 +232,6 @@ class ProbeResult:
     probe: str = ""  # what the numerical check ran, for reports ("T=14 x3, real and random weights")
 
 
-def _routing_args(region: Region, ids: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
-    """What the region reads for the probe's routing: ``[ids, weights]``, or the dense ``[T, E]`` scores."""
-    if not region.dense_scores:
-        return [ids, weights]
-    scores = torch.zeros(ids.shape[0], region.anchors.num_experts, dtype=weights.dtype, device=weights.device)
-    return [scores.scatter(1, ids.long(), weights)]
-
-
 def _random_set(region: Region, real: dict[fx.Node, torch.Tensor], gen: torch.Generator) -> dict[fx.Node, torch.Tensor]:
     """Random float32 weights and biases of the real shapes, for every anchor and bias of the region."""
     views = region_boundary(region).weights_of
@@ -258,12 +250,15 @@ def probe_region(
     reading: FormReading,
     plan: ProbePlan,
     op_weights: Callable[[list[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
+    real_weights: bool = True,
 ) -> ProbeResult:
     """Run the region on the toolkit's cases and compare it with the reference for ``reading``.
 
     ``op_weights`` builds the op's ``(w13, w2)`` from the region's anchor tensors (in
     ``region.anchors.nodes`` order), the way the rewrite passes them; it is applied to the real weights
     and to random ones alike. ``plan`` gives the token count and the runs (:func:`probe_plan.plan_probe`).
+    ``real_weights=False``: only random weights of the real shapes (the real tensors' values are not read; an
+    expert-parallel recompile, whose weights hold this rank's experts only).
     """
     gm, inputs = _subgraph(region, flow)
     where = f" ({plan.describe()})"
@@ -286,13 +281,16 @@ def probe_region(
     device = next(iter(real.values())).device
     gen = torch.Generator().manual_seed(1234)
     sets = {"real": real, "random": _random_set(region, real, gen)}
+    if not real_weights:
+        del sets["real"]  # only their shapes were used
     sem = Semantics(reading.spec, reading.weights_on_input)
     ops = {name: _op_weights(region, ws, op_weights) for name, ws in sets.items()}
     clamps = {name: clamp_scale(op.w13, reading.spec.limit) for name, op in ops.items()}
     e, k, h = region.anchors.num_experts, region.top_k, region.anchors.hidden
     routing = probe_routing(plan.tokens, plan.runs, e, k, gen)
     cases = make_cases(routing, h, clamps, gen, device=device)
-    ran = f"{plan.describe()}, real and random weights"
+    ran = f"{plan.describe()}, " + ("real and random weights" if real_weights else
+                                    "random weights only (the real ones are split across ranks)")
     if isinstance(region.num_tokens, torch.SymInt) and region.num_tokens.node.hint is not None:
         big = large_tokens(e, k)
         if big > plan.tokens:
