@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import logits, rel_err, run_captured  # noqa: E402
 
 import moe_fx  # noqa: E402
-from moe_fx.capture.steps import capture_modules  # noqa: E402
 from moe_fx.capture.inventory import qualify_layer_names, unseen_moe_layers  # noqa: E402
+from moe_fx.capture.steps import capture_modules  # noqa: E402
 from moe_fx.testing.families import TEXT_MOE_FAMILIES, tiny_family_model  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}

@@ -277,8 +277,7 @@ def test_compiled_graph_keeps_no_input_of_its_first_call_alive(form, inductor):
     import gc
     import weakref
 
-    from moe_fx.backend import enable_capture
-    from moe_fx.backend import make_backend
+    from moe_fx.backend import enable_capture, make_backend
     from moe_fx.testing.models import LoopMoE
 
     torch._dynamo.reset()

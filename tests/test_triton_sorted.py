@@ -149,7 +149,6 @@ def test_both_layouts_run_every_form(layout, form):
 def test_sorted_layout_fp8_more_slots_than_experts_and_empty_batch():
     gen = torch.Generator().manual_seed(12)
     t, k, e, h, i = 5, 4, 2, 256, 128  # K > E
-    spec = ExpertActivation()
     hidden = torch.randn(t, h, generator=gen).bfloat16()
     ids = torch.randint(0, e, (t, k), generator=gen)
     w = torch.rand(t, k, generator=gen)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sympy
 import torch
-import torch.fx as fx
+from torch import fx
 
 from moe_fx.passes.graph_utils import op_name
 

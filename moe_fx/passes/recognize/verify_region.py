@@ -19,6 +19,10 @@ import torch
 import torch.fx as fx
 
 from moe_fx.ops import ExpertActivation
+from moe_fx.passes.graph_utils import DataFlow, node_value, scalar_hint, tensor_value
+from moe_fx.passes.recognize.extract_region import Region
+from moe_fx.passes.recognize.probe_resize import resize_literals, symbolic_value
+from moe_fx.passes.recognize.read_form import FormReading, region_boundary
 from moe_fx.verify.check_numerics import (
     NumericsResult,
     OpWeights,
@@ -30,11 +34,7 @@ from moe_fx.verify.check_numerics import (
     make_cases,
     random_weight,
 )
-from moe_fx.passes.recognize.extract_region import Region
-from moe_fx.passes.graph_utils import DataFlow, node_value, scalar_hint, tensor_value
-from moe_fx.passes.recognize.probe_resize import resize_literals, symbolic_value
 from moe_fx.verify.probe_plan import ProbePlan, probe_routing, token_hint
-from moe_fx.passes.recognize.read_form import FormReading, region_boundary
 
 __all__ = ["ProbeResult", "probe_region", "region_rows_per_token", "specialize_scalars"]
 
