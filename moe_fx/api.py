@@ -33,7 +33,7 @@ def compile(model: Callable, config: MoEConfig | None = None, **torch_compile_kw
     config = config or MoEConfig()
     enable_capture()
     _capture_modules(model, config)
-    return torch.compile(model, backend=make_backend(config), **torch_compile_kwargs)
+    return torch.compile(model, backend=make_backend(config, captured=True), **torch_compile_kwargs)
 
 
 def _module_of(model: Callable) -> torch.nn.Module | None:
@@ -310,7 +310,7 @@ def explain(
     report = ExplainReport()
     try:
         sink: list[RegionReport] = _capture_modules(model, config)
-        inner = make_backend(config, sink=sink, inductor=False)
+        inner = make_backend(config, sink=sink, inductor=False, captured=True)
 
         def counting_backend(gm, inputs):
             report.graphs += 1

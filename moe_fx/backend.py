@@ -84,7 +84,8 @@ def _compiled_model() -> torch.nn.Module | None:
 
 
 def _warn_uncaptured(config: MoEConfig) -> None:
-    """Warn once per model about experts modules that only a capture step (``moe_fx.compile``) rewrites."""
+    """Warn once per model about experts modules that only a capture step (``moe_fx.compile``) rewrites
+    (the backend entry: ``moe_fx.compile`` and ``explain`` ran the capture steps themselves and do not ask)."""
     if not config.enabled:
         return
     model = _compiled_model()
@@ -185,15 +186,18 @@ class MoEFxBackend:
         sink: a list that collects the pass reports of every graph compiled, or None.
         inductor: False returns the rewritten graph's Python code instead of compiling it with
             Inductor (explain and graph tests).
+        captured: True when the caller ran the module capture steps itself (``moe_fx.compile``,
+            ``explain``); False (the backend entry) warns once per model about the modules only they capture.
     """
 
     def __init__(
-        self, config: MoEConfig | None = None, *, sink: list[RegionReport] | None = None, inductor: bool = True
+        self, config: MoEConfig | None = None, *, sink: list[RegionReport] | None = None, inductor: bool = True,
+        captured: bool = False,
     ) -> None:
         if config is not None and not isinstance(config, MoEConfig):
             raise TypeError(f"moe_fx backend: config must be a MoEConfig or None, got {type(config).__name__}")
         self.config = config or MoEConfig()
-        self.sink, self.inductor = sink, inductor
+        self.sink, self.inductor, self.captured = sink, inductor, captured
 
     @property
     def moe_fx_config(self) -> MoEConfig:
@@ -212,7 +216,8 @@ class MoEFxBackend:
     ) -> Callable:
         # torch.compile(..., backend="moe_fx", mode=..., options=...) hands these on: honour them as
         # Inductor would (mode="reduce-overhead" is {"triton.cudagraphs": True}: CUDA graphs).
-        _warn_uncaptured(self.config)
+        if not self.captured:
+            _warn_uncaptured(self.config)
         ctx = _run_moe_passes(gm, example_inputs, self.config, self.sink)
         if not self.inductor:
             compiled = gm.forward
@@ -234,15 +239,17 @@ class MoEFxBackend:
 
 
 def make_backend(
-    config: MoEConfig | None = None, *, sink: list[RegionReport] | None = None, inductor: bool = True
+    config: MoEConfig | None = None, *, sink: list[RegionReport] | None = None, inductor: bool = True,
+    captured: bool = False,
 ) -> MoEFxBackend:
     """A torch.compile backend that runs the moe_fx passes with ``config``, then Inductor (a picklable
     :class:`MoEFxBackend`).
 
     ``sink`` collects the pass reports of every graph compiled; ``inductor=False`` returns the
-    rewritten graph's Python code instead of compiling it (for explain and graph tests).
+    rewritten graph's Python code instead of compiling it (for explain and graph tests); ``captured=True``
+    says the caller ran the module capture steps (no warning about the modules they capture).
     """
-    return MoEFxBackend(config, sink=sink, inductor=inductor)
+    return MoEFxBackend(config, sink=sink, inductor=inductor, captured=captured)
 
 
 def moe_fx_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable:

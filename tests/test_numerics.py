@@ -128,8 +128,10 @@ def test_user_forms_match_eager(cls, dtype, tokens):
 
 @pytest.mark.parametrize("family", ["deepseek_v3"])
 def test_inductor_end_to_end_fp32(family):
-    """The whole backend (passes + Inductor) with a dynamic token dimension."""
-    model = tiny_hf_model(family, num_layers=2)
+    """The whole backend (passes + Inductor) with a dynamic token dimension (one decoder layer: a second,
+    identical one doubled Inductor's C++ build and covered nothing more; layer stacks are checked without
+    Inductor in test_hf_family_matches_eager)."""
+    model = tiny_hf_model(family, num_layers=1)
     compiled = moe_fx.compile(model, dynamic=True)
     torch._dynamo.reset()
     with torch.no_grad():
