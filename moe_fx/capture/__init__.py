@@ -8,6 +8,7 @@ traces one op. The steps run in the order of :data:`moe_fx.capture.steps.STEPS` 
 ``moe_fx.compile`` and ``moe_fx.explain`` and released by explain.
 
 * :mod:`.steps` — the ordered list of steps, :func:`~.steps.capture_modules` / :func:`~.steps.release_modules`;
+* :mod:`.patch` — how a step patches a module (an instance forward) and releases it;
 * :mod:`.hit_loops`, :mod:`.fp8_modules` — the two steps;
 * :mod:`.record_forward` — a module's forward recorded as an FX graph, so that the graph pass's structural
   reader (:mod:`moe_fx.passes.recognize.read_form`) proves it the way it proves a region;

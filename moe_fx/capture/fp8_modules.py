@@ -48,6 +48,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 import moe_fx.ops  # noqa: F401  (registers torch.ops.moe_fx.experts)
 from moe_fx.capture.hit_loops import check_forward, trace_inputs
+from moe_fx.capture.patch import patch_forward, patched_with, release_patched
 from moe_fx.capture.record_forward import record_forward
 from moe_fx.config import MoEConfig
 from moe_fx.ops import ExpertActivation, dequantize_blockwise
@@ -376,7 +377,7 @@ def _moe_fx_fp8_forward(
 
 
 def _captured(module: nn.Module) -> bool:
-    return getattr(vars(module).get("forward"), "__func__", None) is _moe_fx_fp8_forward
+    return patched_with(module, _moe_fx_fp8_forward)
 
 
 def capture_fp8_experts(model: nn.Module, config: MoEConfig | None = None) -> list[RegionReport]:
@@ -402,7 +403,7 @@ def capture_fp8_experts(model: nn.Module, config: MoEConfig | None = None) -> li
             continue
         module._moe_fx_fp8 = m
         module._moe_fx_kernel = config.kernel
-        module.forward = types.MethodType(_moe_fx_fp8_forward, module)
+        patch_forward(module, _moe_fx_fp8_forward)
         w = module.gate_up_proj
         reports.append(
             RegionReport(
@@ -419,12 +420,7 @@ def capture_fp8_experts(model: nn.Module, config: MoEConfig | None = None) -> li
 
 def release_fp8_experts(model: nn.Module) -> int:
     """Undo :func:`capture_fp8_experts`: restore the class forward of captured modules; returns how many."""
-    count = 0
-    for module in model.modules():
-        if _captured(module):
-            del module.forward
-            count += 1
-    return count
+    return release_patched(model, _moe_fx_fp8_forward)
 
 
 def fp8_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:

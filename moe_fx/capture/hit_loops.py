@@ -42,7 +42,6 @@ import inspect
 import itertools
 import logging
 import math
-import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -50,6 +49,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from moe_fx.capture.patch import patch_forward, patched_with, release_patched
 from moe_fx.capture.record_forward import RecordedForward, record_forward
 from moe_fx.config import MoEConfig
 from moe_fx.ops import ExpertActivation
@@ -230,7 +230,7 @@ def _traceable_implementation(module: nn.Module) -> str | None:
 
 
 def _captured(module: nn.Module) -> bool:
-    return getattr(vars(module).get("forward"), "__func__", None) is _captured_forward
+    return patched_with(module, _captured_forward)
 
 
 def loop_experts_candidates(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -551,7 +551,7 @@ def capture_expert_loops(model: nn.Module, config: MoEConfig | None = None) -> l
             continue
         module._moe_fx_loop = found
         module._moe_fx_kernel = config.kernel
-        module.forward = types.MethodType(_captured_forward, module)
+        patch_forward(module, _captured_forward)
         w13 = module.get_parameter(found.w13)
         report.matched, report.num_experts, report.hidden = True, found.num_experts, found.hidden
         report.intermediate, report.top_k = found.intermediate, _top_k(module, found.num_experts)
@@ -565,12 +565,7 @@ def capture_expert_loops(model: nn.Module, config: MoEConfig | None = None) -> l
 
 def release_expert_loops(model: nn.Module) -> int:
     """Undo :func:`capture_expert_loops`: restore the class forward of captured modules; returns how many."""
-    count = 0
-    for module in model.modules():
-        if _captured(module):
-            del module.forward
-            count += 1
-    return count
+    return release_patched(model, _captured_forward)
 
 
 def loop_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
