@@ -76,8 +76,8 @@ def counting_dg(monkeypatch):
     return counting
 
 
-def _op(*args, impl, **kw):
-    return torch.ops.moe_fx.experts(*args, kernel_choice=impl, **kw)
+def _op(*args, kernel, **kw):
+    return torch.ops.moe_fx.experts(*args, kernel_choice=kernel, **kw)
 
 
 def _weights(e, h, i, fp8, gen):
@@ -123,12 +123,18 @@ def test_deepgemm_experts_matches_reference_and_triton(counting_dg, t, e, k, h, 
 
 def test_op_auto_selects_deepgemm_and_explicit_requests():
     _need_deepgemm()
-    from moe_fx.lowering.select import explain_kernel
+    from moe_fx.lowering.experts import explain_experts
+    from moe_fx.ops.experts import bind_experts
 
-    assert explain_kernel("cuda", torch.bfloat16, 8, 256, 128)[0] == "deepgemm"
-    kernel, reasons = explain_kernel("cuda", torch.bfloat16, 8, 256, 96)
-    assert kernel == "triton" and "gemm2 K=96" in reasons["deepgemm"]
     gen = torch.Generator(device="cuda").manual_seed(1)
+    for inter, want in ((128, "deepgemm"), (96, "triton")):  # explain on this GPU's probed capabilities
+        h = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16)
+        w13 = torch.empty(8, 2 * inter, 256, device="cuda", dtype=torch.bfloat16)
+        w2 = torch.empty(8, 256, inter, device="cuda", dtype=torch.bfloat16)
+        ids0, w0 = torch.zeros(64, 2, device="cuda", dtype=torch.long), torch.ones(64, 2, device="cuda")
+        why = explain_experts(bind_experts(h, ids0, w0, w13, w2))
+        assert why.kernel == want, (inter, why.reasons)
+    assert "gemm2 K=96" in why.reasons["deepgemm"]
     hidden = torch.randn(64, 256, generator=gen, device="cuda").bfloat16()
     ids, w = _ragged_routing(64, 8, 2, gen)
     w13, w2, _, _ = _weights(8, 256, 128, False, gen)
