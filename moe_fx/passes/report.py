@@ -38,7 +38,7 @@ class RegionReport:
             ``"unverified"`` (``MoEConfig(verify="never")``: rewritten on its structure alone).
         tokens: the region's token count T as traced: ``"5"``, ``"symbolic (traced at 5)"`` when the graph
             is compiled for any T (``dynamic=True``, or automatic dynamic shapes after a recompile), or
-            ``"data-dependent"``; empty where unknown (modules captured before tracing).
+            ``"data-dependent"`` (for a module captured before tracing: what explain reads from its op node); empty where unknown.
         probe: the numerical check's size, e.g. ``"T=14 x3"`` or ``"reduced T=32 of 2048 x3"`` (also
             set when the check ran and failed).
         probe_error: the largest relative error the check found (nan when none ran).
