@@ -1,8 +1,8 @@
 """Time the DeepGEMM experts path against its raw GEMMs and the Triton path (one MoE layer, one GPU).
 
-For each shape: the whole layer on DeepGEMM (``moe_fx::experts`` with ``impl="deepgemm"``, compiled: permute, GEMM1, activation+quant, GEMM2,
+For each shape: the whole layer on DeepGEMM (``moe_fx::experts`` with ``kernel_choice="deepgemm"``, compiled: permute, GEMM1, activation+quant, GEMM2,
 combine), the raw DeepGEMM masked GEMMs alone on the same masked layout and loads, and the whole
-layer with ``impl="triton"``. Routing is uniform random top-k. Also measures the dense fp8 matmul rate
+layer with ``kernel_choice="triton"``. Routing is uniform random top-k. Also measures the dense fp8 matmul rate
 (``torch._scaled_mm``, 8192^3) the DeepGEMM rate is compared with.
 
     python bench/deepgemm_layer.py [--shapes dsv3,qwen3,mixtral] [--tokens 4096] [--out FILE]
@@ -58,10 +58,10 @@ def run_shape(name: str, t: int, fp8: bool) -> dict:
     s13 = s2 = None
     if fp8:
         (w13, s13), (w2, s2) = quantize_fp8_blockwise(w13), quantize_fp8_blockwise(w2)
-    def layer_fn(impl):
+    def layer_fn(kernel):
         # the layer as a compiled model runs it: Inductor's generated code launches the kernels
         return torch.compile(lambda: torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, w13_scale=s13, w2_scale=s2,
-                                                              impl=impl))
+                                                              kernel_choice=kernel))
 
     layer = _bench(layer_fn("deepgemm"))
     tri = _bench(layer_fn("triton"))

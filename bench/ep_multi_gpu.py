@@ -14,7 +14,7 @@ between dispatch's send and receive. Per configuration and per-rank token count 
   rank's share before and after ``moe_fx.rebalance_experts()``, the rebalance's time, and the step
   time with EPLB's per-step map and counts against without.
 
-EP backends: whatever ``auto`` picks (DeepEP's low-latency kernels where ``deep_ep`` imports and the
+EP kernels: whatever ``auto`` picks (DeepEP's low-latency kernels where ``deep_ep`` imports and the
 hidden size is compiled into them, else the sync-free fixed-size exchange on NCCL); the log says which.
 Rank 0 writes ``ep_multi_gpu_<date>.{json,md}`` to ``--out``. ``--device cpu`` runs a tiny version on
 gloo (``torchrun --nproc-per-node 2 bench/ep_multi_gpu.py --device cpu``): a smoke test, no timings.

@@ -9,7 +9,7 @@ I = 2048, one shared expert of I = 2048), as ``split_ep`` writes it, in two orde
   -> combine (what ``split_ep`` emits: the shared expert runs while the tokens are in flight, through
   DeepEP's receive hook or the fixed exchange's asynchronous all_gather on NCCL's stream).
 
-Both are captured in CUDA graphs and timed over replays (median, CUDA events), for each backend that
+Both are captured in CUDA graphs and timed over replays (median, CUDA events), for each kernel that
 runs (DeepEP's low-latency kernels where ``deep_ep`` imports, the sync-free torch.distributed exchange
 over NCCL). One replay of each is profiled (``torch.profiler``): the script reports how long the
 communication kernels ran concurrently with the shared expert's GEMMs, and writes the Chrome traces.
@@ -102,25 +102,25 @@ def main() -> None:
         gate, up = torch.nn.functional.linear(x, s_up).chunk(2, dim=-1)
         return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, s_down)
 
-    def routed(parts, backend) -> torch.Tensor:
+    def routed(parts, kernel) -> torch.Tensor:
         recv_x, _scale, masked_m, src_info, layout_range = parts
         y = ops.masked_experts(recv_x, masked_m, w13, w2, "silu", None, None, None, 16, "auto")
-        out0 = ops.ep_combine(y, ids, weights, src_info, layout_range, e, mt, g, False, backend)
-        return ops.ep_remaining_rounds(out0, x, ids, weights, w13, w2, e, mt, g, False, backend)
+        out0 = ops.ep_combine(y, ids, weights, src_info, layout_range, e, mt, g, False, kernel)
+        return ops.ep_remaining_rounds(out0, x, ids, weights, w13, w2, e, mt, g, False, kernel)
 
-    def sequential(backend) -> torch.Tensor:
-        out = routed(ops.ep_dispatch(x, ids, e, mt, g, False, backend), backend)
+    def sequential(kernel) -> torch.Tensor:
+        out = routed(ops.ep_dispatch(x, ids, e, mt, g, False, kernel), kernel)
         return out + shared()
 
-    def overlapped(backend) -> torch.Tensor:
-        ticket = ops.ep_dispatch_send(x, ids, e, mt, g, False, backend)
+    def overlapped(kernel) -> torch.Tensor:
+        ticket = ops.ep_dispatch_send(x, ids, e, mt, g, False, kernel)
         side = shared()  # while the tokens are in flight
-        return routed(ops.ep_dispatch_recv(ticket, x, e, mt, g, False, backend), backend) + side
+        return routed(ops.ep_dispatch_recv(ticket, x, e, mt, g, False, kernel), kernel) + side
 
     ops.ep_agree_step(t, mt, g)
     want = experts_reference(x, ids, weights, w13, w2).float() + shared().float()
     deep_ep_error = probe_capabilities(args.device).deep_ep_error
-    backends = ["torch_dist_fixed"] + ([] if deep_ep_error or cpu else ["deepep"])
+    kernels = ["torch_dist_fixed"] + ([] if deep_ep_error or cpu else ["deepep"])
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if not cpu else platform.processor() or "cpu",
@@ -131,11 +131,11 @@ def main() -> None:
     }
     print(json.dumps(meta, indent=1), flush=True)
     rows = []
-    for backend in backends:
-        row = {"backend": backend}
+    for kernel in kernels:
+        row = {"kernel": kernel}
         for name, fn in (("sequential", sequential), ("overlapped", overlapped)):
             with torch.no_grad():
-                out = fn(backend)
+                out = fn(kernel)
                 row[f"{name}_rel_err"] = float((out.float() - want).norm() / want.norm())
                 if cpu:
                     continue
@@ -143,11 +143,11 @@ def main() -> None:
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     for _ in range(3):
-                        fn(backend)
+                        fn(kernel)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    fn(backend)
+                    fn(kernel)
                 row[f"{name}_us"] = _time_us(graph.replay)
                 from torch.profiler import ProfilerActivity, profile
 
@@ -155,7 +155,7 @@ def main() -> None:
                     graph.replay()
                     torch.cuda.synchronize()
                 os.makedirs(args.out, exist_ok=True)
-                prof.export_chrome_trace(os.path.join(args.out, f"ep_overlap_{backend}_{name}.trace.json"))
+                prof.export_chrome_trace(os.path.join(args.out, f"ep_overlap_{kernel}_{name}.trace.json"))
                 row[f"{name}_profile"] = _concurrency_us(prof, ("nccl", "dispatch", "deep_ep", "internode", "intranode"),
                                                          ("nvjet", "gemm", "cutlass", "sm90", "xmma", "matmul"))
         if not cpu:
@@ -174,13 +174,13 @@ def main() -> None:
         f.write(f"# Shared expert overlapped with the EP dispatch, one GPU ({meta['date']})\n\n")
         f.write(f"{meta['device']}, torch {meta['torch']} (CUDA {meta['cuda']}), commit {meta['commit']}; "
                 f"DeepEP: {deep_ep_error or 'yes'}\n\nShape: {meta['shape']}\n\n")
-        f.write("| backend | sequential µs | overlapped µs | saved µs | comm kernels concurrent with the shared "
+        f.write("| kernel | sequential µs | overlapped µs | saved µs | comm kernels concurrent with the shared "
                 "GEMMs (µs, overlapped / sequential) | rel. err |\n|---|---|---|---|---|---|\n")
         for r in rows:
-            f.write(f"| {r['backend']} | {r['sequential_us']:.1f} | {r['overlapped_us']:.1f} | {r['saved_us']:.1f} | "
+            f.write(f"| {r['kernel']} | {r['sequential_us']:.1f} | {r['overlapped_us']:.1f} | {r['saved_us']:.1f} | "
                     f"{r['overlapped_profile']['concurrent_us']:.1f} / {r['sequential_profile']['concurrent_us']:.1f} | "
                     f"{r['overlapped_rel_err']:.2e} |\n")
-        f.write("\nCUDA-graph replays, median of 50 (CUDA events). Chrome traces: ep_overlap_<backend>_<order>.trace.json. "
+        f.write("\nCUDA-graph replays, median of 50 (CUDA events). Chrome traces: ep_overlap_<kernel>_<order>.trace.json. "
                 "One rank: the transfer is a local copy, a lower bound of the overlap several GPUs get.\n")
     print("wrote", base + ".md")
     dist.destroy_process_group()

@@ -157,13 +157,13 @@ def main() -> None:
     )
     full_paths = {}
     if not deep_ep_error:
-        for impl in ("auto", "triton"):
+        for kernel in ("auto", "triton"):
 
-            def op_experts(xx, mm, a, b, act="silu", xs=None, sa=None, sb=None, impl=impl):
-                return ops.masked_experts(xx, mm, a, b, act, xs, sa, sb, 16, impl)
+            def op_experts(xx, mm, a, b, act="silu", xs=None, sa=None, sb=None, kernel=kernel):
+                return ops.masked_experts(xx, mm, a, b, act, xs, sa, sb, 16, kernel)
 
             for fp8 in (False, True):
-                name = f"deepep{'_fp8' if fp8 else ''} + masked_experts impl={impl}{' fp8 weights' if fp8 else ''}"
+                name = f"deepep{'_fp8' if fp8 else ''} + masked_experts kernel={kernel}{' fp8 weights' if fp8 else ''}"
                 wts = (q13, q2, s13, s2) if fp8 else None
                 try:
                     out, *_ = ep_path("deepep", fp8, op_experts, wts)
@@ -215,7 +215,7 @@ def main() -> None:
         wts = (q13, q2, s13, s2) if fp8 else (w13, w2, None, None)
         rows.append(
             {
-                "path": f"local (no EP): whole moe_fx::experts op (impl auto){', fp8 weights' if fp8 else ''}",
+                "path": f"local (no EP): whole moe_fx::experts op (kernel auto){', fp8 weights' if fp8 else ''}",
                 "us": _time_us(
                     lambda wts=wts: ops.experts(x, ids, weights, wts[0], wts[1], "silu", False, wts[2], wts[3])
                 ),

@@ -1,7 +1,7 @@
 """Every transformers text MoE family, tiny and random, through moe_fx: what is rewritten, and equal to eager?
 
 ``python bench/families.py [--impl grouped_mm|batched_mm|eager] [--dtype float32|bfloat16] [family ...]``
-builds each family with :func:`moe_fx.testing_families.tiny_family_model` (2 layers, H=32, 8 experts,
+builds each family with :func:`moe_fx.testing.families.tiny_family_model` (2 layers, H=32, 8 experts,
 top-2 where the family allows), compiles it with the moe_fx passes (graphs run eagerly, no Inductor:
 the question is what the pass does, not what Inductor does), runs the same tokens through eager and
 compiled, and prints one row per family: MoE layers found / rewritten, forms, the largest relative
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import logits, rel_err, run_captured  # noqa: E402
 
 import moe_fx  # noqa: E402
-from moe_fx.api import _capture_modules  # noqa: E402
-from moe_fx.passes.inventory import qualify_layer_names, unseen_moe_layers  # noqa: E402
-from moe_fx.testing_families import TEXT_MOE_FAMILIES, tiny_family_model  # noqa: E402
+from moe_fx.capture.inventory import qualify_layer_names, unseen_moe_layers  # noqa: E402
+from moe_fx.capture.steps import capture_modules  # noqa: E402
+from moe_fx.testing.families import TEXT_MOE_FAMILIES, tiny_family_model  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 try:  # transformers' strict configs raise this (not a ValueError) for settings a family rejects
@@ -43,7 +43,7 @@ def run_family(family: str, impl: str, dtype: torch.dtype, layers: int) -> dict:
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = logits(model(ids))
-    module_reports = _capture_modules(model, moe_fx.MoEConfig())
+    module_reports = capture_modules(model, moe_fx.MoEConfig())
     got, cap = run_captured(model, ids)
     reports = module_reports + [r for r in cap.reports if r.layer != "<graph>"]
     qualify_layer_names(model, reports)

@@ -22,7 +22,7 @@ import torch
 
 from moe_fx.lowering.quant import quantize_fp8_blockwise, quantize_fp8_per_token_group
 from moe_fx.ops import dequantize_blockwise, experts_reference
-from moe_fx.testing import HF_FAMILIES, tiny_hf_model
+from moe_fx.testing.models import HF_FAMILIES, tiny_hf_model
 
 
 def fp8_recipe_layer(hidden, ids, w, q13, s13, q2, s2):

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 import moe_fx
-from moe_fx.testing import HF_FAMILIES, tiny_hf_model
+from moe_fx.testing.models import HF_FAMILIES, tiny_hf_model
 
 
 def main() -> int:

@@ -62,11 +62,11 @@ def per_call_us(fn, calls: int) -> float:
     return sorted(rounds)[1]
 
 
-def _op_costs(shape: str, name: str, impl: str, ws: tuple, hidden, ids, w, calls: int) -> list[str]:
-    """Host cost per call of torch.ops.moe_fx.experts(impl=...): plain, as a CUDA-graph replay, and a cProfile."""
+def _op_costs(shape: str, name: str, kernel: str, ws: tuple, hidden, ids, w, calls: int) -> list[str]:
+    """Host cost per call of torch.ops.moe_fx.experts(kernel_choice=...): plain, as a CUDA-graph replay, and a cProfile."""
 
     def op():
-        return torch.ops.moe_fx.experts(hidden, ids, w, ws[0], ws[1], w13_scale=ws[2], w2_scale=ws[3], impl=impl)
+        return torch.ops.moe_fx.experts(hidden, ids, w, ws[0], ws[1], w13_scale=ws[2], w2_scale=ws[3], kernel_choice=kernel)
 
     graph = torch.cuda.CUDAGraph()
     op()
@@ -74,7 +74,7 @@ def _op_costs(shape: str, name: str, impl: str, ws: tuple, hidden, ids, w, calls
     with torch.cuda.graph(graph):
         op()
     out = [
-        f"{shape} T=1 {name} impl={impl}: torch.ops.moe_fx.experts {per_call_us(op, calls):.1f} us/call, "
+        f"{shape} T=1 {name} kernel={kernel}: torch.ops.moe_fx.experts {per_call_us(op, calls):.1f} us/call, "
         f"CUDA-graph replay {per_call_us(graph.replay, calls):.1f} us/call"
     ]
     print(out[-1], flush=True)
@@ -86,7 +86,7 @@ def _op_costs(shape: str, name: str, impl: str, ws: tuple, hidden, ids, w, calls
     torch.cuda.synchronize()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
-    out.append(f"cProfile, 100 calls, {shape} {name} impl={impl}:\n" + buf.getvalue()[-4000:])
+    out.append(f"cProfile, 100 calls, {shape} {name} kernel={kernel}:\n" + buf.getvalue()[-4000:])
     return out
 
 
@@ -117,22 +117,22 @@ def main() -> None:
         q13, s13 = quantize_fp8_blockwise(w13)
         q2, s2 = quantize_fp8_blockwise(w2)
         hidden, ids, w = routing_sets(1, e, k, h, 1)[0]
-        impls = ["triton"] + (["deepgemm"] if _has_deep_gemm() else [])
+        kernels = ["triton"] + (["deepgemm"] if _has_deep_gemm() else [])
         for name, ws in (("bf16", (w13, w2, None, None)), ("fp8", (q13, q2, s13, s2))):
 
-            for impl in impls:
+            for kernel in kernels:
 
-                def layer(hidden, ids, w, ws=ws, impl=impl):
+                def layer(hidden, ids, w, ws=ws, kernel=kernel):
                     return torch.ops.moe_fx.experts(hidden, ids, w, ws[0], ws[1], w13_scale=ws[2], w2_scale=ws[3],
-                                                    impl=impl)
+                                                    kernel_choice=kernel)
 
                 compiled = torch.compile(layer, fullgraph=True)
                 lines.append(
-                    f"{shape} T=1 {name} impl={impl}: compiled (Inductor launches) "
+                    f"{shape} T=1 {name} kernel={kernel}: compiled (Inductor launches) "
                     f"{per_call_us(lambda c=compiled: c(hidden, ids, w), args.calls):.1f} us/call"
                 )
                 print(lines[-1], flush=True)
-                lines += _op_costs(shape, name, impl, ws, hidden, ids, w, args.calls)
+                lines += _op_costs(shape, name, kernel, ws, hidden, ids, w, args.calls)
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -5,10 +5,10 @@ For each shape (Mixtral-8x7B, Qwen3-30B-A3B, a DeepSeek-V3 EP-8 shard) and token
 * ``hf_eager``, ``hf_grouped_mm``, ``hf_batched_mm``: transformers' experts module of that model
   (``config._experts_implementation`` set), random bf16 weights at real size, under plain
   ``torch.compile`` (``--no-compile-hf`` times them uncompiled);
-* ``moe_fx_bf16``, ``moe_fx_fp8``: ``torch.ops.moe_fx.experts(impl="triton")`` under ``torch.compile``
+* ``moe_fx_bf16``, ``moe_fx_fp8``: ``torch.ops.moe_fx.experts(kernel_choice="triton")`` under ``torch.compile``
   (as in a rewritten model: Inductor's generated code launches the kernels) with the bf16 weights,
   and with the same weights quantised once to fp8 128x128 blocks;
-* with ``--deepgemm`` and ``deep_gemm`` importable: the same with ``impl="deepgemm"``.
+* with ``--deepgemm`` and ``deep_gemm`` importable: the same with ``kernel_choice="deepgemm"``.
 
 Decode rows (T <= 256) are timed as plain calls and as CUDA-graph replays (``*_graph`` columns;
 an implementation that cannot be captured, e.g. one that synchronises with the host, gets none).
@@ -265,7 +265,7 @@ def main() -> None:
         action="store_true",
         help="also compile hf eager (its data-dependent loop breaks the graph per expert; slow to compile)",
     )
-    ap.add_argument("--deepgemm", action="store_true", help="add torch.ops.moe_fx.experts(impl='deepgemm') rows")
+    ap.add_argument("--deepgemm", action="store_true", help="add torch.ops.moe_fx.experts(kernel_choice='deepgemm') rows")
     ap.add_argument("--graph-max-t", type=int, default=256)
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cells after this many seconds")
@@ -355,11 +355,11 @@ def main() -> None:
                 compiled = not args.no_compile_hf and (impl != "eager" or args.compile_eager)
                 fns["hf_" + impl] = torch.compile(mods[impl], dynamic=True) if compiled else mods[impl]
         op = torch.ops.moe_fx.experts
-        fns["moe_fx_bf16"] = torch.compile(experts_fn(op, w13, w2, impl="triton", **op_kw))
-        fns["moe_fx_fp8"] = torch.compile(experts_fn(op, q13, q2, s13, s2, impl="triton", **op_kw))
+        fns["moe_fx_bf16"] = torch.compile(experts_fn(op, w13, w2, kernel_choice="triton", **op_kw))
+        fns["moe_fx_fp8"] = torch.compile(experts_fn(op, q13, q2, s13, s2, kernel_choice="triton", **op_kw))
         if deep_gemm_ok and family != "gpt_oss":  # H=2880 is not 128-aligned: no DeepGEMM
-            fns["moe_fx_deepgemm_bf16"] = torch.compile(experts_fn(op, w13, w2, impl="deepgemm"))
-            fns["moe_fx_deepgemm_fp8"] = torch.compile(experts_fn(op, q13, q2, s13, s2, impl="deepgemm"))
+            fns["moe_fx_deepgemm_bf16"] = torch.compile(experts_fn(op, w13, w2, kernel_choice="deepgemm"))
+            fns["moe_fx_deepgemm_fp8"] = torch.compile(experts_fn(op, q13, q2, s13, s2, kernel_choice="deepgemm"))
         meta.setdefault("check_rel_err_vs_fp32_reference", {})[shape] = check_outputs(fns, e, k, h, w13, w2, **op_kw)
         log("check", shape, json.dumps(meta["check_rel_err_vs_fp32_reference"][shape]))
         for t in map(int, args.tokens.split(",")):

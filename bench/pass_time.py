@@ -29,7 +29,7 @@ def measure(layers: int, verify: str) -> dict[str, float]:
     """Seconds for the passes and for the whole first compiled call, for one verify mode."""
     import moe_fx
     import moe_fx.backend as backend_mod
-    from moe_fx.testing import tiny_hf_model
+    from moe_fx.testing.models import tiny_hf_model
 
     torch._dynamo.reset()
     model = tiny_hf_model("qwen3_moe", num_layers=layers)

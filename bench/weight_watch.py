@@ -22,7 +22,7 @@ import torch
 
 import moe_fx
 from moe_fx.passes import expert_storage
-from moe_fx.testing import tiny_hf_model
+from moe_fx.testing.models import tiny_hf_model
 
 
 def _median_us(fn, reps: int) -> float:

@@ -19,7 +19,7 @@ __all__ = ["main"]
 
 
 def _tiny_model(family: str, impl: str, layers: int, dtype: torch.dtype):
-    from moe_fx.testing import tiny_hf_model
+    from moe_fx.testing.models import tiny_hf_model
 
     return tiny_hf_model(family, num_layers=layers, experts_implementation=impl, dtype=dtype)
 
@@ -64,7 +64,7 @@ def _progress(message: str) -> None:
 def explain_cmd(args: argparse.Namespace) -> int:
     """Print the explain report of a tiny model of ``args.family``."""
     import moe_fx
-    from moe_fx.testing_families import tiny_family_model
+    from moe_fx.testing.families import tiny_family_model
 
     dtype = getattr(torch, args.dtype)
     _progress(f"[explain] building a tiny {args.family} model ({args.layers} layers) and tracing it ...")
@@ -111,7 +111,7 @@ def _bounded_int(name: str, low: int, high: int):
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m moe_fx`` and the ``moe-fx`` script."""
-    from moe_fx.testing_families import TEXT_MOE_FAMILIES
+    from moe_fx.testing.families import TEXT_MOE_FAMILIES
 
     parser = argparse.ArgumentParser(prog="python -m moe_fx", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,51 +13,42 @@ import torch
 from moe_fx.config import MoEConfig
 from moe_fx.passes.report import RegionReport
 
-__all__ = ["ExplainReport", "compile", "enable_capture", "explain"]
+__all__ = ["ExplainReport", "compile", "explain"]
 
 log = logging.getLogger("moe_fx")
-
-
-def enable_capture() -> None:
-    """Set the Dynamo options that let MoE blocks trace into one graph.
-
-    ``capture_dynamic_output_shape_ops`` lets a ``range(E)`` loop over ``nn.ModuleList`` experts with
-    ``torch.where`` / ``nonzero`` trace without a graph break; ``capture_scalar_outputs`` does the
-    same for ``.item()``-style counts. Both are process-wide Dynamo settings.
-    """
-    cfg = torch._dynamo.config
-    if not (cfg.capture_dynamic_output_shape_ops and cfg.capture_scalar_outputs):
-        log.info("moe_fx: enabling torch._dynamo.config.capture_dynamic_output_shape_ops and capture_scalar_outputs")
-    cfg.capture_dynamic_output_shape_ops = True
-    cfg.capture_scalar_outputs = True
 
 
 def compile(model: Callable, config: MoEConfig | None = None, **torch_compile_kwargs: Any) -> Callable:
     """``torch.compile(model, backend=<moe_fx with config>, **torch_compile_kwargs)``.
 
-    Also sets the Dynamo options the MoE capture needs (:func:`enable_capture`). For Hugging Face
+    Sets the Dynamo options the MoE capture needs (:func:`moe_fx.backend.enable_capture`) and runs the module
+    capture steps (:data:`moe_fx.capture.steps.STEPS`: what a backend cannot do, as it never sees modules)
+    before Dynamo traces. For Hugging Face
     ``generate()``, compile the module in place instead: ``model.forward = moe_fx.compile(model.forward)``.
     """
-    from moe_fx.backend import make_backend
+    from moe_fx.backend import enable_capture, make_backend
 
     if "backend" in torch_compile_kwargs:
         raise TypeError("moe_fx.compile() picks the backend itself; pass other torch.compile arguments only")
     config = config or MoEConfig()
     enable_capture()
     _capture_modules(model, config)
-    return torch.compile(model, backend=make_backend(config), **torch_compile_kwargs)
+    return torch.compile(model, backend=make_backend(config, captured=True), **torch_compile_kwargs)
+
+
+def _module_of(model: Callable) -> torch.nn.Module | None:
+    """The module behind ``model`` (a module, or a bound method of one such as ``model.forward``), or None."""
+    module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
+    return module if isinstance(module, torch.nn.Module) else None
 
 
 def _capture_modules(model: Callable, config: MoEConfig) -> list[RegionReport]:
-    """Module-level capture before tracing: experts whose forwards Dynamo cannot trace as one graph
-    (FP8 checkpoint experts; loops over the experts a batch hits)."""
-    from moe_fx.passes.capture_expert_loops import capture_expert_loops
-    from moe_fx.passes.match_fp8_experts import capture_fp8_experts
+    """Module-level capture before tracing (:data:`moe_fx.capture.steps.STEPS`): experts whose forwards Dynamo
+    cannot trace as one graph (FP8 checkpoint experts; loops over the experts a batch hits)."""
+    from moe_fx.capture.steps import capture_modules
 
-    module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
-    if not isinstance(module, torch.nn.Module) or not config.enabled:
-        return []
-    return capture_fp8_experts(module, config) + capture_expert_loops(module, config)
+    module = _module_of(model)
+    return [] if module is None else capture_modules(module, config)
 
 
 @dataclass
@@ -99,7 +89,9 @@ class ExplainReport:
         rows = []
         for r in self.regions:
             what = f"{r.family or '-'}/{r.form or '?'}"
-            last = r.kernel if r.matched else r.reason
+            last = r.reason
+            if r.matched:
+                last = r.kernel + (f", {r.layout} layout" if r.layout and r.layout != "reference" else "")
             weights = "-" if not r.matched else ("fp8 128x128" if r.fp8 else r.dtype or "-")
             rows.append((r.layer, "yes" if r.matched else "no", what, str(r.num_experts or "-"),
                          str(r.top_k or "-"), str(r.hidden or "-"), str(r.intermediate or "-"), r.tokens or "-",
@@ -113,6 +105,12 @@ class ExplainReport:
             f"{len(self.matched)} of {len(self.regions)} MoE region(s) rewritten in {self.graphs} graph(s); "
             f"passes took {self.pass_ms:.1f} ms"
         )
+        only = [r.layer for r in self.matched if r.entry == "moe_fx.compile"]
+        if only:
+            lines.append("rewritten by moe_fx.compile only (torch.compile(model, backend='moe_fx') runs them as "
+                         "written: a capture step patches these modules before tracing, and a backend never sees "
+                         "modules; it warns once and names them):")
+            lines += [f"  {layer}" for layer in only]
         forms = [(r.layer, r.details) for r in self.matched if r.details]
         if forms:
             # what the op computes beyond plain SwiGLU (activation variant, clamps, biases, dense scores)
@@ -132,40 +130,82 @@ class ExplainReport:
         return "\n".join(lines)
 
 
-def _explain_kernel(r: RegionReport, config: MoEConfig) -> tuple[str, dict[str, str]]:
-    """The lowering's kernel choice for one matched region: the only call into ``explain_kernel``."""
-    from moe_fx.lowering.select import explain_kernel
+def _reports_of(node: torch.fx.Node, a: dict, reports: list[RegionReport], first: int) -> list[RegionReport]:
+    """The reports a moe_fx op node of a traced graph stands for (``a``: its bound arguments).
 
-    return explain_kernel(
-        r.device or "cpu", r.dtype, r.num_experts, r.hidden, r.intermediate, r.fp8,
-        request=config.kernel, activation=r.activation or "silu",
-    )  # fmt: skip
-
-
-def _fill_kernels(regions: list[RegionReport], config: MoEConfig) -> None:
-    """Fill ``kernel`` / ``kernel_reasons`` of every matched region with what will really run.
-
-    A request that cannot run makes the op raise when the layer runs (on any device): said, with a
-    warning. On CPU a ``kernel="triton"`` request runs the Triton kernels under Triton's interpreter.
+    A rewritten region's op carries its report's index among the reports of its graph (``first`` on);
+    a captured module's op is found by its module path (relative after a graph break, when one frame
+    may serve several layers: every unexplained capture report of that path and those sizes), else by
+    its sizes alone.
     """
+    from moe_fx.passes.graph_utils import clean_module_path, experts_module_of
+
+    info = node.meta.get("moe_fx")
+    if info is not None:
+        i = first + info["report_index"]
+        return [reports[i]] if i < len(reports) else []
+    _, h, i = a["w2"].shape  # E differs under expert parallelism (this rank's experts)
+    captured = [r for r in reports[:first] if r.matched and not r.kernel and r.entry == "moe_fx.compile"
+                and (r.hidden, r.intermediate) == (int(h), int(i))]
+    path = clean_module_path(experts_module_of(node)[0])
+    by_path = [r for r in captured if path and (r.layer == path or r.layer.endswith("." + path))]
+    return by_path or captured[:1]
+
+
+def _explain_ops(gm: torch.fx.GraphModule, reports: list[RegionReport], first: int) -> None:
+    """Fill kernel, layout and reasons of the reports behind every moe_fx experts op of ``gm`` (after the passes
+    ran): the lowering's own plan (:func:`moe_fx.lowering.experts.explain_experts`) of the op's arguments,
+    bound from its schema, on the node's fake tensors: what the lowering decides when it compiles the op."""
+    from moe_fx.lowering.experts import explain_experts
+    from moe_fx.passes.graph_utils import bound_op_args, moe_fx_op
+    from moe_fx.verify.probe_plan import tokens_text
+
+    for node in gm.graph.nodes:
+        if moe_fx_op(node) not in ("experts", "masked_experts"):
+            continue
+        a = bound_op_args(node)
+        targets = _reports_of(node, a, reports, first)
+        if not targets:
+            continue
+        why = explain_experts(a)
+        kernel, plan = why.kernel, why.plan
+        reasons = dict(why.reasons)
+        if plan.error is not None:
+            kernel, reasons = f"{plan.experts.requested} (cannot run)", {plan.experts.requested: plan.error, **reasons}
+        elif kernel == "triton" and plan.problem.device_type == "cpu":
+            kernel = "triton (interpreted on CPU)"
+        if why.regimes:
+            reasons["layout"] = why.regimes
+        for r in targets:
+            r.kernel, r.layout, r.kernel_reasons = kernel, plan.layout, reasons
+            if not r.tokens and "hidden" in a:  # a captured module: its T as traced
+                r.tokens = tokens_text(a["hidden"].shape[0])
+
+
+def _kernel_warnings(regions: list[RegionReport], config: MoEConfig) -> None:
+    """Say what a matched region's kernel means: a request that cannot run makes the op raise when the layer
+    runs (on any device); ``kernel="triton"`` on CPU runs the Triton kernels under Triton's interpreter."""
     for r in regions:
         if not r.matched:
             continue
-        kernel, reasons = _explain_kernel(r, config)
-        if kernel.endswith("(cannot run)"):
-            why = reasons.get(config.kernel, "")
+        if not r.entry:
+            r.entry = "any"
+        if not r.kernel:
+            r.kernel = "(chosen when the layer first runs)"
+            r.warnings.append("the example call did not run this layer: its kernel is chosen when it first runs")
+        elif r.kernel.endswith("(cannot run)"):
+            why = r.kernel_reasons.get(config.kernel, "")
             r.warnings.append(f"kernel={config.kernel!r} was requested but cannot run ({why}): the compiled "
                               "model raises when this layer runs; use kernel='auto'")
-        elif kernel.startswith("triton (interpreted"):
+        elif r.kernel.startswith("triton (interpreted"):
             r.warnings.append("kernel='triton' on CPU runs the Triton kernels under Triton's interpreter: "
                               "correct but very slow (for tests); kernel='auto' runs the torch reference")
-        r.kernel, r.kernel_reasons = kernel, reasons
 
 
 def _mode_notes(model: Callable) -> list[str]:
     """What the model's mode means for the report (explain itself always traces under no_grad)."""
-    module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
-    if not isinstance(module, torch.nn.Module) or not module.training:
+    module = _module_of(model)
+    if module is None or not module.training:
         return []
     grads = any(p.requires_grad for p in module.parameters())
     return [
@@ -259,37 +299,43 @@ def explain(
     """
     import time
 
-    from moe_fx.backend import make_backend
-    from moe_fx.passes.inventory import qualify_layer_names, unseen_moe_layers
+    from moe_fx.backend import enable_capture, make_backend
+    from moe_fx.capture.inventory import qualify_layer_names, unseen_moe_layers
+    from moe_fx.capture.steps import release_modules
 
     config = config or MoEConfig()
     enable_capture()
-    module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
-    states = _snapshot(module) if isinstance(module, torch.nn.Module) else {}
+    module = _module_of(model)
+    states = _snapshot(module) if module is not None else {}
     report = ExplainReport()
     try:
         sink: list[RegionReport] = _capture_modules(model, config)
-        inner = make_backend(config, sink=sink, inductor=False)
+        inner = make_backend(config, sink=sink, inductor=False, captured=True)
 
         def counting_backend(gm, inputs):
             report.graphs += 1
             # explain only reports: the example call runs the graph as the model wrote it (a rewritten layer
             # whose requested kernel cannot run here would raise, and the report must still come out)
             original = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+            first = len(sink)
             start = time.perf_counter()
             inner(gm, inputs)
             report.pass_ms += 1e3 * (time.perf_counter() - start)
+            _explain_ops(gm, sink, first)
             return original.forward
 
         with torch.no_grad():
             torch.compile(model, backend=counting_backend, dynamic=dynamic)(*example_inputs, **example_kwargs)
     finally:
+        # the capture steps' own release first (their forwards), then everything else explain changed
+        # (parameters repacked for the trace, attributes Dynamo set)
+        released = release_modules(module) if module is not None else 0
         restored = _restore(states)
-        log.debug("moe_fx: explain restored %d module(s)", restored)
-    if isinstance(module, torch.nn.Module):
+        log.debug("moe_fx: explain released %d captured module(s) and restored %d module(s)", released, restored)
+    if module is not None:
         qualify_layer_names(module, sink)
         sink += unseen_moe_layers(module, sink)
     report.regions = sink
     report.notes = _mode_notes(model)
-    _fill_kernels(report.regions, config)
+    _kernel_warnings(report.regions, config)
     return report

@@ -1,7 +1,17 @@
 """The ``moe_fx`` torch.compile backend: moe_fx passes on Dynamo's graph, then Inductor.
 
 Registered under the ``torch_dynamo_backends`` entry point, so ``torch.compile(m, backend="moe_fx")``
-works without importing moe_fx first.
+works without importing moe_fx first. ``torch.compile`` loads the entry point when it is called, before
+Dynamo traces anything: importing this module then sets the two Dynamo options MoE blocks need to trace
+as one graph (:func:`enable_capture`; JetMoE's ``.tolist()`` counts, ``nonzero`` in expert loops), as
+``moe_fx.compile`` does.
+
+What a backend cannot do: Dynamo hands it graphs, never the module objects, and by the time it is called
+the graph breaks are made. An experts module that loops over the experts a batch hits (DBRX, LongCat-Flash,
+Step-3.7, transformers' ``eager``) or a fine-grained FP8 experts module graph-breaks inside its forward, so
+no graph holds its block whole; only a capture step that patches the module *before* tracing
+(:mod:`moe_fx.capture`, which ``moe_fx.compile`` runs) turns it into one op. The backend warns once per
+model about such modules (:func:`_warn_uncaptured`), naming them and ``moe_fx.compile`` as the fix.
 """
 
 from __future__ import annotations
@@ -9,6 +19,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import sys
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,9 +33,79 @@ from moe_fx.config import MoEConfig
 from moe_fx.passes.manager import PassContext, run_passes
 from moe_fx.passes.report import RegionReport
 
-__all__ = ["CheckedCall", "MoEFxBackend", "make_backend", "moe_fx_backend", "passes_fingerprint"]
+__all__ = ["CheckedCall", "MoEFxBackend", "UncapturedExpertsWarning", "enable_capture", "make_backend",
+           "moe_fx_backend", "passes_fingerprint"]
 
 log = logging.getLogger("moe_fx")
+
+
+def enable_capture() -> None:
+    """Set the Dynamo options that let MoE blocks trace into one graph.
+
+    ``capture_dynamic_output_shape_ops`` lets a ``range(E)`` loop over ``nn.ModuleList`` experts with
+    ``torch.where`` / ``nonzero`` trace without a graph break; ``capture_scalar_outputs`` does the
+    same for ``.item()`` / ``.tolist()`` counts (JetMoE). Both are process-wide Dynamo settings; importing
+    this module sets them (``torch.compile(..., backend="moe_fx")`` imports it before tracing).
+    """
+    cfg = torch._dynamo.config
+    if not (cfg.capture_dynamic_output_shape_ops and cfg.capture_scalar_outputs):
+        log.info("moe_fx: enabling torch._dynamo.config.capture_dynamic_output_shape_ops and capture_scalar_outputs")
+    cfg.capture_dynamic_output_shape_ops = True
+    cfg.capture_scalar_outputs = True
+
+
+enable_capture()
+
+
+class UncapturedExpertsWarning(UserWarning):
+    """``backend="moe_fx"`` met experts modules only ``moe_fx.compile`` rewrites (see the module docstring)."""
+
+
+#: Models the backend already warned about (once per model).
+_WARNED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _compiled_model() -> torch.nn.Module | None:
+    """The module ``torch.compile`` was given, found on the Python stack of the current compile, or None.
+
+    A backend is never handed the model; what it can see is Dynamo's frame wrapper (``torch/_dynamo/eval_frame.py``),
+    which holds the callable it compiles (``fn``: the model's forward, bound to the model). Read-only, at compile
+    time only; None when it cannot be found (then nothing is said).
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(("_dynamo/eval_frame.py", "_dynamo\\eval_frame.py")):
+            fn = frame.f_locals.get("fn")
+            owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+            if isinstance(owner, torch.nn.Module):
+                return getattr(owner, "_orig_mod", owner)
+        frame = frame.f_back
+    return None
+
+
+def _warn_uncaptured(config: MoEConfig) -> None:
+    """Warn once per model about experts modules that only a capture step (``moe_fx.compile``) rewrites
+    (the backend entry: ``moe_fx.compile`` and ``explain`` ran the capture steps themselves and do not ask)."""
+    if not config.enabled:
+        return
+    model = _compiled_model()
+    if model is None or model in _WARNED:
+        return
+    from moe_fx.capture.steps import uncaptured_modules
+
+    found = uncaptured_modules(model)
+    _WARNED.add(model)
+    if not found:
+        return
+    names = ", ".join(f"{path} ({cls})" for path, cls, _ in found)
+    warnings.warn(
+        f"moe_fx: torch.compile(model, backend='moe_fx') leaves {len(found)} experts module(s) of "
+        f"{type(model).__name__} as written: {names}. They loop over the experts a batch hits (or are FP8 "
+        "checkpoint experts), which graph-breaks before a torch.compile backend sees them, and a backend never "
+        "sees modules. Use model = moe_fx.compile(model) (same torch.compile arguments), which captures before "
+        "tracing those whose form it proves; moe_fx.explain(model, *inputs) shows which entry rewrites each layer.",
+        UncapturedExpertsWarning, stacklevel=2,
+    )
 
 
 def _fingerprint_of(root: Path, version: str) -> str:
@@ -59,7 +142,6 @@ def _run_moe_passes(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: MoEConfig, sink: list[RegionReport] | None
 ) -> PassContext:
     import moe_fx.lowering  # noqa: F401  (registers device kernels for the ops)
-
     from moe_fx.lowering.weights import pack_experts_weights
 
     ctx = PassContext(config=config, example_inputs=list(example_inputs), pack_weights=pack_experts_weights)
@@ -104,15 +186,18 @@ class MoEFxBackend:
         sink: a list that collects the pass reports of every graph compiled, or None.
         inductor: False returns the rewritten graph's Python code instead of compiling it with
             Inductor (explain and graph tests).
+        captured: True when the caller ran the module capture steps itself (``moe_fx.compile``,
+            ``explain``); False (the backend entry) warns once per model about the modules only they capture.
     """
 
     def __init__(
-        self, config: MoEConfig | None = None, *, sink: list[RegionReport] | None = None, inductor: bool = True
+        self, config: MoEConfig | None = None, *, sink: list[RegionReport] | None = None, inductor: bool = True,
+        captured: bool = False,
     ) -> None:
         if config is not None and not isinstance(config, MoEConfig):
             raise TypeError(f"moe_fx backend: config must be a MoEConfig or None, got {type(config).__name__}")
         self.config = config or MoEConfig()
-        self.sink, self.inductor = sink, inductor
+        self.sink, self.inductor, self.captured = sink, inductor, captured
 
     @property
     def moe_fx_config(self) -> MoEConfig:
@@ -131,6 +216,8 @@ class MoEFxBackend:
     ) -> Callable:
         # torch.compile(..., backend="moe_fx", mode=..., options=...) hands these on: honour them as
         # Inductor would (mode="reduce-overhead" is {"triton.cudagraphs": True}: CUDA graphs).
+        if not self.captured:
+            _warn_uncaptured(self.config)
         ctx = _run_moe_passes(gm, example_inputs, self.config, self.sink)
         if not self.inductor:
             compiled = gm.forward
@@ -152,15 +239,17 @@ class MoEFxBackend:
 
 
 def make_backend(
-    config: MoEConfig | None = None, *, sink: list[RegionReport] | None = None, inductor: bool = True
+    config: MoEConfig | None = None, *, sink: list[RegionReport] | None = None, inductor: bool = True,
+    captured: bool = False,
 ) -> MoEFxBackend:
     """A torch.compile backend that runs the moe_fx passes with ``config``, then Inductor (a picklable
     :class:`MoEFxBackend`).
 
     ``sink`` collects the pass reports of every graph compiled; ``inductor=False`` returns the
-    rewritten graph's Python code instead of compiling it (for explain and graph tests).
+    rewritten graph's Python code instead of compiling it (for explain and graph tests); ``captured=True``
+    says the caller ran the module capture steps (no warning about the modules they capture).
     """
-    return MoEFxBackend(config, sink=sink, inductor=inductor)
+    return MoEFxBackend(config, sink=sink, inductor=inductor, captured=captured)
 
 
 def moe_fx_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable:

@@ -119,7 +119,7 @@ class MoEConfig:
         verify: how a matched region is checked before it is rewritten. ``"auto"`` (default): the region
             itself runs on random inputs whose routing reaches every expert and must equal the op's
             reference; at its own token count when that costs at most ``verify_max_flops``, else on a
-            reduced problem of a few tokens (see :mod:`moe_fx.passes.probe_plan`). ``"always"``: at its
+            reduced problem of a few tokens (see :mod:`moe_fx.verify.probe_plan`). ``"always"``: at its
             own token count whatever it costs. ``"never"`` (an expert option): no numerical check at
             all; a region whose structure proves the form is rewritten with its routing plumbing
             unchecked (docs/soundness.md), and the report and explain mark it "UNVERIFIED".

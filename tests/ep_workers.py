@@ -128,7 +128,7 @@ def _make_model(kind: str) -> nn.Module:
     if kind == "epmoe":
         return EPMoE(hidden=32, inter=16, num_experts=8, top_k=2).eval()
     if kind == "dense_bmm":
-        from moe_fx.testing import DenseBmmMoE
+        from moe_fx.testing.models import DenseBmmMoE
 
         torch.manual_seed(0)
         return DenseBmmMoE(hidden=32, inter=16, num_experts=8, top_k=2).eval()
@@ -318,7 +318,7 @@ def forms_worker(rank: int, world: int, names: list[str], steps: list[list[int]]
 
 
 def fixed_exchange_worker(rank: int, world: int, max_tokens: int) -> dict:
-    """The sync-free exchange (``backend="torch_dist_fixed"``) at the op level, against the one-process op.
+    """The sync-free exchange (``kernel="torch_dist_fixed"``) at the op level, against the one-process op.
 
     Routing with -1 slots, a token naming one expert twice, ids out of range (skipped: the GPU rule),
     an empty rank, fp8 dispatch, and a step of 3 rounds through ``ep_remaining_rounds``. Returns
@@ -432,7 +432,7 @@ def hf_model_worker(rank: int, world: int, family: str, steps: int, tokens: int,
     numerical check reads the full expert weights, which only the first compilation still has).
     """
     from moe_fx.config import MoEConfig
-    from moe_fx.testing import tiny_hf_model
+    from moe_fx.testing.models import tiny_hf_model
 
     model = tiny_hf_model(family, num_layers=1, num_experts=4)
     ids = [torch.randint(0, 128, (1, tokens + 5 * rank), generator=torch.Generator().manual_seed(5 * i + rank))

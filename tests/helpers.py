@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe_fx.api import enable_capture
-from moe_fx.backend import make_backend
+from moe_fx.backend import enable_capture, make_backend
 from moe_fx.config import MoEConfig
 from moe_fx.passes.report import RegionReport
 

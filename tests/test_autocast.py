@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import logits, rel_err, run_captured
 
 import moe_fx
-from helpers import logits, rel_err, run_captured
-from moe_fx.testing import DenseBmmMoE, LoopMoE, TitanGroupedMoE, tiny_hf_model
+from moe_fx.testing.models import DenseBmmMoE, LoopMoE, TitanGroupedMoE, tiny_hf_model
 
 OP = "torch.ops.moe_fx.experts.default("
 

@@ -15,7 +15,7 @@ from helpers import experts_in_one_copy, run_captured
 
 import moe_fx
 from moe_fx.backend import _cache_salt, passes_fingerprint
-from moe_fx.testing import DenseBmmMoE, tiny_hf_model
+from moe_fx.testing.models import DenseBmmMoE, tiny_hf_model
 
 
 def test_entry_point_backend_works_without_importing_moe_fx(tmp_path):
@@ -144,7 +144,7 @@ def test_quantize_fp8_packs_weights_once_at_rewrite_time():
 
 
 def test_explain_reports_fp8_checkpoint_experts():
-    from moe_fx.testing_fp8 import tiny_fp8_hf_model
+    from moe_fx.testing.fp8 import tiny_fp8_hf_model
 
     model = tiny_fp8_hf_model()
     report = moe_fx.explain(model, torch.randint(0, 64, (1, 5)))
@@ -153,7 +153,7 @@ def test_explain_reports_fp8_checkpoint_experts():
 
 
 def test_expert_loop_through_inductor_shares_storage_without_recompiling():
-    from moe_fx.testing import LoopMoE
+    from moe_fx.testing.models import LoopMoE
 
     torch.manual_seed(0)
     torch._dynamo.reset()
@@ -232,7 +232,7 @@ def test_backend_name_works_from_a_checkout_without_entry_points(tmp_path):
         md.entry_points = lambda **kw: md.EntryPoints([])  # as if moe_fx were not installed
         import torch
         import moe_fx
-        from moe_fx.testing import DenseBmmMoE
+        from moe_fx.testing.models import DenseBmmMoE
         m = DenseBmmMoE()
         x = torch.randn(4, 32)
         with torch.no_grad():
@@ -277,9 +277,8 @@ def test_compiled_graph_keeps_no_input_of_its_first_call_alive(form, inductor):
     import gc
     import weakref
 
-    from moe_fx.api import enable_capture
-    from moe_fx.backend import make_backend
-    from moe_fx.testing import LoopMoE
+    from moe_fx.backend import enable_capture, make_backend
+    from moe_fx.testing.models import LoopMoE
 
     torch._dynamo.reset()
     enable_capture()

@@ -9,18 +9,18 @@ import re
 import pytest
 import torch
 from expecttest import TestCase
+from helpers import OpSpy, capture_backend, logits, rel_err
 
 import moe_fx
-from helpers import OpSpy, capture_backend, logits, rel_err
-from moe_fx.api import enable_capture
-from moe_fx.ops import ExpertActivation
-from moe_fx.passes.capture_expert_loops import (
+from moe_fx.backend import enable_capture
+from moe_fx.capture.hit_loops import (
     capture_expert_loops,
     loop_experts_candidates,
     match_loop_experts,
     release_expert_loops,
 )
-from moe_fx.testing_families import HitLoopExperts, HitLoopMoE, tiny_family_model
+from moe_fx.ops import ExpertActivation
+from moe_fx.testing.families import HitLoopExperts, HitLoopMoE, tiny_family_model
 
 OP = "torch.ops.moe_fx.experts("  # the captured forward calls the op packet; Dynamo records it as such
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}

@@ -1,4 +1,4 @@
-"""The verification toolkit (moe_fx.passes.check_numerics) on its own: what a candidate that differs from the
+"""The verification toolkit (moe_fx.verify.check_numerics) on its own: what a candidate that differs from the
 reference in the ways issue 19 lists gets, independently of the structural reader."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_fx.ops import ExpertActivation, experts_reference
-from moe_fx.passes.check_numerics import (
+from moe_fx.verify.check_numerics import (
     OpWeights,
     Semantics,
     check_cases,
@@ -19,7 +19,7 @@ from moe_fx.passes.check_numerics import (
     random_weight,
     signed_weights,
 )
-from moe_fx.passes.probe_plan import probe_routing
+from moe_fx.verify.probe_plan import probe_routing
 
 E, K, H, I = 16, 2, 32, 16
 SILU = Semantics(ExpertActivation("silu"), False)

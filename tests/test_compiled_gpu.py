@@ -119,7 +119,7 @@ def test_out_of_range_ids_follow_the_documented_gpu_rule():
     hidden, ids, w, w13, w2 = _layer(8, e=8, k=2)
     bad = ids.clone()
     bad[0, 0] = 100
-    out = torch.ops.moe_fx.experts(hidden, bad, w, w13, w2, impl="triton")
+    out = torch.ops.moe_fx.experts(hidden, bad, w, w13, w2, kernel_choice="triton")
     skip = bad.clone()
     skip[0, 0] = -1
     assert rel_err(out, experts_reference(hidden, skip, w, w13, w2)) < 1e-2
@@ -127,7 +127,7 @@ def test_out_of_range_ids_follow_the_documented_gpu_rule():
 
 def test_compiled_hf_model_matches_and_generates():
     pytest.importorskip("transformers")
-    from moe_fx.testing import tiny_hf_model
+    from moe_fx.testing.models import tiny_hf_model
 
     model = tiny_hf_model("qwen3_moe", num_layers=2, dtype=torch.bfloat16, hidden=128, intermediate=128).cuda()
     tokens = torch.randint(0, 128, (2, 24), device="cuda", generator=torch.Generator("cuda").manual_seed(0))

@@ -76,8 +76,8 @@ def counting_dg(monkeypatch):
     return counting
 
 
-def _op(*args, impl, **kw):
-    return torch.ops.moe_fx.experts(*args, impl=impl, **kw)
+def _op(*args, kernel, **kw):
+    return torch.ops.moe_fx.experts(*args, kernel_choice=kernel, **kw)
 
 
 def _weights(e, h, i, fp8, gen):
@@ -109,9 +109,9 @@ def test_deepgemm_experts_matches_reference_and_triton(counting_dg, t, e, k, h, 
     w13, w2, s13, s2 = _weights(e, h, i, fp8, gen)
     args = (hidden, ids, w, w13, w2, "silu", weights_on_input, s13, s2)
     _poison_allocator()
-    out = _op(*args, impl="deepgemm")
+    out = _op(*args, kernel="deepgemm")
     ref = experts_reference(*args)
-    tri = _op(*args, impl="triton")
+    tri = _op(*args, kernel="triton")
     assert len(counting_dg.calls) == 2, "two DeepGEMM GEMMs per call"
     torch.cuda.synchronize()
     assert out.shape == (t, h) and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
@@ -123,22 +123,28 @@ def test_deepgemm_experts_matches_reference_and_triton(counting_dg, t, e, k, h, 
 
 def test_op_auto_selects_deepgemm_and_explicit_requests():
     _need_deepgemm()
-    from moe_fx.lowering.select import explain_kernel
+    from moe_fx.lowering.experts import explain_experts
+    from moe_fx.ops.experts import bind_experts
 
-    assert explain_kernel("cuda", torch.bfloat16, 8, 256, 128)[0] == "deepgemm"
-    kernel, reasons = explain_kernel("cuda", torch.bfloat16, 8, 256, 96)
-    assert kernel == "triton" and "gemm2 K=96" in reasons["deepgemm"]
     gen = torch.Generator(device="cuda").manual_seed(1)
+    for inter, want in ((128, "deepgemm"), (96, "triton")):  # explain on this GPU's probed capabilities
+        h = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16)
+        w13 = torch.empty(8, 2 * inter, 256, device="cuda", dtype=torch.bfloat16)
+        w2 = torch.empty(8, 256, inter, device="cuda", dtype=torch.bfloat16)
+        ids0, w0 = torch.zeros(64, 2, device="cuda", dtype=torch.long), torch.ones(64, 2, device="cuda")
+        why = explain_experts(bind_experts(h, ids0, w0, w13, w2))
+        assert why.kernel == want, (inter, why.reasons)
+    assert "gemm2 K=96" in why.reasons["deepgemm"]
     hidden = torch.randn(64, 256, generator=gen, device="cuda").bfloat16()
     ids, w = _ragged_routing(64, 8, 2, gen)
     w13, w2, _, _ = _weights(8, 256, 128, False, gen)
     ref = experts_reference(hidden, ids, w, w13, w2)
     for kernel in ("auto", "deepgemm", "triton", "reference"):
-        out = torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, impl=kernel)
+        out = torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, kernel_choice=kernel)
         assert _rel(out, ref) < 0.01, kernel
     w13u, w2u, _, _ = _weights(8, 256, 96, False, gen)
-    with pytest.raises(RuntimeError, match="impl='deepgemm' was requested but cannot run"):
-        torch.ops.moe_fx.experts(hidden, ids, w, w13u, w2u, impl="deepgemm")
+    with pytest.raises(RuntimeError, match="kernel='deepgemm' was requested but cannot run"):
+        torch.ops.moe_fx.experts(hidden, ids, w, w13u, w2u, kernel_choice="deepgemm")
 
 
 @pytest.mark.parametrize("quantize", [None, "fp8"])
@@ -148,7 +154,7 @@ def test_compiled_tiny_model_takes_deepgemm_end_to_end(counting_dg, quantize):
 
     from moe_fx.backend import make_backend
     from moe_fx.config import MoEConfig
-    from moe_fx.testing import tiny_hf_model
+    from moe_fx.testing.models import tiny_hf_model
 
     torch.manual_seed(0)
     model = tiny_hf_model(
@@ -188,8 +194,8 @@ def test_fp8_checkpoint_model_uses_its_fp8_weights_on_deepgemm(counting_dg):
     """
     pytest.importorskip("transformers")
     from moe_fx.backend import make_backend
-    from moe_fx.passes.match_fp8_experts import capture_fp8_experts
-    from moe_fx.testing_fp8 import dequantized_copy, tiny_fp8_hf_model
+    from moe_fx.capture.fp8_modules import capture_fp8_experts
+    from moe_fx.testing.fp8 import dequantized_copy, tiny_fp8_hf_model
 
     model = tiny_fp8_hf_model("mixtral", hidden=256, intermediate=128, num_experts=8, top_k=2, device="cuda")
     oracle = dequantized_copy(model)

@@ -19,7 +19,7 @@ import torch
 from moe_fx.lowering import layouts as L
 from moe_fx.lowering.masked_experts.deepgemm import MASKED_M_ALIGN
 from moe_fx.lowering.quant import quantize_fp8_per_token_group
-from moe_fx.ops import ExpertActivation, dequantize_blockwise, experts_reference
+from moe_fx.ops import dequantize_blockwise, experts_reference
 
 pytest.importorskip("triton")
 
@@ -65,12 +65,14 @@ def deepgemm_experts(hidden, ids, w, w13, w2, activation="silu", weights_on_inpu
     from torch._library.triton import set_wrap_triton_enabled
 
     from moe_fx.lowering.experts import ExpertsPlan, run_experts
+    from moe_fx.lowering.masked_experts import deepgemm
     from moe_fx.lowering.select import Choice
+    from moe_fx.ops.experts import bind_experts
 
-    plan = ExpertsPlan(Choice("experts", "deepgemm"), None, None)
+    plan = ExpertsPlan(Choice("experts", "deepgemm", deepgemm), None, None)
+    a = bind_experts(hidden, ids, w, w13, w2, activation, weights_on_input, w13_scale, w2_scale)
     with set_wrap_triton_enabled(False):
-        return run_experts(hidden, ids, w, w13, w2, ExpertActivation(activation), plan,
-                           weights_on_input=weights_on_input, w13_scale=w13_scale, w2_scale=w2_scale)
+        return run_experts(a, plan)
 
 
 @pytest.fixture

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import capture_backend, rel_err
-from moe_fx.api import enable_capture
-from moe_fx.testing import HF_FAMILIES, DenseBmmMoE, LoopMoE, TitanGroupedMoE, tiny_hf_model
+
+from moe_fx.backend import enable_capture
+from moe_fx.testing.models import HF_FAMILIES, DenseBmmMoE, LoopMoE, TitanGroupedMoE, tiny_hf_model
 
 OP = "torch.ops.moe_fx.experts.default("
 

@@ -57,7 +57,7 @@ def group():
             dist.destroy_process_group()
 
 
-def _backend(name: str) -> str:
+def _ep_kernel(name: str) -> str:
     if name == "deepep":
         from moe_fx.lowering.problem import probe_capabilities
 
@@ -78,7 +78,7 @@ def _route(model: FormMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return ids, weights / weights.sum(-1, keepdim=True)
 
 
-def _ep_step(model: FormMoE, x, ids, weights, shared, group_name: str, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _ep_step(model: FormMoE, x, ids, weights, shared, group_name: str, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's EP step for ``model``'s form, the way split_ep writes it; returns (out, shared expert out)."""
     kw = model.kwargs
     e = model.w13.shape[0]
@@ -92,7 +92,7 @@ def _ep_step(model: FormMoE, x, ids, weights, shared, group_name: str, backend: 
         routed = routed.reshape(-1, 1)
         send_w = torch.ones_like(routed, dtype=torch.float32)
     use_fp8 = model.w13.dtype == torch.float8_e4m3fn and x.shape[1] % 128 == 0
-    common = (e, _MAX_TOKENS, group_name, use_fp8, backend)
+    common = (e, _MAX_TOKENS, group_name, use_fp8, kernel)
     ticket = ops.ep_dispatch_send(send, routed, *common)
     side = shared @ shared.t()  # independent work while the tokens are in flight
     recv_x, recv_scale, masked_m, src_info, layout_range = ops.ep_dispatch_recv(ticket, send, *common)
@@ -116,10 +116,10 @@ def _tolerance(form: str) -> float:
     return 0.08 if form.startswith("fp8") else 2e-2
 
 
-@pytest.mark.parametrize("backend", ["torch_dist_fixed", "deepep"])
+@pytest.mark.parametrize("kernel", ["torch_dist_fixed", "deepep"])
 @pytest.mark.parametrize("form", sorted(FORMS))
-def test_ep_step_every_form_in_a_cuda_graph(group, backend, form):
-    backend = _backend(backend)
+def test_ep_step_every_form_in_a_cuda_graph(group, kernel, form):
+    kernel = _ep_kernel(kernel)
     model = _model(form)
     h = model.router.shape[1]
     gen = torch.Generator("cuda").manual_seed(1)
@@ -132,11 +132,11 @@ def test_ep_step_every_form_in_a_cuda_graph(group, backend, form):
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up (DeepEP's buffer, Triton compilation) outside the capture
             for _ in range(2):
-                _ep_step(model, x, ids, weights, shared, group, backend)
+                _ep_step(model, x, ids, weights, shared, group, kernel)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out, side = _ep_step(model, x, ids, weights, shared, group, backend)
+            out, side = _ep_step(model, x, ids, weights, shared, group, kernel)
         for seed in (2, 3):  # new inputs through the captured buffers
             g2 = torch.Generator("cuda").manual_seed(seed)
             x.copy_(torch.randn(x.shape, device="cuda", generator=g2).bfloat16())
@@ -148,22 +148,22 @@ def test_ep_step_every_form_in_a_cuda_graph(group, backend, form):
             torch.cuda.synchronize()
             want = model(x)
             assert not out.isnan().any()
-            assert rel_err(out.float(), want.float()) < _tolerance(form), (form, backend, rel_err(out, want))
+            assert rel_err(out.float(), want.float()) < _tolerance(form), (form, kernel, rel_err(out, want))
             torch.testing.assert_close(side, shared @ shared.t())
 
 
-@pytest.mark.parametrize("backend", ["torch_dist_fixed", "deepep"])
-def test_ep_step_compiled_with_cuda_graphs(group, backend):
+@pytest.mark.parametrize("kernel", ["torch_dist_fixed", "deepep"])
+def test_ep_step_compiled_with_cuda_graphs(group, kernel):
     """Inductor compiles the step (masked_experts lowered to its Triton kernels, the EP ops as calls) and
     replays it through its cudagraph trees; a second step of two rounds is refused on every rank once a
     graph was captured (one rank here)."""
-    backend = _backend(backend)
+    kernel = _ep_kernel(kernel)
     model = _model("biases")
     gen = torch.Generator("cuda").manual_seed(4)
     x = torch.randn(_T, 2048, device="cuda", generator=gen).bfloat16()
     shared = torch.randn(64, 2048, device="cuda", generator=gen).bfloat16()
     torch._dynamo.reset()
-    step = torch.compile(lambda x, i, w, s: _ep_step(model, x, i, w, s, group, backend)[0], mode="reduce-overhead")
+    step = torch.compile(lambda x, i, w, s: _ep_step(model, x, i, w, s, group, kernel)[0], mode="reduce-overhead")
     with torch.no_grad():
         for seed in range(4):
             x = torch.randn(_T, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).bfloat16()
@@ -177,7 +177,7 @@ def test_ep_step_compiled_with_cuda_graphs(group, backend):
 
 def test_deepep_pads_gpt_oss_hidden_size(group):
     """H = 2880 through DeepEP (requested): padded to the next compiled size, said once in the log."""
-    _backend("deepep")
+    _ep_kernel("deepep")
     model = _model("gpt_oss_h2880")
     x = torch.randn(_T, 2880, device="cuda", generator=torch.Generator("cuda").manual_seed(5)).bfloat16()
     ids, weights = _route(model, x)

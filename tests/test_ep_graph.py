@@ -138,7 +138,7 @@ def test_split_ep_deepseek_shared_experts_between_dispatch_and_combine(fake_grou
     # transformers' DeepSeek-V3 block: routed experts (recognized and rewritten), then
     # `hidden.view(...)` and `+ shared_experts(residual)`. The combine is moved past the re-view so
     # that the whole shared expert sits between dispatch and combine.
-    from moe_fx.testing import tiny_hf_model
+    from moe_fx.testing.models import tiny_hf_model
 
     model = tiny_hf_model("deepseek_v3", num_layers=1)
     experts = model.model.layers[0].mlp.experts
@@ -166,7 +166,7 @@ def test_split_ep_deepseek_shared_experts_between_dispatch_and_combine(fake_grou
 def test_split_ep_splits_gpt_oss_with_its_biases_and_activation(fake_group):
     """GPT-OSS's experts (biases, clamped interleaved SwiGLU) are split with every argument kept and the
     biases narrowed to the rank's experts like the weights."""
-    from moe_fx.testing import tiny_hf_model
+    from moe_fx.testing.models import tiny_hf_model
 
     model = tiny_hf_model("gpt_oss", num_layers=1, num_experts=4)
     experts_mod = model.model.layers[0].mlp.experts

@@ -157,8 +157,8 @@ def _weights(e, h, i, gen, dtype=torch.float32):
     return (torch.randn(e, 2 * i, h, generator=gen) * h**-0.5).to(dtype), (torch.randn(e, h, i, generator=gen) * i**-0.5).to(dtype)
 
 
-@pytest.mark.parametrize("backend", ["torch_dist", "torch_dist_fixed"])
-def test_rounds_one_rank(one_rank, backend, monkeypatch):
+@pytest.mark.parametrize("kernel", ["torch_dist", "torch_dist_fixed"])
+def test_rounds_one_rank(one_rank, kernel, monkeypatch):
     from moe_fx.lowering.prepare_finalize import rounds
 
     gen = torch.Generator().manual_seed(4)
@@ -167,20 +167,20 @@ def test_rounds_one_rank(one_rank, backend, monkeypatch):
     ids, weights = _routing(t, e, k, gen)
     w13, w2 = _weights(e, h, i, gen)
     monkeypatch.setattr(rounds, "_AGREED", {})
-    d = ops.ep_dispatch(x[:mt], ids[:mt], e, mt, one_rank, False, backend)
+    d = ops.ep_dispatch(x[:mt], ids[:mt], e, mt, one_rank, False, kernel)
     first = ops.ep_combine(ops.masked_experts(d[0], d[2], w13, w2), ids[:mt], weights[:mt], d[3], d[4], e, mt,
-                           one_rank, False, backend)
+                           one_rank, False, kernel)
     with pytest.raises(ValueError, match="no step agreed"):
-        ops.ep_remaining_rounds(first, x, ids, weights, w13, w2, e, mt, one_rank, False, backend)
+        ops.ep_remaining_rounds(first, x, ids, weights, w13, w2, e, mt, one_rank, False, kernel)
     assert ops.ep_agree_step(t, mt, one_rank) == 3  # ceil(11 / 4)
-    out = ops.ep_remaining_rounds(first, x, ids, weights, w13, w2, e, mt, one_rank, False, backend)
+    out = ops.ep_remaining_rounds(first, x, ids, weights, w13, w2, e, mt, one_rank, False, kernel)
     torch.testing.assert_close(out, experts_reference(x, ids, weights, w13, w2), atol=1e-5, rtol=1e-5)
     # one round: only round 0's output, copied
     assert ops.ep_agree_step(3, mt, one_rank) == 1
-    again = ops.ep_remaining_rounds(first[:3], x[:3], ids[:3], weights[:3], w13, w2, e, mt, one_rank, False, backend)
+    again = ops.ep_remaining_rounds(first[:3], x[:3], ids[:3], weights[:3], w13, w2, e, mt, one_rank, False, kernel)
     assert torch.equal(again, first[:3])
     with pytest.raises(ValueError, match="first_out must be the first round"):
-        ops.ep_remaining_rounds(first[:2], x, ids, weights, w13, w2, e, mt, one_rank, False, backend)
+        ops.ep_remaining_rounds(first[:2], x, ids, weights, w13, w2, e, mt, one_rank, False, kernel)
 
 
 def test_fixed_exchange_one_rank_duplicates_bad_ids_and_fp8(one_rank):
@@ -210,7 +210,7 @@ def test_ep_op_checks(one_rank):
     x, ids = torch.randn(3, 192).bfloat16(), torch.zeros(3, 2, dtype=torch.long)
     with pytest.raises(ValueError, match="hidden size 192 is not a multiple of 128"):
         ops.ep_dispatch(x, ids, 4, 8, one_rank, True)
-    with pytest.raises(ValueError, match="unknown backend 'nccl'"):
+    with pytest.raises(ValueError, match="unknown kernel_choice 'nccl'"):
         ops.ep_dispatch(x, ids, 4, 8, one_rank, False, "nccl")
     with pytest.raises(TypeError, match="unexpected argument"):
         from moe_fx.ops.ep import bind_dispatch
@@ -222,9 +222,9 @@ def test_schema_binder():
     from moe_fx.ops.signature import binder
 
     bind = binder("moe_fx::ep_dispatch")
-    a = bind("h", "ids", 4, 8, "g", backend="deepep")
+    a = bind("h", "ids", 4, 8, "g", kernel_choice="deepep")
     assert a == {"hidden": "h", "topk_ids": "ids", "num_experts": 4, "max_tokens_per_rank": 8, "group_name": "g",
-                 "use_fp8": False, "backend": "deepep"}
+                 "use_fp8": False, "kernel_choice": "deepep"}
     assert bind(*bind.call_args(a)[0], **bind.call_args(a)[1]) == a
     with pytest.raises(TypeError, match="missing required"):
         bind("h", "ids")

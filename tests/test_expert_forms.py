@@ -13,12 +13,12 @@ import types
 import pytest
 import torch
 from expecttest import TestCase
-
 from helpers import capture_backend, logits, rel_err, run_captured
-from moe_fx.api import enable_capture
+
+from moe_fx.backend import enable_capture
 from moe_fx.config import MoEConfig
-from moe_fx.testing import tiny_hf_model
-from moe_fx.testing_families import ClampedSwiGLUMoE, DenseScoresMoE, JetSortMoE, NonGatedMoE, tiny_family_model
+from moe_fx.testing.families import ClampedSwiGLUMoE, DenseScoresMoE, JetSortMoE, NonGatedMoE, tiny_family_model
+from moe_fx.testing.models import tiny_hf_model
 
 OP = "torch.ops.moe_fx.experts.default("
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
@@ -64,7 +64,7 @@ class TestFormGraphs(TestCase):
     router_scores = torch.nn.functional.softmax(router_top_value, dim = 1, dtype = torch.bfloat16)
     transpose_5 = mlp.experts.gate_up_proj.transpose(1, 2)
     transpose_6 = mlp.experts.down_proj.transpose(1, 2)
-    experts_default = torch.ops.moe_fx.experts.default(hidden_states_9, router_indices, router_scores, transpose_5, transpose_6, activation = 'silu', weights_on_input = False, impl = 'auto', w13_bias = mlp.experts.gate_up_proj_bias, w2_bias = mlp.experts.down_proj_bias, gate_up_layout = 'interleaved', alpha = 1.702, limit = 7.0, up_offset = 1.0)
+    experts_default = torch.ops.moe_fx.experts.default(hidden_states_9, router_indices, router_scores, transpose_5, transpose_6, activation = 'silu', weights_on_input = False, kernel_choice = 'auto', w13_bias = mlp.experts.gate_up_proj_bias, w2_bias = mlp.experts.down_proj_bias, gate_up_layout = 'interleaved', alpha = 1.702, limit = 7.0, up_offset = 1.0)
     hidden_states_10 = experts_default.to(torch.bfloat16)""")
 
     def test_llama4(self):
@@ -90,7 +90,7 @@ class TestFormGraphs(TestCase):
     transpose_5 = feed_forward.experts.gate_up_proj.transpose(1, 2)
     transpose_6 = feed_forward.experts.down_proj.transpose(1, 2)
     gather = router_scores_1.gather(1, router_indices)
-    experts_default = torch.ops.moe_fx.experts.default(hidden_states_3, router_indices, gather, transpose_5, transpose_6, activation = 'silu', weights_on_input = True, impl = 'auto')
+    experts_default = torch.ops.moe_fx.experts.default(hidden_states_3, router_indices, gather, transpose_5, transpose_6, activation = 'silu', weights_on_input = True, kernel_choice = 'auto')
     add_ = out.add_(experts_default)
     view_5 = out.view((1, 9, 32))""")
 
@@ -106,7 +106,7 @@ class TestFormGraphs(TestCase):
     sum_1 = weights.sum(dim = -1, keepdim = True)
     truediv = weights / sum_1
     weights_1 = truediv.to(torch.float32)
-    experts_default = torch.ops.moe_fx.experts.default(x, ids, weights_1, up_proj, down_proj, activation = 'relu2', weights_on_input = False, impl = 'auto', gated = False)
+    experts_default = torch.ops.moe_fx.experts.default(x, ids, weights_1, up_proj, down_proj, activation = 'relu2', weights_on_input = False, kernel_choice = 'auto', gated = False)
     reshape_3 = experts_default.reshape((6, 32))""")
 
     def test_clamped_swiglu(self):
@@ -121,7 +121,7 @@ class TestFormGraphs(TestCase):
     sum_1 = weights.sum(dim = -1, keepdim = True)
     truediv = weights / sum_1
     weights_1 = truediv.to(torch.float32)
-    experts_default = torch.ops.moe_fx.experts.default(x, ids, weights_1, gate_up, down, activation = 'silu', weights_on_input = False, impl = 'auto', w2_bias = down_bias, limit = 1.5)
+    experts_default = torch.ops.moe_fx.experts.default(x, ids, weights_1, gate_up, down, activation = 'silu', weights_on_input = False, kernel_choice = 'auto', w2_bias = down_bias, limit = 1.5)
     reshape_1 = experts_default.reshape((6, 32))""")
 
     def test_jetmoe_sort_dispatch(self):
@@ -134,7 +134,7 @@ class TestFormGraphs(TestCase):
     top_ids = topk[1]
     softmax = torch.softmax(top_logits, dim = 1)
     gates = softmax.type_as(x)
-    experts_default = torch.ops.moe_fx.experts.default(x, top_ids, gates, input_linear, output_linear, activation = 'silu', weights_on_input = False, impl = 'auto')
+    experts_default = torch.ops.moe_fx.experts.default(x, top_ids, gates, input_linear, output_linear, activation = 'silu', weights_on_input = False, kernel_choice = 'auto')
     add = experts_default + bias
     reshape_1 = add.reshape((6, 32))""")
 

@@ -38,7 +38,7 @@ FAMILIES = {
 def test_family_compiled_on_gpu_launches_kernels_and_matches_eager(family):
     from torch._inductor.utils import run_and_get_code
 
-    from moe_fx.testing_families import tiny_family_model
+    from moe_fx.testing.families import tiny_family_model
 
     model = tiny_family_model(family, num_layers=1, experts_implementation=FAMILIES[family]).cuda()
     tokens = torch.randint(3, 128, (2, 24), device="cuda", generator=torch.Generator("cuda").manual_seed(0))

@@ -7,12 +7,12 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import rel_err, run_captured
 from torch import nn
 
 import moe_fx
-from helpers import rel_err, run_captured
 from moe_fx.config import MoEConfig
-from moe_fx.testing import DenseBmmMoE, LoopMoE, SwiGLUExpert, tiny_hf_model
+from moe_fx.testing.models import DenseBmmMoE, LoopMoE, SwiGLUExpert, tiny_hf_model
 
 OP = "torch.ops.moe_fx.experts.default("
 
@@ -146,7 +146,7 @@ def test_triton_request_on_cpu_reports_what_runs():
     assert r.kernel == "triton (interpreted on CPU)" and "cannot run" not in str(report).split("\n")[1]
     assert any("interpreter" in w for w in r.warnings)
     got, cap = run_captured(model, x, config=MoEConfig(kernel="triton"))
-    assert "impl = 'triton'" in cap.code
+    assert "kernel_choice = 'triton'" in cap.code
     with torch.no_grad():
         assert rel_err(got, model(x)) < 1e-4  # it ran, as reported
     report = moe_fx.explain(model, x, config=MoEConfig(kernel="deepgemm"))
@@ -190,7 +190,7 @@ def test_cli_offers_every_rewritten_family(family, impl, cls, capsys):
 
 def test_cli_help_is_plain_text_and_lists_every_family(capsys):
     from moe_fx.__main__ import main
-    from moe_fx.testing_families import TEXT_MOE_FAMILIES
+    from moe_fx.testing.families import TEXT_MOE_FAMILIES
 
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -208,8 +208,8 @@ def test_cli_help_is_plain_text_and_lists_every_family(capsys):
 def _side_effect_model(kind: str):
     """(model, example input) for each way explain touches a model: stacked views (ModuleList experts),
     a captured forward (loop over hit experts), repacked parameters (DBRX), FP8 checkpoint experts."""
-    from moe_fx.testing_families import HitLoopMoE, tiny_family_model
-    from moe_fx.testing_fp8 import tiny_fp8_hf_model
+    from moe_fx.testing.families import HitLoopMoE, tiny_family_model
+    from moe_fx.testing.fp8 import tiny_fp8_hf_model
 
     torch.manual_seed(0)
     if kind == "module_list":

@@ -8,8 +8,9 @@ import torch
 pytest.importorskip("transformers")
 
 from helpers import OpSpy  # noqa: E402
-from moe_fx.passes.match_fp8_experts import capture_fp8_experts, match_fp8_experts, release_fp8_experts  # noqa: E402
-from moe_fx.testing_fp8 import dequantized_copy, is_fp8_experts, tiny_fp8_hf_model  # noqa: E402
+
+from moe_fx.capture.fp8_modules import capture_fp8_experts, match_fp8_experts, release_fp8_experts  # noqa: E402
+from moe_fx.testing.fp8 import dequantized_copy, is_fp8_experts, tiny_fp8_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def test_fp8_experts_that_compute_something_else_are_left_alone(impl):
     were captured (or refused for the wrong reason); each now keeps its forward and says why."""
     import torch.nn.functional as F
 
-    from moe_fx.passes.match_fp8_experts import modelled_fp8_kernels
+    from moe_fx.capture.fp8_modules import modelled_fp8_kernels
 
     def scaled(self, h, i, w):
         return type(self).__mro__[1].forward(self, h, i, w) * 1.5

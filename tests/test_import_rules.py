@@ -1,5 +1,12 @@
-"""The layers keep apart: ops imports neither passes nor lowering, passes imports no lowering, lowering no
-passes, and no module of the package takes part in an import circle (imports inside functions count)."""
+"""The rooms keep apart and every import goes one way (imports inside functions count):
+
+* ``ops`` (the contract) imports no other room; ``lowering`` (kernels) and ``passes`` (graphs) never import
+  each other; ``verify`` (the numerical check) imports only ``ops``; ``capture`` (module patchers) may import
+  ``passes`` (the structural reader, the report) and ``verify``, and no room but the user verbs imports
+  ``capture``; the recognisers (``passes.recognize``) never import the passes that use them;
+* fixtures (``testing``) are imported by the demo CLI only, never by the library;
+* no module of the package takes part in an import circle.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +18,17 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "moe_fx"
 
 #: room -> rooms it must never import (module level or inside a function)
+_VERBS = ("moe_fx.api", "moe_fx.backend", "moe_fx.__main__")
 FORBIDDEN = {
-    "moe_fx.ops": ("moe_fx.passes", "moe_fx.lowering", "moe_fx.api", "moe_fx.backend"),
-    "moe_fx.passes": ("moe_fx.lowering",),
-    "moe_fx.lowering": ("moe_fx.passes",),
+    "moe_fx.ops": ("moe_fx.passes", "moe_fx.lowering", "moe_fx.capture", "moe_fx.verify", "moe_fx.testing", *_VERBS),
+    "moe_fx.passes": ("moe_fx.lowering", "moe_fx.capture", "moe_fx.testing", *_VERBS),
+    "moe_fx.passes.recognize": ("moe_fx.passes.rewrite_moe", "moe_fx.passes.quantize_experts", "moe_fx.passes.split_ep",
+                                "moe_fx.passes.manager"),
+    "moe_fx.lowering": ("moe_fx.passes", "moe_fx.capture", "moe_fx.verify", "moe_fx.testing", *_VERBS),
+    "moe_fx.verify": ("moe_fx.passes", "moe_fx.capture", "moe_fx.lowering", "moe_fx.testing", *_VERBS),
+    "moe_fx.capture": ("moe_fx.lowering", "moe_fx.testing", *_VERBS),
+    "moe_fx.config": ("moe_fx.ops", "moe_fx.passes", "moe_fx.lowering", "moe_fx.capture", "moe_fx.verify",
+                      "moe_fx.testing", *_VERBS),
 }
 
 
@@ -102,14 +116,36 @@ def test_the_import_graph_is_read():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def _within(name: str, room: str) -> bool:
+    return name == room or name.startswith(room + ".")
+
+
+def violations(edges: dict[str, set[str]], room: str) -> list[str]:
+    """``"<module> imports <target>"`` for every import of a module of ``room`` that :data:`FORBIDDEN` forbids."""
+    return sorted(f"{m} imports {t}" for m, targets in edges.items() if _within(m, room)
+                  for t in targets if any(_within(t, f) for f in FORBIDDEN[room]))
+
+
 @pytest.mark.parametrize("room", sorted(FORBIDDEN))
 def test_layers_import_only_downwards(room):
+    assert violations(import_graph(), room) == []
+
+
+def test_the_library_never_imports_its_fixtures():
     edges = import_graph()
-    bad = sorted(
-        f"{m} imports {t}" for m, targets in edges.items() if m == room or m.startswith(room + ".")
-        for t in targets if any(t == f or t.startswith(f + ".") for f in FORBIDDEN[room])
-    )
+    bad = sorted(f"{m} imports {t}" for m, targets in edges.items() if not m.startswith(("moe_fx.testing", "moe_fx.__main__"))
+                 for t in targets if t.startswith("moe_fx.testing"))
     assert bad == []
+
+
+def test_a_forbidden_import_is_caught():
+    edges = {"moe_fx.passes.rewrite_moe": {"moe_fx.capture.hit_loops", "moe_fx.verify.probe_plan"},
+             "moe_fx.passes.recognize.read_form": {"moe_fx.passes.rewrite_moe", "moe_fx.passes.graph_utils"},
+             "moe_fx.capture.hit_loops": {"moe_fx.passes.recognize.read_form"}}
+    assert violations(edges, "moe_fx.passes") == ["moe_fx.passes.rewrite_moe imports moe_fx.capture.hit_loops"]
+    assert violations(edges, "moe_fx.passes.recognize") == [
+        "moe_fx.passes.recognize.read_form imports moe_fx.passes.rewrite_moe"]
+    assert violations(edges, "moe_fx.capture") == []
 
 
 def test_no_import_circles():

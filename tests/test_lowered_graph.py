@@ -33,28 +33,6 @@ DECODE = ("sort_small_kernel",) + KERNELS[2:]
 MASKED = ("permute_kernel", "masked_gemm_kernel", "activation_kernel", "masked_gemm_kernel", "unpermute_kernel")
 
 
-class _Sm90Driver:
-    """Triton's driver as an H200 would show it, for the compile-side analysis only (nothing launches)."""
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self):
-        return torch.device("cuda", 0)
-
-    def get_current_device(self):
-        return 0
-
-
-@pytest.fixture
-def sm90(monkeypatch):
-    from triton.runtime import driver
-
-    monkeypatch.setattr(driver, "_active", _Sm90Driver())
-
-
 def _trace(fn, inputs, caps=H200) -> fx.GraphModule:
     graphs = []
 
@@ -156,7 +134,7 @@ def test_dynamic_token_count_specialises_on_the_row_regime_only(sm90):
 
 def test_reference_plans_keep_the_op(sm90):
     def ref(h, ids, w, w13, w2):
-        return (torch.ops.moe_fx.experts(h, ids, w, w13, w2, impl="reference"),)
+        return (torch.ops.moe_fx.experts(h, ids, w, w13, w2, kernel_choice="reference"),)
 
     gm = _trace(ref, _inputs(FakeTensorMode()))
     assert "moe_fx.experts" in gm.code and not _launches(gm)

@@ -8,10 +8,10 @@ import re
 import pytest
 import torch
 from expecttest import TestCase
-
 from helpers import experts_in_one_copy, run_captured
+
 from moe_fx.config import MoEConfig
-from moe_fx.testing import DENSE_VARIANTS, HF_FAMILIES, DenseBmmMoE, LoopMoE, TitanGroupedMoE, tiny_hf_model
+from moe_fx.testing.models import DENSE_VARIANTS, HF_FAMILIES, DenseBmmMoE, LoopMoE, TitanGroupedMoE, tiny_hf_model
 
 OP = "torch.ops.moe_fx.experts.default("
 
@@ -49,7 +49,7 @@ class TestExpectedGraphs(TestCase):
     sum_1 = router_top_value.sum(dim = -1, keepdim = True)
     router_top_value /= sum_1;  router_top_value_1 = router_top_value;  router_top_value = sum_1 = None
     router_top_value_2 = router_top_value_1.to(torch.bfloat16);  router_top_value_1 = None
-    experts_default = torch.ops.moe_fx.experts.default(hidden_states_reshaped, router_indices, router_top_value_2, model_modules_layers_modules_0_modules_mlp_modules_experts_parameters_gate_up_proj, model_modules_layers_modules_0_modules_mlp_modules_experts_parameters_down_proj, activation = 'silu', weights_on_input = False, impl = 'auto');  hidden_states_reshaped = router_indices = router_top_value_2 = model_modules_layers_modules_0_modules_mlp_modules_experts_parameters_gate_up_proj = model_modules_layers_modules_0_modules_mlp_modules_experts_parameters_down_proj = None
+    experts_default = torch.ops.moe_fx.experts.default(hidden_states_reshaped, router_indices, router_top_value_2, model_modules_layers_modules_0_modules_mlp_modules_experts_parameters_gate_up_proj, model_modules_layers_modules_0_modules_mlp_modules_experts_parameters_down_proj, activation = 'silu', weights_on_input = False, kernel_choice = 'auto');  hidden_states_reshaped = router_indices = router_top_value_2 = model_modules_layers_modules_0_modules_mlp_modules_experts_parameters_gate_up_proj = model_modules_layers_modules_0_modules_mlp_modules_experts_parameters_down_proj = None
     final_hidden_states_1 = experts_default.to(torch.bfloat16);  experts_default = None""")
 
     def test_titan_grouped_mm(self):
@@ -67,7 +67,7 @@ class TestExpectedGraphs(TestCase):
     weights_2 = weights_1.to(torch.bfloat16);  weights_1 = None
     transpose = l_self_parameters_w13_.transpose(1, 2);  w13 = None
     transpose_1 = l_self_parameters_w2_.transpose(1, 2);  w2 = None
-    experts_default = torch.ops.moe_fx.experts.default(x, ids, weights_2, transpose, transpose_1, activation = 'silu', weights_on_input = False, impl = 'auto');  x = ids = weights_2 = transpose = transpose_1 = None
+    experts_default = torch.ops.moe_fx.experts.default(x, ids, weights_2, transpose, transpose_1, activation = 'silu', weights_on_input = False, kernel_choice = 'auto');  x = ids = weights_2 = transpose = transpose_1 = None
     reshape_3 = experts_default.reshape((6, 32));  experts_default = None
     return (reshape_3,)""")
 
@@ -84,7 +84,7 @@ class TestExpectedGraphs(TestCase):
     sum_1 = weights.sum(dim = -1, keepdim = True)
     weights_1 = weights / sum_1;  weights = sum_1 = None
     weights_2 = weights_1.to(torch.float32);  weights_1 = None
-    experts_default = torch.ops.moe_fx.experts.default(x, ids, weights_2, gate_up, down, activation = 'silu', weights_on_input = False, impl = 'auto');  x = ids = weights_2 = gate_up = down = None
+    experts_default = torch.ops.moe_fx.experts.default(x, ids, weights_2, gate_up, down, activation = 'silu', weights_on_input = False, kernel_choice = 'auto');  x = ids = weights_2 = gate_up = down = None
     reshape_1 = experts_default.reshape((6, 32));  experts_default = None
     return (reshape_1,)""")
 
@@ -103,7 +103,7 @@ class TestExpectedGraphs(TestCase):
     weights_2 = weights_1.to(torch.float32);  weights_1 = None
     moe_fx_w13_0 = self.moe_fx_w13_0
     moe_fx_w2_0 = self.moe_fx_w2_0
-    experts_default = torch.ops.moe_fx.experts.default(x, ids, weights_2, moe_fx_w13_0, moe_fx_w2_0, activation = 'silu', weights_on_input = False, impl = 'auto');  x = ids = weights_2 = moe_fx_w13_0 = moe_fx_w2_0 = None
+    experts_default = torch.ops.moe_fx.experts.default(x, ids, weights_2, moe_fx_w13_0, moe_fx_w2_0, activation = 'silu', weights_on_input = False, kernel_choice = 'auto');  x = ids = weights_2 = moe_fx_w13_0 = moe_fx_w2_0 = None
     reshape_1 = experts_default.reshape((6, 32));  experts_default = None
     return (reshape_1,)""")
 
@@ -214,7 +214,8 @@ def test_routing_weights_on_input_detected(dtype):
 def test_other_hf_families(family, matched):
     """Qwen2-MoE, OLMoE, GPT-OSS (biased, clamped, interleaved experts) and Llama 4 (dense scores) match."""
     from helpers import logits, rel_err
-    from moe_fx.testing import tiny_hf_model
+
+    from moe_fx.testing.models import tiny_hf_model
 
     model = tiny_hf_model(family, num_layers=1, num_experts=4)
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))

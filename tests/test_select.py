@@ -16,6 +16,7 @@ import torch
 
 import moe_fx.lowering.problem as problem_mod
 import moe_fx.lowering.select as select
+from moe_fx.lowering.experts import explain_experts
 from moe_fx.lowering.prepare_finalize import deepep_ll
 from moe_fx.lowering.problem import (
     ROW_REGIMES,
@@ -26,7 +27,7 @@ from moe_fx.lowering.problem import (
     row_regime,
     rows_per_expert,
 )
-from moe_fx.lowering.select import decide, explain_kernel
+from moe_fx.lowering.select import decide
 from moe_fx.ops import ExpertActivation
 
 H100 = Capabilities("cuda", (9, 0), None, None, None, 132, "NVIDIA H100")
@@ -42,8 +43,8 @@ def problem(h=256, i=512, *, dtype="bfloat16", fp8=False, device="cuda", regime=
     return ExpertsProblem(device, dtype, 8, h, i, fp8_block=(128, 128) if fp8 else None, regime=regime, **kw)
 
 
-def experts(p, caps, request="auto"):
-    return decide("experts", p, caps, request)
+def experts(p, caps, kernel="auto"):
+    return decide("experts", p, caps, kernel)
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +65,7 @@ def test_rows_per_expert_and_regimes():
 @pytest.mark.parametrize("fp8", [False, True])
 def test_aligned_hopper_takes_deepgemm(fp8):
     c = experts(problem(7168, 2048, fp8=fp8), H100)
-    assert (c.name, c.error) == ("deepgemm", None)
+    assert (c.kernel, c.error) == ("deepgemm", None)
     assert c.reasons == {"triton": "deepgemm preferred", "reference": "deepgemm preferred"}
 
 
@@ -73,12 +74,12 @@ def test_decode_regime_takes_triton_under_auto_only(fp8):
     """<= 4 rows per expert: "auto" prefers Triton (a preference, not a capability)."""
     small = problem(7168, 2048, fp8=fp8, regime=0)
     c = experts(small, H100)
-    assert c.name == "triton" and "decode-size batch (<= 4 rows per expert)" in c.reasons["deepgemm"]
-    assert experts(small, H100, "deepgemm").name == "deepgemm" and experts(small, H100, "deepgemm").error is None
-    assert experts(problem(7168, 2048, fp8=fp8, regime=1), H100).name == "deepgemm"
+    assert c.kernel == "triton" and "decode-size batch (<= 4 rows per expert)" in c.reasons["deepgemm"]
+    assert experts(small, H100, "deepgemm").kernel == "deepgemm" and experts(small, H100, "deepgemm").error is None
+    assert experts(problem(7168, 2048, fp8=fp8, regime=1), H100).kernel == "deepgemm"
     # DeepGEMM's path needs Triton for its permute and activation: without it the reference runs
     no_triton = Capabilities("cuda", (9, 0), None, "triton is not installed")
-    assert experts(small, no_triton).name == "reference"
+    assert experts(small, no_triton).kernel == "reference"
 
 
 @pytest.mark.parametrize(
@@ -92,88 +93,117 @@ def test_decode_regime_takes_triton_under_auto_only(fp8):
 )
 def test_unaligned_shapes_take_triton_and_say_which_dim(h, i, bad):
     c = experts(problem(h, i), H100)
-    assert c.name == "triton"
+    assert c.kernel == "triton"
     assert bad in c.reasons["deepgemm"] and "multiples of 128" in c.reasons["deepgemm"]
     assert c.reasons["reference"] == "triton preferred"
 
 
 def test_layout_and_bias_rules():
     c = experts(problem(k_major=False), H100)
-    assert c.name == "triton" and "K-major" in c.reasons["deepgemm"]
+    assert c.kernel == "triton" and "K-major" in c.reasons["deepgemm"]
     c = experts(problem(w2_bias=True), H100)
-    assert c.name == "triton" and "bias" in c.reasons["deepgemm"]
-    assert experts(problem(w13_bias=True), H100).name == "deepgemm"  # the activation kernel adds it
+    assert c.kernel == "triton" and "bias" in c.reasons["deepgemm"]
+    assert experts(problem(w13_bias=True), H100).kernel == "deepgemm"  # the activation kernel adds it
     # non-gated experts: GEMM1's N is I
     c = experts(problem(256, 192, activation=ExpertActivation("relu2", gated=False)), H100)
-    assert c.name == "triton" and "gemm1 N=192" in c.reasons["deepgemm"]
+    assert c.kernel == "triton" and "gemm1 N=192" in c.reasons["deepgemm"]
 
 
 def test_missing_library_takes_triton_with_the_library_reason():
     c = experts(problem(), NO_DG)
-    assert (c.name, c.reasons["deepgemm"]) == ("triton", "deep_gemm is not installed")
+    assert (c.kernel, c.reasons["deepgemm"]) == ("triton", "deep_gemm is not installed")
     c = experts(problem(), Capabilities("cuda", (9, 0), None, "triton is not installed"))
-    assert c.name == "reference" and "need Triton: triton is not installed" in c.reasons["deepgemm"]
+    assert c.kernel == "reference" and "need Triton: triton is not installed" in c.reasons["deepgemm"]
     c = experts(problem(), NO_DG_NO_TRITON)
-    assert c.name == "reference" and c.reasons["triton"] == "triton is not installed"
+    assert c.kernel == "reference" and c.reasons["triton"] == "triton is not installed"
 
 
 def test_old_gpu():
     c = experts(problem(), A100)
-    assert c.name == "triton" and "SM90" in c.reasons["deepgemm"] and "SM80" in c.reasons["deepgemm"]
+    assert c.kernel == "triton" and "SM90" in c.reasons["deepgemm"] and "SM80" in c.reasons["deepgemm"]
     # fp8 tensor cores: Triton needs SM89+, so fp8 weights on an A100 fall back to the reference.
     c = experts(problem(fp8=True), A100)
-    assert c.name == "reference" and "SM89" in c.reasons["triton"]
-    assert experts(problem(fp8=True), L40).name == "triton"
+    assert c.kernel == "reference" and "SM89" in c.reasons["triton"]
+    assert experts(problem(fp8=True), L40).kernel == "triton"
 
 
 def test_cpu_takes_reference_and_honours_a_triton_request():
     c = experts(problem(device="cpu"), CPU)
-    assert c.name == "reference"
+    assert c.kernel == "reference"
     assert "CUDA" in c.reasons["deepgemm"] and "interpreter" in c.reasons["triton"]
     assert experts(problem(device="cpu"), CPU, "triton").error is None
 
 
 def test_dtype_block_and_activation_rules():
     c = experts(problem(dtype="float16"), H100)
-    assert c.name == "triton" and "bfloat16" in c.reasons["deepgemm"]
+    assert c.kernel == "triton" and "bfloat16" in c.reasons["deepgemm"]
     bad_block = ExpertsProblem("cuda", "bfloat16", 8, 256, 512, fp8_block=(64, 64))
     c = experts(bad_block, H100)
-    assert c.name == "reference" and "128x128" in c.reasons["deepgemm"] and "128x128" in c.reasons["triton"]
+    assert c.kernel == "reference" and "128x128" in c.reasons["deepgemm"] and "128x128" in c.reasons["triton"]
     for act in ("gelu", "relu2"):
-        assert experts(problem(activation=ExpertActivation(act)), H100).name == "deepgemm"
+        assert experts(problem(activation=ExpertActivation(act)), H100).kernel == "deepgemm"
     c = experts(problem(activation=ExpertActivation("swish")), H100)
-    assert c.name == "reference" and "swish" in c.reasons["triton"] and "swish" in c.reasons["deepgemm"]
+    assert c.kernel == "reference" and "swish" in c.reasons["triton"] and "swish" in c.reasons["deepgemm"]
 
 
 def test_explicit_requests():
     ok = experts(problem(), H100, "triton")
-    assert (ok.name, ok.error, ok.request) == ("triton", None, "triton")
+    assert (ok.kernel, ok.error, ok.requested) == ("triton", None, "triton")
     bad = experts(problem(4000, 512), H100, "deepgemm")
-    assert bad.name == "deepgemm" and "gemm1 K=4000" in bad.error
+    assert bad.kernel == "deepgemm" and "gemm1 K=4000" in bad.error
     ref = experts(problem(), H100, "reference")
-    assert ref.name == "reference" and ref.error is None
-    with pytest.raises(ValueError, match="unknown experts request 'cutlass'"):
+    assert ref.kernel == "reference" and ref.error is None
+    with pytest.raises(ValueError, match="unknown experts kernel 'cutlass'"):
         experts(problem(), H100, "cutlass")
 
 
-def test_explain_kernel_plain_values():
-    kernel, reasons = explain_kernel("cuda", torch.bfloat16, 8, 4096, 1024, caps=H100)
-    assert kernel == "deepgemm" and "triton runs batches of <= 4 rows per expert" in reasons["triton"]
-    kernel, reasons = explain_kernel("cuda", "torch.bfloat16", 8, 4096, 1000, fp8=True, caps=H100)
-    assert kernel == "triton" and "gemm2 K=1000" in reasons["deepgemm"]
-    kernel, reasons = explain_kernel("cuda", "bfloat16", 8, 4000, 1024, request="deepgemm", caps=H100)
-    assert kernel == "deepgemm (cannot run)" and "gemm1 K=4000" in reasons["deepgemm"]
-    assert explain_kernel("cpu", "float32", 8, 32, 16, request="triton", caps=CPU)[0] == "triton (interpreted on CPU)"
+def _explain(h, i, *, e=8, t=4096, fp8=False, kernel="auto", caps=H100, device="cuda", dtype=torch.bfloat16):
+    """explain_experts on the bound fake arguments of one op call (what explain reads from a traced graph)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from moe_fx.ops.experts import bind_experts
+
+    wd = torch.float8_e4m3fn if fp8 else dtype
+    with FakeTensorMode():
+        args = [torch.empty(t, h, device=device, dtype=dtype), torch.empty(t, 2, device=device, dtype=torch.long),
+                torch.empty(t, 2, device=device), torch.empty(e, 2 * i, h, device=device, dtype=wd),
+                torch.empty(e, h, i, device=device, dtype=wd)]
+        scales = {"w13_scale": torch.empty(e, -(-2 * i // 128), -(-h // 128), device=device),
+                  "w2_scale": torch.empty(e, -(-h // 128), -(-i // 128), device=device)} if fp8 else {}
+    return explain_experts(bind_experts(*args, kernel_choice=kernel, **scales), caps=caps)
+
+
+def test_explain_experts_on_bound_arguments():
+    why = _explain(4096, 1024)
+    assert (why.kernel, why.layout) == ("deepgemm", "masked") and why.plan.error is None
+    why = _explain(4096, 1000, fp8=True)
+    assert why.kernel == "triton" and "gemm2 K=1000" in why.reasons["deepgemm"]
+    why = _explain(4000, 1024, kernel="deepgemm")
+    assert why.kernel == "deepgemm" and "gemm1 K=4000" in why.plan.error
+    why = _explain(32, 16, t=5, kernel="triton", caps=CPU, device="cpu", dtype=torch.float32)
+    assert (why.kernel, why.layout) == ("triton", "sorted")
+    why = _explain(4096, 1024, t=2)  # decode: <= 4 rows per expert
+    assert (why.kernel, why.layout) == ("triton", "sorted") and "decode-size batch" in why.reasons["deepgemm"]
 
 
 def test_explain_says_layout_and_kernel_per_regime():
-    """explain's layout line is the lowering's own plan for every regime (decide_experts_plan)."""
-    _, reasons = explain_kernel("cuda", torch.bfloat16, 8, 4096, 1024, caps=H100)
-    assert reasons["layout"].startswith("rows per expert 1..4: triton, sorted layout")
-    assert "5..: deepgemm, masked layout (local_sorted: the experts kernel reads the masked layout only)" in reasons["layout"]
+    """explain's regimes line is the lowering's own plan for every regime (decide_experts_plan)."""
+    why = _explain(4096, 1024)
+    assert why.regimes.startswith("rows per expert 1..4: triton, sorted layout")
+    assert "5..: deepgemm, masked layout (local_sorted: the experts kernel reads the masked layout only)" in why.regimes
     no_dg = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "x", 132, "NVIDIA H200")
-    _, reasons = explain_kernel("cuda", torch.bfloat16, 128, 2048, 768, caps=no_dg)
-    assert reasons["layout"] == "rows per expert 1..: triton, sorted layout (local_permute: local_sorted preferred)"
+    why = _explain(2048, 768, e=128, caps=no_dg)
+    assert why.regimes == "rows per expert 1..: triton, sorted layout (local_permute: local_sorted preferred)"
+
+
+def test_kernel_names_are_the_ops_contract():
+    from moe_fx.ops.checks import EP_KERNELS, KERNELS
+
+    assert {m.NAME for m in select.candidates("experts")} == set(KERNELS) - {"auto"}
+    names = {m.NAME for m in select.candidates("prepare_finalize")}
+    assert names == (set(EP_KERNELS) - {"auto"}) | set(select.LOCAL_LAYOUTS)
+    c = decide("experts", problem(), H100)
+    assert c.implementation is select.candidates("experts")[0] and c.implementation.NAME == c.kernel
 
 
 def test_choice_is_logged_once_per_problem(caplog):
@@ -214,8 +244,8 @@ def ep(**kw) -> DispatchProblem:
 
 def test_deepep_taken_when_everything_fits():
     c = decide("prepare_finalize", ep(), H100)
-    assert c.name == "deepep_ll" and c.error is None
-    assert decide("prepare_finalize", ep(use_fp8=True), H100).name == "deepep_ll"
+    assert c.kernel == "deepep" and c.error is None
+    assert decide("prepare_finalize", ep(use_fp8=True), H100).kernel == "deepep"
     assert c.reasons["local_permute"] == "expert parallelism needs a communication backend"
 
 
@@ -234,8 +264,8 @@ def test_deepep_fallback_reasons(kw, deep_ep_error, why):
     caps = Capabilities("cuda", (9, 0), None, None, deep_ep_error)
     c = decide("prepare_finalize", ep(**kw), caps)
     # on a GPU the sync-free fixed-size exchange takes over; on CPU the synced one (its host syncs are free)
-    assert c.name == ("torch_dist" if kw.get("device_type") == "cpu" else "torch_dist_fixed")
-    assert why in c.reasons["deepep_ll"]
+    assert c.kernel == ("torch_dist" if kw.get("device_type") == "cpu" else "torch_dist_fixed")
+    assert why in c.reasons["deepep"]
     ok, reason = deepep_ll.supports(ep(**kw), caps)
     assert not ok and why in reason
     # a (hypothetical) DeepEP build with a hidden size that is not a multiple of 512: fp8 dispatch refused
@@ -247,10 +277,10 @@ def test_deepep_pads_unsupported_hidden_sizes_only_on_request():
     # GPT-OSS's 2880 is not compiled into DeepEP's LL kernels: auto takes the unpadded fixed exchange and
     # says why; an explicit request pads to the next compiled size (4096 in the V1 sources).
     c = decide("prepare_finalize", ep(hidden=2880), H100)
-    assert c.name == "torch_dist_fixed"
-    assert "hidden size 2880" in c.reasons["deepep_ll"] and "padded to 4096" in c.reasons["deepep_ll"]
+    assert c.kernel == "torch_dist_fixed"
+    assert "hidden size 2880" in c.reasons["deepep"] and "padded to 4096" in c.reasons["deepep"]
     padded = decide("prepare_finalize", ep(hidden=2880), H100, "deepep")
-    assert (padded.name, padded.error) == ("deepep_ll", None)
+    assert (padded.kernel, padded.error) == ("deepep", None)
     assert deepep_ll.padded_hidden(2880) == 4096 and deepep_ll.padded_hidden(7168) == 7168
     assert deepep_ll.padded_hidden(9000) is None
 
@@ -258,21 +288,21 @@ def test_deepep_pads_unsupported_hidden_sizes_only_on_request():
 def test_prepare_requests_single_rank_and_local():
     one = ep(world_size=1, num_experts=32)
     c = decide("prepare_finalize", one, H100)
-    assert c.name == "torch_dist_fixed" and "one rank" in c.reasons["deepep_ll"]
+    assert c.kernel == "torch_dist_fixed" and "one rank" in c.reasons["deepep"]
     # An explicit DeepEP request runs it even with one rank (the single-GPU check), or says why not.
-    assert decide("prepare_finalize", one, H100, "deepep").name == "deepep_ll"
+    assert decide("prepare_finalize", one, H100, "deepep").kernel == "deepep"
     bad = decide("prepare_finalize", ep(hidden=9000), H100, "deepep")
     assert bad.error is not None and "hidden size 9000" in bad.error
-    assert decide("prepare_finalize", ep(), H100, "torch_dist").name == "torch_dist"
-    assert decide("prepare_finalize", ep(device_type="cpu"), H100).name == "torch_dist"
+    assert decide("prepare_finalize", ep(), H100, "torch_dist").kernel == "torch_dist"
+    assert decide("prepare_finalize", ep(device_type="cpu"), H100).kernel == "torch_dist"
     no_triton = Capabilities("cuda", (9, 0), None, "triton is not installed", None)
     c = decide("prepare_finalize", ep(hidden=9000), no_triton)
-    assert c.name == "torch_dist" and "Triton" in c.reasons["torch_dist_fixed"]
-    with pytest.raises(ValueError, match="unknown prepare_finalize request 'nccl'"):
+    assert c.kernel == "torch_dist" and "Triton" in c.reasons["torch_dist_fixed"]
+    with pytest.raises(ValueError, match="unknown prepare_finalize kernel 'nccl'"):
         decide("prepare_finalize", ep(), H100, "nccl")
     local = ep(world_size=1, expert_parallel=False)
     c = decide("prepare_finalize", local, H100)
-    assert c.name == "local_permute" and "not expert-parallel" in c.reasons["torch_dist"]
+    assert c.kernel == "local_permute" and "not expert-parallel" in c.reasons["torch_dist"]
 
 
 # --- the eager registration, on CPU tensors -------------------------------------------------------
@@ -295,11 +325,11 @@ def test_registration_honours_requests_on_cpu_tensors():
     want = experts_reference(*args)
     op = torch.ops.moe_fx.experts
     torch.testing.assert_close(op(*args), want)  # cpu, auto -> reference
-    torch.testing.assert_close(op(*args, impl="reference"), want)
-    torch.testing.assert_close(op(*args, impl="triton"), want, rtol=1e-4, atol=1e-5)  # the interpreter
-    with pytest.raises(RuntimeError, match="impl='deepgemm' was requested but cannot run: needs a CUDA GPU"):
-        op(*args, impl="deepgemm")
-    assert op(args[0][:0], args[1][:0], args[2][:0], *args[3:], impl="triton").shape == (0, 32)
+    torch.testing.assert_close(op(*args, kernel_choice="reference"), want)
+    torch.testing.assert_close(op(*args, kernel_choice="triton"), want, rtol=1e-4, atol=1e-5)  # the interpreter
+    with pytest.raises(RuntimeError, match="kernel='deepgemm' was requested but cannot run: needs a CUDA GPU"):
+        op(*args, kernel_choice="deepgemm")
+    assert op(args[0][:0], args[1][:0], args[2][:0], *args[3:], kernel_choice="triton").shape == (0, 32)
 
 
 def test_deepgemm_runtime_failure_warns_once_demotes_and_computes_with_triton(monkeypatch, caplog):

@@ -12,10 +12,10 @@ from helpers import capture_backend, rel_err, run_captured
 from torch import nn
 
 import moe_fx
-from moe_fx.api import enable_capture
-from moe_fx.passes.capture_expert_loops import capture_expert_loops
-from moe_fx.testing import SwiGLUExpert
-from moe_fx.testing_families import HitLoopExperts
+from moe_fx.backend import enable_capture
+from moe_fx.capture.hit_loops import capture_expert_loops
+from moe_fx.testing.families import HitLoopExperts
+from moe_fx.testing.models import SwiGLUExpert
 
 OP = "torch.ops.moe_fx.experts.default("
 

@@ -1,5 +1,5 @@
 """The Triton pipeline of moe_fx::experts (permute -> GEMM1 -> activation -> GEMM2 -> unpermute), run
-eagerly through the op with ``impl="triton"`` (CPU: Triton's interpreter), against moe_fx.ops.experts_reference."""
+eagerly through the op with ``kernel_choice="triton"`` (CPU: Triton's interpreter), against moe_fx.ops.experts_reference."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from moe_fx.ops import experts_reference
 
 def triton_experts(*args, **kwargs):
     """The op with the Triton kernels requested (what the lowering runs eagerly and compiles into graphs)."""
-    return torch.ops.moe_fx.experts(*args, impl="triton", **kwargs)
+    return torch.ops.moe_fx.experts(*args, kernel_choice="triton", **kwargs)
 
 
 # (T, H, I, E, K). CPU: tiny, with tails (H, I not multiples of 128). CUDA: the issue's odd shape,

@@ -12,6 +12,7 @@ from moe_fx.lowering.quant import quantize_fp8_blockwise, quantize_fp8_per_token
 from moe_fx.lowering.triton.grouped_gemm import sorted_gemm
 from moe_fx.lowering.triton.sort import quantize_rows, sort_by_expert
 from moe_fx.ops import ExpertActivation, dequantize_blockwise, experts_reference
+from moe_fx.ops.experts import bind_experts, reference_of
 
 
 def _ids(t, k, e, gen, extra=0):
@@ -133,13 +134,13 @@ def test_both_layouts_run_every_form(layout, form):
     gen = torch.Generator().manual_seed(hash(form) % 1000)
     t, k, e, h, i = 6, 3, 4, 136, 72  # K close to E: repeats and uneven loads
     spec, hidden, ids, w, w13, w2, b13, b2, on_input, identity = _layer(form, t, k, e, h, i, gen)
-    plan = plan_experts(hidden, ids, w13, w2, spec, "triton", w13_bias=b13, w2_bias=b2, layout=layout)
+    a = bind_experts(hidden, ids, w, w13, w2, spec.name, on_input, kernel_choice="triton", w13_bias=b13,
+                     w2_bias=b2, gated=spec.gated, gate_up_layout=spec.gate_up_layout, alpha=spec.alpha,
+                     limit=spec.limit, up_offset=spec.up_offset, identity_experts=identity)
+    plan = plan_experts(a, layout=layout)
     assert plan.layout == ("sorted" if layout == "local_sorted" else "masked")
-    out = run_experts(hidden, ids, w, w13, w2, spec, plan, weights_on_input=on_input, w13_bias=b13, w2_bias=b2,
-                      identity_experts=identity)
-    ref = experts_reference(hidden, ids, w, w13, w2, spec.name, on_input, w13_bias=b13, w2_bias=b2, gated=spec.gated,
-                            gate_up_layout=spec.gate_up_layout, alpha=spec.alpha, limit=spec.limit,
-                            up_offset=spec.up_offset, identity_experts=identity)
+    out = run_experts(a, plan)
+    ref = reference_of(a)
     assert torch.isfinite(out).all()
     # bf16 intermediates against an fp32 reference, and the interpreter truncates fp32 -> bf16
     assert rel_err(out, ref) < 4e-2, rel_err(out, ref)
@@ -148,18 +149,18 @@ def test_both_layouts_run_every_form(layout, form):
 def test_sorted_layout_fp8_more_slots_than_experts_and_empty_batch():
     gen = torch.Generator().manual_seed(12)
     t, k, e, h, i = 5, 4, 2, 256, 128  # K > E
-    spec = ExpertActivation()
     hidden = torch.randn(t, h, generator=gen).bfloat16()
     ids = torch.randint(0, e, (t, k), generator=gen)
     w = torch.rand(t, k, generator=gen)
     q13, s13 = quantize_fp8_blockwise(torch.randn(e, 2 * i, h, generator=gen) / h**0.5)
     q2, s2 = quantize_fp8_blockwise(torch.randn(e, h, i, generator=gen) / i**0.5)
-    plan = plan_experts(hidden, ids, q13, q2, spec, "triton")
+    a = bind_experts(hidden, ids, w, q13, q2, w13_scale=s13, w2_scale=s2, kernel_choice="triton")
+    plan = plan_experts(a)
     assert plan.layout == "sorted"
-    out = run_experts(hidden, ids, w, q13, q2, spec, plan, w13_scale=s13, w2_scale=s2)
+    out = run_experts(a, plan)
     ref = experts_reference(hidden, ids, w, q13, q2, w13_scale=s13, w2_scale=s2)
     assert rel_err(out, ref) < 8e-2, rel_err(out, ref)
-    empty = run_experts(hidden[:0], ids[:0], w[:0], q13, q2, spec, plan, w13_scale=s13, w2_scale=s2)
+    empty = run_experts(bind_experts(hidden[:0], ids[:0], w[:0], q13, q2, w13_scale=s13, w2_scale=s2), plan)
     assert empty.shape == (0, h)
 
 

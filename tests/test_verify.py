@@ -9,13 +9,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import rel_err, run_captured
 from torch import nn
 
 import moe_fx
-from helpers import rel_err, run_captured
 from moe_fx.config import MoEConfig
-from moe_fx.passes.probe_plan import plan_probe, probe_routing
-from moe_fx.testing import LoopMoE, SwiGLUExpert
+from moe_fx.testing.models import LoopMoE, SwiGLUExpert
+from moe_fx.verify.probe_plan import plan_probe, probe_routing
 
 OP = "torch.ops.moe_fx.experts.default("
 #: A budget below every probe below: each region gets the reduced probe.
@@ -115,7 +115,8 @@ def test_region_reading_a_run_time_scalar_is_specialised_on_its_value():
     x = _x(6)
     torch._dynamo.reset()
     from helpers import capture_backend
-    from moe_fx.api import enable_capture
+
+    from moe_fx.backend import enable_capture
 
     enable_capture()
     backend, cap = capture_backend()
@@ -233,7 +234,7 @@ def test_capacity_token_dropping_is_never_rewritten(dynamic, budget):
 def test_a_graph_traced_with_no_tokens_compiles():
     """T = 0 (a rank with no tokens in a step, under expert parallelism): the check's reference has nothing to
     compare and must not fail on the empty reshape (it raised out of the compile before)."""
-    from moe_fx.testing import DenseBmmMoE
+    from moe_fx.testing.models import DenseBmmMoE
 
     torch.manual_seed(0)
     model = DenseBmmMoE()

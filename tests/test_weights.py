@@ -8,12 +8,12 @@ import pickle
 
 import pytest
 import torch
+from helpers import capture_backend, experts_in_one_copy, logits, rel_err
 
 import moe_fx
-from helpers import capture_backend, experts_in_one_copy, logits, rel_err
-from moe_fx.api import enable_capture
+from moe_fx.backend import enable_capture
 from moe_fx.config import MoEConfig
-from moe_fx.testing import DenseBmmMoE, LoopMoE, TitanGroupedMoE, tiny_hf_model
+from moe_fx.testing.models import DenseBmmMoE, LoopMoE, TitanGroupedMoE, tiny_hf_model
 
 OP = "torch.ops.moe_fx.experts.default("
 FORMS = ("hf_grouped_mm", "titan", "dense", "loop", "fp8", "fp8_loop")

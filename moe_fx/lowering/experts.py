@@ -2,36 +2,46 @@
 masked: permute -> masked experts -> unpermute), and ``moe_fx::masked_experts`` (expert parallelism,
 between ``ep_dispatch`` and ``ep_combine``) = the masked experts.
 
-:func:`plan_experts` / :func:`plan_masked_experts` decide everything the shapes decide (kernels, via
-:mod:`moe_fx.lowering.select`; tiles and grids, inside the Triton wrappers) and the token-count regime
-(:func:`moe_fx.lowering.problem.row_regime`); :func:`run_experts` / :func:`run_masked_experts_op` run
-the plan. Both run eagerly on real tensors, and inside Inductor's tracing of a graph that holds the
-op (see :mod:`moe_fx.lowering.register`), where they run once, at compile time, and leave behind the
-kernel launches that Inductor's generated code makes.
+Every function here takes an op call's arguments bound by name from its schema (``a``:
+:data:`moe_fx.ops.experts.bind_experts`, :data:`moe_fx.ops.masked_experts.bind_masked_experts`), real or fake
+tensors alike. :func:`plan_experts` / :func:`plan_masked_experts` decide everything the shapes decide (kernels,
+via :mod:`moe_fx.lowering.select`; tiles and grids, inside the Triton wrappers) and the token-count regime
+(:func:`moe_fx.lowering.problem.row_regime`); :func:`run_experts` / :func:`run_masked_experts_op` run the plan.
+Both run eagerly on real tensors, and inside Inductor's tracing of a graph that holds the op (see
+:mod:`moe_fx.lowering.register`), where they run once, at compile time, and leave behind the kernel launches
+that Inductor's generated code makes. :func:`explain_experts` is what ``moe_fx.explain`` reports for an op
+node: the same plan, on the node's fake arguments.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from moe_fx.lowering.masked_experts.pipeline import (
     ExpertWeights,
     GemmHints,
-    MaskedGemms,
     empty_scales,
     run_masked_experts,
     run_sorted_experts,
 )
-from moe_fx.lowering.problem import Capabilities, ExpertsProblem, dtype_name, row_regime, rows_per_expert
+from moe_fx.lowering.problem import (
+    ROW_REGIMES,
+    Capabilities,
+    ExpertsProblem,
+    dtype_name,
+    regime_bounds,
+    row_regime,
+    rows_per_expert,
+)
 from moe_fx.lowering.select import Choice, choose, choose_layout, layout_of
 from moe_fx.ops import ExpertActivation
 from moe_fx.ops.masked_experts import masked_output_dtype
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE
 
-__all__ = ["ExpertsPlan", "decide_experts_plan", "gemms_of", "plan_experts", "plan_masked_experts", "run_experts",
-           "run_masked_experts_op"]
+__all__ = ["ExpertsExplanation", "ExpertsPlan", "decide_experts_plan", "experts_problem", "explain_experts",
+           "plan_experts", "plan_masked_experts", "run_experts", "run_masked_experts_op"]
 
 
 @dataclass(frozen=True)
@@ -45,119 +55,95 @@ class ExpertsPlan:
     @property
     def reference(self) -> bool:
         """The whole op runs its torch reference (no kernel pipeline)."""
-        return self.experts.name == "reference"
+        return self.experts.kernel == "reference"
 
     @property
     def layout(self) -> str:
         """``"sorted"``, ``"masked"`` or ``"reference"``: the row layout the call runs on."""
         return "reference" if self.reference else layout_of(self.prepare)
 
+    @property
+    def error(self) -> str | None:
+        """Why an explicit ``kernel`` (or ``layout``) request cannot run, or None."""
+        if self.experts.error is not None:
+            return self.experts.error
+        return None if self.prepare is None else self.prepare.error
+
     def summary(self) -> str:
         """One line: kernel and layout, e.g. ``"triton, sorted layout"``."""
-        return self.experts.name if self.reference else f"{self.experts.name}, {self.layout} layout"
+        return self.experts.kernel if self.reference else f"{self.experts.kernel}, {self.layout} layout"
+
+    def raise_if_unrunnable(self, what: str) -> ExpertsPlan:
+        """Itself, or ``RuntimeError`` when an explicit request cannot run (never a silent fallback)."""
+        if self.experts.error is not None:
+            raise RuntimeError(
+                f"moe_fx.{what}: kernel={self.experts.requested!r} was requested but cannot run: "
+                f"{self.experts.error} ({self.problem.describe()}); use kernel='auto' to let moe_fx pick one that can"
+            )
+        if self.prepare is not None and self.prepare.error is not None:
+            raise RuntimeError(f"moe_fx.{what}: layout {self.prepare.requested!r} cannot run: {self.prepare.error} "
+                               f"({self.problem.describe()})")
+        return self
 
 
 def _k_major(w: torch.Tensor) -> bool:
     return w.dim() == 3 and w.is_contiguous()
 
 
-def _problem(
-    device: torch.device, dtype: torch.dtype, w13: torch.Tensor, w2: torch.Tensor, spec: ExpertActivation,
-    w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None, regime: int | None,
-) -> ExpertsProblem:
+def experts_problem(a: dict, regime: int | None, *, masked_rows: int | None = None) -> ExpertsProblem:
+    """The selection problem of an op call's bound arguments (``experts`` or ``masked_experts``), in ``regime``."""
+    x = a["hidden"] if "hidden" in a else a["x"]
+    w13, w2 = a["w13"], a["w2"]
+    act_dtype = torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype
     fp8 = w13.dtype == FP8_DTYPE
     # E, H, I are compile-time constants of the kernels: a graph traced with them dynamic (weights as
     # inputs under dynamic=True) specialises on them here (model parameters have static shapes anyway)
     return ExpertsProblem(
-        device.type, dtype_name(dtype), int(w13.shape[0]), int(w2.shape[1]), int(w2.shape[2]), spec,
-        (FP8_BLOCK, FP8_BLOCK) if fp8 else None, w13_bias is not None, w2_bias is not None,
-        _k_major(w13) and _k_major(w2), regime,
+        x.device.type, dtype_name(act_dtype), int(w13.shape[0]), int(w2.shape[1]), int(w2.shape[2]),
+        ExpertActivation.of(a), (FP8_BLOCK, FP8_BLOCK) if fp8 else None, a["w13_bias"] is not None,
+        a["w2_bias"] is not None, _k_major(w13) and _k_major(w2), regime, masked_rows,
     )  # fmt: skip
-
-
-def _checked(choice: Choice, what: str, problem: ExpertsProblem) -> Choice:
-    if choice.error is not None:
-        raise RuntimeError(
-            f"moe_fx.{what}: impl={choice.request!r} was requested but cannot run: {choice.error} "
-            f"({problem.describe()}); use impl='auto' to let moe_fx pick one that can"
-        )
-    return choice
 
 
 def decide_experts_plan(
     problem: ExpertsProblem,
     top_k: int,
-    impl: str = "auto",
+    kernel: str = "auto",
     *,
     layout: str = "auto",
     caps: Capabilities | None = None,
 ) -> ExpertsPlan:
-    """The kernel and the row layout of one ``moe_fx::experts`` problem: the lowering's rule, also explain's.
+    """The kernel and the row layout of one ``moe_fx::experts`` problem: the lowering's rule.
 
     The experts kernel first (:mod:`moe_fx.lowering.select`, family ``"experts"``), then the local
     layout among those it reads (:func:`~moe_fx.lowering.select.choose_layout`: ``local_sorted`` or
-    ``local_permute``); explain runs the same two. ``caps`` makes it pure (explain for a device this machine lacks; tests);
-    ``layout`` requests one (benchmarks; ``"auto"`` otherwise).
+    ``local_permute``). ``caps`` makes it pure (explain for a device this machine lacks; tests);
+    ``layout`` requests one (benchmarks; ``"auto"`` otherwise). A request that cannot run is in the
+    plan's :attr:`~ExpertsPlan.error` (the run time raises it: :meth:`ExpertsPlan.raise_if_unrunnable`).
     """
-    experts = _checked(choose("experts", problem, request=impl, caps=caps, device=problem.device_type), "experts",
-                       problem)
-    if experts.name == "reference":
+    experts = choose("experts", problem, kernel=kernel, caps=caps, device=problem.device_type)
+    if experts.kernel == "reference" or experts.error is not None:
         return ExpertsPlan(experts, None, problem)
-    prepare = choose_layout(problem, top_k, experts, request=layout, caps=caps)
-    if prepare.error is not None:
-        raise RuntimeError(f"moe_fx.experts: layout {layout!r} cannot run: {prepare.error} ({problem.describe()})")
+    prepare = choose_layout(problem, top_k, experts, layout=layout, caps=caps)
     return ExpertsPlan(experts, prepare, problem)
 
 
-def plan_experts(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    spec: ExpertActivation,
-    impl: str = "auto",
-    *,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    layout: str = "auto",
-) -> ExpertsPlan:
-    """Choose the kernels of one ``moe_fx::experts`` call (a guard on the token-count regime when T is symbolic).
+def _regime(a: dict) -> int:
+    t, k = a["topk_ids"].shape
+    return row_regime(rows_per_expert(t, k, a["w13"].shape[0]))
 
-    Raises ``RuntimeError`` when an explicit ``impl`` (or ``layout``) cannot run (never a silent fallback).
+
+def plan_experts(a: dict, *, layout: str = "auto", caps: Capabilities | None = None) -> ExpertsPlan:
+    """The plan of one ``moe_fx::experts`` call (a guard on the token-count regime when T is symbolic).
+
+    Raises ``RuntimeError`` when an explicit ``kernel`` (or ``layout``) cannot run (never a silent fallback).
     """
-    t, k = topk_ids.shape
-    regime = row_regime(rows_per_expert(t, k, w13.shape[0]))
-    problem = _problem(hidden.device, hidden.dtype, w13, w2, spec, w13_bias, w2_bias, regime)
-    return decide_experts_plan(problem, int(k), impl, layout=layout)
+    problem = experts_problem(a, _regime(a))
+    top_k = int(a["topk_ids"].shape[1])
+    return decide_experts_plan(problem, top_k, a["kernel_choice"], layout=layout, caps=caps).raise_if_unrunnable("experts")
 
 
-def gemms_of(choice: Choice) -> MaskedGemms:
-    """The pipeline GEMMs of a masked-experts choice (not the reference)."""
-    if choice.name == "deepgemm":
-        from moe_fx.lowering.masked_experts.deepgemm import GEMMS
-    elif choice.name == "triton":
-        from moe_fx.lowering.masked_experts.triton import GEMMS
-    else:
-        raise ValueError(f"moe_fx: {choice.name!r} has no pipeline GEMMs")
-    return GEMMS
-
-
-def run_experts(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    spec: ExpertActivation,
-    plan: ExpertsPlan,
-    *,
-    weights_on_input: bool = False,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    identity_experts: int = 0,
-) -> torch.Tensor:
+def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
     """``moe_fx::experts`` with the plan's kernels (not the reference): permute, masked experts, unpermute.
 
     Shapes and semantics as in :mod:`moe_fx.ops.experts`; returns ``[T, H]`` in ``hidden.dtype``.
@@ -167,13 +153,15 @@ def run_experts(
 
     if plan.reference:
         raise ValueError("run_experts: the plan runs the reference, not a kernel pipeline")
+    hidden, topk_ids, topk_weights, w13 = a["hidden"], a["topk_ids"], a["topk_weights"], a["w13"]
+    weights_on_input, spec = a["weights_on_input"], ExpertActivation.of(a)
     t, k = topk_ids.shape
     h = hidden.shape[1]
     if isinstance(t, int) and t == 0:
         return hidden.new_zeros(hidden.shape)
     e = w13.shape[0]
-    gemms = gemms_of(plan.experts)
-    weights = ExpertWeights(w13, w2, w13_scale, w2_scale, w13_bias, w2_bias)
+    gemms = plan.experts.implementation.GEMMS
+    weights = ExpertWeights(w13, a["w2"], a["w13_scale"], a["w2_scale"], a["w13_bias"], a["w2_bias"])
     rows = rows_per_expert(t, k, e)
     regime = plan.problem.regime if plan.problem is not None else None
     hints = GemmHints(expected_m=rows, max_total_m=t * k, active_groups=torch.sym_min(e, t * k), regime=regime)
@@ -193,61 +181,119 @@ def run_experts(
         slot_pos = batch.slot_pos
     return unpermute_from_masked(
         y, slot_pos, topk_weights, weights_on_output=not weights_on_input, topk_ids=topk_ids, hidden=hidden,
-        num_experts=e, identity_experts=identity_experts, out_dtype=hidden.dtype,
+        num_experts=e, identity_experts=a["identity_experts"], out_dtype=hidden.dtype,
     )
 
 
-def plan_masked_experts(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    spec: ExpertActivation,
-    expected_m: object = 0,
-    impl: str = "auto",
-    *,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-) -> ExpertsPlan:
-    """Choose the kernels of one ``moe_fx::masked_experts`` call (expert parallelism; M is static there).
+def _masked_rows_hint(a: dict) -> object:
+    """Rows per expert a ``masked_experts`` call expects: its ``expected_m`` hint, or all ``M`` without one."""
+    expected_m, m = a["expected_m"], a["x"].shape[1]
+    return expected_m if (not isinstance(expected_m, int) or expected_m > 0) else m
 
-    DeepGEMM stores whole 256-row tiles, so it needs ``M % 256 == 0``: under ``auto`` another ``M``
-    takes Triton; an explicit ``impl="deepgemm"`` raises.
+
+def plan_masked_experts(a: dict, *, caps: Capabilities | None = None) -> ExpertsPlan:
+    """The plan of one ``moe_fx::masked_experts`` call (expert parallelism; M is static there).
+
+    DeepGEMM stores whole 256-row tiles, so it needs ``M % 256 == 0`` (its ``supports``): under ``auto``
+    another ``M`` takes Triton; an explicit ``kernel="deepgemm"`` raises.
     """
-    e, m, _ = x.shape
-    act_dtype = torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype
-    rows = expected_m if (not isinstance(expected_m, int) or expected_m > 0) else m
-    problem = _problem(x.device, act_dtype, w13, w2, spec, w13_bias, w2_bias, row_regime(rows))
-    choice = _checked(choose("experts", problem, request=impl, device=x.device), "masked_experts", problem)
-    if choice.name == "deepgemm" and gemms_of(choice).rows(m) != m:
-        why = f"M={m} rows per expert is not a multiple of 256 (DeepGEMM stores whole row tiles)"
-        if impl != "auto":
-            raise RuntimeError(f"moe_fx.masked_experts: impl='deepgemm' cannot run: {why}")
-        choice = Choice("experts", "triton", {**choice.reasons, "deepgemm": why}, impl)
-    return ExpertsPlan(choice, None, problem)
+    problem = experts_problem(a, row_regime(_masked_rows_hint(a)), masked_rows=int(a["x"].shape[1]))
+    choice = choose("experts", problem, kernel=a["kernel_choice"], caps=caps, device=problem.device_type)
+    return ExpertsPlan(choice, None, problem).raise_if_unrunnable("masked_experts")
 
 
-def run_masked_experts_op(
-    x: torch.Tensor,
-    masked_m: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    spec: ExpertActivation,
-    plan: ExpertsPlan,
-    *,
-    x_scale: torch.Tensor | None = None,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    expected_m: object = 0,
-) -> torch.Tensor:
+def run_masked_experts_op(a: dict, plan: ExpertsPlan) -> torch.Tensor:
     """``moe_fx::masked_experts`` with the plan's kernels: ``[E, M, H]`` in :func:`masked_output_dtype`."""
     if plan.reference:
         raise ValueError("run_masked_experts_op: the plan runs the reference, not a kernel pipeline")
+    x = a["x"]
     e, m, _ = x.shape
-    gemms = gemms_of(plan.experts)
-    weights = ExpertWeights(w13, w2, w13_scale, w2_scale, w13_bias, w2_bias)
-    rows = expected_m if (not isinstance(expected_m, int) or expected_m > 0) else m
-    hints = GemmHints(expected_m=rows, max_total_m=e * m, active_groups=e)
-    y = run_masked_experts(x, x_scale, masked_m, weights, spec, gemms, hints)
+    weights = ExpertWeights(a["w13"], a["w2"], a["w13_scale"], a["w2_scale"], a["w13_bias"], a["w2_bias"])
+    hints = GemmHints(expected_m=_masked_rows_hint(a), max_total_m=e * m, active_groups=e)
+    y = run_masked_experts(x, a["x_scale"], a["masked_m"], weights, ExpertActivation.of(a),
+                           plan.experts.implementation.GEMMS, hints)
     return y.to(masked_output_dtype(x))
+
+
+# ------------------------------------------------------------------------------------------------
+# What explain reports: the plans above, on an op node's fake arguments
+
+
+@dataclass(frozen=True)
+class ExpertsExplanation:
+    """What ``moe_fx.explain`` reports for one op call: the run time's plan and why.
+
+    Attributes:
+        plan: the plan the lowering makes for the call as traced (its token count's regime).
+        regimes: ``"rows per expert 1..4: triton, sorted layout; 5..: ..."``: the plans of every regime a
+            graph compiled for a dynamic token count may run (runs of equal plans), or ``""`` for the reference.
+        reasons: ``{kernel: why not taken}`` of the plan's experts choice.
+    """
+
+    plan: ExpertsPlan
+    regimes: str = ""
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def kernel(self) -> str:
+        """The experts kernel that runs."""
+        return self.plan.experts.kernel
+
+    @property
+    def layout(self) -> str:
+        """The row layout it runs on (``"reference"`` for the reference)."""
+        return self.plan.layout
+
+
+def explain_experts(a: dict, *, caps: Capabilities | None = None) -> ExpertsExplanation:
+    """The plan of a ``moe_fx::experts`` (or ``masked_experts``) call, as explain reports it.
+
+    The same functions as :func:`plan_experts` / :func:`plan_masked_experts`, on the op's bound arguments
+    (fake tensors of a traced graph's node), at the traced token count (a symbolic one at its hint, without
+    adding a guard), and the plans of the other regimes. A request that cannot run is in ``plan.error``
+    instead of raised.
+    """
+    if "x" in a:  # masked_experts: M rows per expert, the load hint as its rows
+        rows, top_k, masked_rows = _hint(_masked_rows_hint(a)), 1, int(a["x"].shape[1])
+    else:
+        t, top_k, masked_rows = _hint(a["topk_ids"].shape[0]), int(a["topk_ids"].shape[1]), None
+        rows = None if t is None else rows_per_expert(t, top_k, int(a["w13"].shape[0]))
+    plans = [_plan_in(a, r, masked_rows, top_k, caps) for r in range(len(ROW_REGIMES) + 1)]
+    # a data-dependent token count has no hint: what prefill-sized batches run
+    traced = row_regime(rows) if rows is not None else len(ROW_REGIMES)
+    plan = plans[traced]
+    regimes = "" if plan.reference or plan.error is not None else _regime_summary(plans)
+    return ExpertsExplanation(plan, regimes, dict(plan.experts.reasons))
+
+
+def _hint(v: object) -> int | None:
+    if isinstance(v, torch.SymInt):
+        hint = v.node.hint
+        return None if hint is None else int(hint)
+    return int(v)  # type: ignore[call-overload]
+
+
+def _plan_in(a: dict, regime: int, masked_rows: int | None, top_k: int, caps: Capabilities | None) -> ExpertsPlan:
+    problem = experts_problem(a, regime, masked_rows=masked_rows)
+    if masked_rows is not None:
+        return ExpertsPlan(choose("experts", problem, kernel=a["kernel_choice"], caps=caps, device=problem.device_type),
+                           None, problem)
+    return decide_experts_plan(problem, top_k, a["kernel_choice"], caps=caps)
+
+
+def _regime_summary(plans: list[ExpertsPlan]) -> str:
+    """``"rows per expert 1..4: triton, sorted layout; 5..: deepgemm, masked layout (why)"``: runs of equal plans."""
+    parts: list[str] = []
+    start = 0
+    for r in range(1, len(plans) + 1):
+        if r < len(plans) and plans[r].summary() == plans[start].summary():
+            continue
+        lo, _ = regime_bounds(start)
+        _, hi = regime_bounds(r - 1)
+        prepare = plans[start].prepare
+        why = "" if prepare is None else "; ".join(f"{k}: {v}" for k, v in prepare.reasons.items()
+                                                   if k in ("local_sorted", "local_permute"))
+        span = f"{lo}..{hi}" if hi is not None else f"{lo}.."
+        parts.append(f"rows per expert {span}: {plans[start].summary()}" + (f" ({why})" if why else ""))
+        start = r
+    return "; ".join(parts)

@@ -105,7 +105,9 @@ class ExpertsProblem:
         fp8_block: ``None`` for unquantised weights, else the (N, K) edge of the fp8 weight-scale blocks.
         w13_bias, w2_bias: whether the GEMMs have biases.
         k_major: whether both weights are K-major and contiguous (``[E, N, K]``, unit K stride).
-        regime: :func:`row_regime` of the call's rows per expert, or ``None`` when unknown (explain).
+        regime: :func:`row_regime` of the call's rows per expert, or ``None`` when unknown.
+        masked_rows: ``M`` of a ``masked_experts`` call's ``[E, M, H]`` layout (fixed by the dispatch), or
+            ``None`` for ``moe_fx::experts`` (whose local layout the lowering sizes itself).
     """
 
     device_type: str
@@ -119,6 +121,7 @@ class ExpertsProblem:
     w2_bias: bool = False
     k_major: bool = True
     regime: int | None = None
+    masked_rows: int | None = None
 
     @property
     def fp8(self) -> bool:

@@ -3,7 +3,7 @@
 For ``moe_fx::experts`` and ``moe_fx::masked_experts``, two things each:
 
 * **eager kernels** (CPU and CUDA dispatch keys): validate, plan (:mod:`moe_fx.lowering.experts`), and
-  run the plan's kernels at once, or the op's torch reference when the plan says so. ``impl="triton"``
+  run the plan's kernels at once, or the op's torch reference when the plan says so. ``kernel="triton"``
   on CPU runs the Triton kernels under Triton's interpreter (slow; for tests);
 * **a decomposition for compiled graphs**: a ``torch_dispatch`` rule for ``FunctionalTensorMode``, the
   mode AOTAutograd traces graphs under (the mechanism of ``torch.library.triton_op``). When Inductor
@@ -34,63 +34,35 @@ from moe_fx.lowering.prepare_finalize.ep import (
     ep_dispatch_send_impl,
 )
 from moe_fx.lowering.prepare_finalize.rounds import agree_step, remaining_rounds
-from moe_fx.ops.checks import check_masked_experts
-from moe_fx.ops.experts import check_experts_call, experts_args, reference_of
-from moe_fx.ops.masked_experts import bind_masked_experts, masked_reference_of, spec_of
+from moe_fx.ops.checks import check_experts, check_masked_experts
+from moe_fx.ops.experts import bind_experts, reference_of
+from moe_fx.ops.masked_experts import bind_masked_experts, masked_reference_of
 
 __all__ = ["experts_eager", "masked_experts_eager"]
 
 _LIB = torch.library.Library("moe_fx", "IMPL")
 
 
-_spec = spec_of
+def _eager(bind, check, plan_of, run, reference):
+    """An eager kernel (CPU and CUDA): bind by the schema, validate, plan, run the plan or the reference."""
+
+    def kernel(*args: object, **kwargs: object) -> torch.Tensor:
+        a = bind(*args, **kwargs)
+        check(a)
+        plan = plan_of(a)
+        if plan.reference:
+            return reference(a)
+        with set_wrap_triton_enabled(False):
+            return run(a, plan)
+
+    return kernel
 
 
-def _plan(a: dict):
-    return plan_experts(a["hidden"], a["topk_ids"], a["w13"], a["w2"], _spec(a), a["impl"],
-                        w13_bias=a["w13_bias"], w2_bias=a["w2_bias"])
-
-
-def _run(a: dict, plan) -> torch.Tensor:
-    return run_experts(
-        a["hidden"], a["topk_ids"], a["topk_weights"], a["w13"], a["w2"], _spec(a), plan,
-        weights_on_input=a["weights_on_input"], w13_scale=a["w13_scale"], w2_scale=a["w2_scale"],
-        w13_bias=a["w13_bias"], w2_bias=a["w2_bias"], identity_experts=a["identity_experts"],
-    )  # fmt: skip
-
-
-def experts_eager(*args: object, **kwargs: object) -> torch.Tensor:
-    """Eager kernel of ``moe_fx::experts`` (CPU and CUDA): validate, plan, run (see the module docstring)."""
-    a = experts_args(*args, **kwargs)
-    check_experts_call(a)
-    plan = _plan(a)
-    if plan.reference:
-        return reference_of(a)
-    with set_wrap_triton_enabled(False):
-        return _run(a, plan)
-
-
-def _masked_plan(a: dict):
-    return plan_masked_experts(a["x"], a["w13"], a["w2"], _spec(a), a["expected_m"], a["impl"],
-                               w13_bias=a["w13_bias"], w2_bias=a["w2_bias"])
-
-
-def _masked_run(a: dict, plan) -> torch.Tensor:
-    return run_masked_experts_op(
-        a["x"], a["masked_m"], a["w13"], a["w2"], _spec(a), plan, x_scale=a["x_scale"], w13_scale=a["w13_scale"],
-        w2_scale=a["w2_scale"], w13_bias=a["w13_bias"], w2_bias=a["w2_bias"], expected_m=a["expected_m"],
-    )
-
-
-def masked_experts_eager(*args: object, **kwargs: object) -> torch.Tensor:
-    """Eager kernel of ``moe_fx::masked_experts`` (CPU and CUDA)."""
-    a = bind_masked_experts(*args, **kwargs)
-    check_masked_experts(a)
-    plan = _masked_plan(a)
-    if plan.reference:
-        return masked_reference_of(a)
-    with set_wrap_triton_enabled(False):
-        return _masked_run(a, plan)
+#: Eager kernel of ``moe_fx::experts`` (see the module docstring).
+experts_eager = _eager(bind_experts, check_experts, plan_experts, run_experts, reference_of)
+#: Eager kernel of ``moe_fx::masked_experts``.
+masked_experts_eager = _eager(bind_masked_experts, check_masked_experts, plan_masked_experts, run_masked_experts_op,
+                              masked_reference_of)
 
 
 def _plain_tensors(types: tuple) -> bool:
@@ -127,8 +99,9 @@ for _key in ("CPU", "CUDA"):
 _LIB.impl("ep_agree_step", agree_step, "CompositeExplicitAutograd")
 
 torch.library.register_torch_dispatch(
-    "moe_fx::experts", FunctionalTensorMode, _decomposition(experts_args, _plan, _run), lib=_LIB
+    "moe_fx::experts", FunctionalTensorMode, _decomposition(bind_experts, plan_experts, run_experts), lib=_LIB
 )
 torch.library.register_torch_dispatch(
-    "moe_fx::masked_experts", FunctionalTensorMode, _decomposition(bind_masked_experts, _masked_plan, _masked_run), lib=_LIB
+    "moe_fx::masked_experts", FunctionalTensorMode,
+    _decomposition(bind_masked_experts, plan_masked_experts, run_masked_experts_op), lib=_LIB,
 )

@@ -6,7 +6,7 @@ also imports.
 """
 
 from moe_fx.ops import ep, masked_experts  # noqa: F401  (register the expert-parallel ops and masked_experts)
-from moe_fx.ops.checks import KERNELS
+from moe_fx.ops.checks import EP_KERNELS, KERNELS
 from moe_fx.ops.experts import (
     ACTIVATIONS,
     GATE_UP_LAYOUTS,
@@ -19,6 +19,7 @@ from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, FP8_E4M3_MAX, FP8_SCALE_FLOO
 
 __all__ = [
     "ACTIVATIONS",
+    "EP_KERNELS",
     "FP8_BLOCK",
     "FP8_DTYPE",
     "FP8_E4M3_MAX",

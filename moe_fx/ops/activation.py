@@ -47,6 +47,12 @@ class ExpertActivation:
     limit: float | None = None
     up_offset: float = 0.0
 
+    @classmethod
+    def of(cls, a: dict) -> ExpertActivation:
+        """The activation of an op's bound arguments (``moe_fx::experts``, ``masked_experts``, ...: the schema's
+        ``activation``, ``gated``, ``gate_up_layout``, ``alpha``, ``limit`` and ``up_offset``)."""
+        return cls(a["activation"], a["gated"], a["gate_up_layout"], a["alpha"], a["limit"], a["up_offset"])
+
     def problems(self) -> list[str]:
         """Everything wrong with this spec (empty when valid)."""
         bad = []

@@ -13,14 +13,14 @@ from moe_fx.ops.activation import ExpertActivation
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
 __all__ = [
-    "EP_BACKENDS",
+    "EP_KERNELS",
     "FLOAT_DTYPES",
     "FP8_DTYPES",
     "ID_DTYPES",
     "KERNELS",
     "check_combine",
     "check_dispatch",
-    "check_experts_inputs",
+    "check_experts",
     "check_masked_experts",
     "check_remaining_rounds",
     "check_weight_scale",
@@ -29,10 +29,15 @@ __all__ = [
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ID_DTYPES = (torch.int32, torch.int64)
 FP8_DTYPES = (FP8_DTYPE,)
-#: Kernel requests the op accepts; the lowering decides what each means on a device.
+#: The kernel choice of ``moe_fx::experts`` and ``masked_experts`` (``MoEConfig.kernel``, the ops'
+#: ``kernel_choice`` argument): ``"auto"`` lets the lowering pick, every other name is one of its experts
+#: implementations (the one home of these names: :mod:`moe_fx.lowering.select` checks its candidates against
+#: them). The op argument is ``kernel_choice``, not ``kernel``: Inductor's lowering of an opaque op calls
+#: ``FallbackKernel.create(kernel, *args, **kwargs)``, so an op argument named ``kernel`` cannot be compiled.
 KERNELS = ("auto", "reference", "triton", "deepgemm")
-#: Backend requests the expert-parallel ops accept (``"auto"`` lets the lowering pick; see docs/ep.md).
-EP_BACKENDS = ("auto", "torch_dist", "torch_dist_fixed", "deepep")
+#: The kernel choice of the expert-parallel ops (dispatch and combine, their ``kernel_choice``): ``"auto"`` or
+#: one of the lowering's expert-parallel prepare/finalize implementations (see docs/ep.md).
+EP_KERNELS = ("auto", "deepep", "torch_dist_fixed", "torch_dist")
 
 
 def _shape(t: torch.Tensor) -> tuple:
@@ -64,41 +69,26 @@ def _check_bias(where: str, name: str, bias: torch.Tensor | None, want: tuple[in
         )
 
 
-def check_activation(
-    where: str, activation: str, gated: bool, gate_up_layout: str, alpha: float, limit: float | None,
-    up_offset: float,
-) -> None:
-    """Raise ``ValueError`` for an activation spec the op does not define (see ``ExpertActivation``)."""
-    bad = ExpertActivation(activation, gated, gate_up_layout, alpha, limit, up_offset).problems()
+def check_activation(where: str, a: dict) -> None:
+    """Raise ``ValueError`` for bound activation arguments the op does not define (see ``ExpertActivation``)."""
+    bad = ExpertActivation.of(a).problems()
     if bad:
         raise ValueError(f"moe_fx.{where}: {'; '.join(bad)}")
 
 
-def check_experts_inputs(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    activation: str,
-    w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
-    impl: str,
-    *,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    gated: bool = True,
-    gate_up_layout: str = "halves",
-    alpha: float = 1.0,
-    limit: float | None = None,
-    up_offset: float = 0.0,
-    identity_experts: int = 0,
-) -> None:
-    """Raise a clear error if the inputs break the ``moe_fx::experts`` contract (see ``ops/experts.py``).
+def _check_kernel(where: str, kernel: object, known: tuple[str, ...]) -> None:
+    if kernel not in known:
+        raise ValueError(f"moe_fx.{where}: unknown kernel_choice {kernel!r}; known: {known}")
+
+
+def check_experts(a: dict) -> None:
+    """Raise a clear error if bound ``moe_fx::experts`` arguments break its contract (see ``ops/experts.py``).
 
     Checks shapes, dtypes, devices and arguments only; ids are data, never checked (an id that names no
     expert contributes nothing).
     """
+    hidden, topk_ids, topk_weights, w13, w2 = a["hidden"], a["topk_ids"], a["topk_weights"], a["w13"], a["w2"]
+    gated, w13_bias, w2_bias = a["gated"], a["w13_bias"], a["w2_bias"]
     if hidden.dim() != 2 or hidden.dtype not in FLOAT_DTYPES:
         raise ValueError(
             f"moe_fx.experts: hidden must be a 2-D [T, H] tensor of {FLOAT_DTYPES}, got {hidden.dtype} "
@@ -118,7 +108,7 @@ def check_experts_inputs(
             f"moe_fx.experts: topk_weights {list(topk_weights.shape)} must have the shape of topk_ids "
             f"{list(topk_ids.shape)}"
         )
-    check_activation("experts", activation, gated, gate_up_layout, alpha, limit, up_offset)
+    check_activation("experts", a)
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
             f"moe_fx.experts: w13 must be [E, N1, H] and w2 [E, H, I], got {list(w13.shape)} and {list(w2.shape)}"
@@ -137,14 +127,13 @@ def check_experts_inputs(
             raise TypeError(f"moe_fx.experts: {name} is {w.dtype} but hidden is {hidden.dtype}; they must match")
     if (w13.dtype in FP8_DTYPES) != (w2.dtype in FP8_DTYPES):
         raise TypeError("moe_fx.experts: w13 and w2 must both be fp8 or both not")
-    check_weight_scale("experts", "w13", w13, w13_scale)
-    check_weight_scale("experts", "w2", w2, w2_scale)
+    check_weight_scale("experts", "w13", w13, a["w13_scale"])
+    check_weight_scale("experts", "w2", w2, a["w2_scale"])
     _check_bias("experts", "w13_bias", w13_bias, (e, n1))
     _check_bias("experts", "w2_bias", w2_bias, (e, h))
-    if identity_experts < 0:
-        raise ValueError(f"moe_fx.experts: identity_experts must be >= 0, got {identity_experts}")
-    if impl not in KERNELS:
-        raise ValueError(f"moe_fx.experts: unknown impl {impl!r}; known: {KERNELS}")
+    if a["identity_experts"] < 0:
+        raise ValueError(f"moe_fx.experts: identity_experts must be >= 0, got {a['identity_experts']}")
+    _check_kernel("experts", a["kernel_choice"], KERNELS)
     tensors = [hidden, topk_ids, topk_weights, w13, w2] + [t for t in (w13_bias, w2_bias) if t is not None]
     devices = {t.device for t in tensors}
     if len(devices) != 1:
@@ -170,11 +159,6 @@ def check_ep_layout(num_experts: int, max_tokens_per_rank: int, world: int, wher
             f"(expert parallelism needs E % world_size == 0)"
         )
     return num_experts // world, max_tokens_per_rank * world
-
-
-def _check_ep_backend(backend: str, where: str) -> None:
-    if backend not in EP_BACKENDS:
-        raise ValueError(f"moe_fx.{where}: unknown backend {backend!r}; known: {EP_BACKENDS}")
 
 
 def _check_routing(where: str, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
@@ -214,7 +198,7 @@ def check_dispatch(a: dict, world: int) -> tuple[int, int]:
             f"moe_fx.ep_dispatch: fp8 dispatch quantises 1x{FP8_BLOCK} groups; hidden size {hidden.shape[1]} "
             f"is not a multiple of {FP8_BLOCK} (dispatch it in {hidden.dtype} instead: use_fp8=False)"
         )
-    _check_ep_backend(a["backend"], "ep_dispatch")
+    _check_kernel("ep_dispatch", a["kernel_choice"], EP_KERNELS)
     return check_ep_layout(a["num_experts"], a["max_tokens_per_rank"], world, "ep_dispatch")
 
 
@@ -242,7 +226,7 @@ def check_combine(a: dict, world: int) -> None:
             f"moe_fx.ep_combine: layout_range must be int64 [{e_local}, {world}], got {layout_range.dtype} "
             f"{list(layout_range.shape)}"
         )
-    _check_ep_backend(a["backend"], "ep_combine")
+    _check_kernel("ep_combine", a["kernel_choice"], EP_KERNELS)
 
 
 def check_masked_experts(a: dict, where: str = "masked_experts") -> None:
@@ -273,7 +257,7 @@ def check_masked_experts(a: dict, where: str = "masked_experts") -> None:
 def _check_weights_of_layout(where: str, a: dict, e: int, h: int) -> None:
     """The expert weights, scales, biases and activation of a masked-layout op with ``e`` experts of width ``h``."""
     w13, w2, gated = a["w13"], a["w2"], a["gated"]
-    check_activation(where, a["activation"], gated, a["gate_up_layout"], a["alpha"], a["limit"], a["up_offset"])
+    check_activation(where, a)
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"moe_fx.{where}: w13 and w2 must be 3-D, got {list(w13.shape)} and {list(w2.shape)}")
     inter = w2.shape[2]
@@ -287,8 +271,7 @@ def _check_weights_of_layout(where: str, a: dict, e: int, h: int) -> None:
     check_weight_scale(where, "w2", w2, a["w2_scale"])
     _check_bias(where, "w13_bias", a["w13_bias"], (e, n1))
     _check_bias(where, "w2_bias", a["w2_bias"], (e, h))
-    if a["impl"] not in KERNELS:
-        raise ValueError(f"moe_fx.{where}: unknown impl {a['impl']!r}; known: {KERNELS}")
+    _check_kernel(where, a["experts_kernel_choice" if "experts_kernel_choice" in a else "kernel_choice"], KERNELS)
 
 
 def check_remaining_rounds(a: dict, world: int) -> tuple[int, int]:
@@ -307,5 +290,5 @@ def check_remaining_rounds(a: dict, world: int) -> tuple[int, int]:
             f"output, got {first.dtype} {list(first.shape)}"
         )
     _check_weights_of_layout(where, a, e_local, h)
-    _check_ep_backend(a["backend"], where)
+    _check_kernel(where, a["kernel_choice"], EP_KERNELS)
     return e_local, m

@@ -5,7 +5,7 @@ same model on its own tokens. One ``moe_fx::experts`` call is then split into th
 graph shows the communication and other work (a block's shared experts) can sit between dispatch and
 combine (``masked_experts`` itself lives in :mod:`moe_fx.ops.masked_experts`):
 
-``ep_dispatch(hidden [T, H], topk_ids [T, K], num_experts, max_tokens_per_rank, group_name, use_fp8, backend)``
+``ep_dispatch(hidden [T, H], topk_ids [T, K], num_experts, max_tokens_per_rank, group_name, use_fp8, kernel_choice)``
     sends each (token, k) pair with ``0 <= topk_ids[t, k] < E`` to the rank owning expert
     ``topk_ids[t, k]`` (rank ``r`` owns experts ``r * E_local .. (r + 1) * E_local - 1``) and returns, on
     every rank, the **masked layout** of what it received, with ``M = max_tokens_per_rank * world``.
@@ -18,7 +18,7 @@ combine (``masked_experts`` itself lives in :mod:`moe_fx.ops.masked_experts`):
       ``[E_local, M, 0]``.
     * ``masked_m``     int32 ``[E_local]``.
     * ``src_info``     int32 ``[E_local, M]`` and ``layout_range`` int64 ``[E_local, world]``: the
-      handle ``ep_combine`` needs. Their meaning is private to the backend that produced them (DeepEP:
+      handle ``ep_combine`` needs. Their meaning is private to the kernel that produced them (DeepEP:
       source token index and packed ``offset << 32 | count`` per source rank; torch.distributed: see
       :mod:`moe_fx.lowering.prepare_finalize`); only their shapes and dtypes are contract.
 
@@ -32,8 +32,8 @@ combine (``masked_experts`` itself lives in :mod:`moe_fx.ops.masked_experts`):
 ``ep_combine(expert_out [E_local, M, H], topk_ids, topk_weights, src_info, layout_range, ...)``
     returns each processed row to the rank and token it came from and sums them weighted by
     ``topk_weights``: ``out[t] = sum_k topk_weights[t, k] * expert_out_row(t, k)`` as ``[T, H]`` in
-    ``expert_out.dtype``. ``use_fp8`` and ``backend`` must be the dispatch's: the backend is chosen
-    from the same static values on both sides, so the pair always runs on one backend.
+    ``expert_out.dtype``. ``use_fp8`` and ``kernel_choice`` must be the dispatch's: the kernel is chosen
+    from the same static values on both sides, so the pair always runs on one kernel.
 
 **Steps of any size.** A step in which some rank has more than ``max_tokens_per_rank`` tokens runs in
 ``R`` rounds of at most ``max_tokens_per_rank`` tokens per rank, ``R`` the same on every rank:
@@ -43,12 +43,18 @@ combine (``masked_experts`` itself lives in :mod:`moe_fx.ops.masked_experts`):
     over a CPU (gloo) process group, so it never waits for the GPU: ``R = max(1, ceil(max_r
     num_tokens_r / max_tokens_per_rank))``. The group's ``ep_remaining_rounds`` calls use it until the
     next agreement. The graphs ``split_ep`` compiles call it before every call.
-``ep_remaining_rounds(first_out, hidden, topk_ids, topk_weights, w13, w2, num_experts, max_tokens_per_rank, group_name, use_fp8, backend, *, <masked_experts arguments>)``
+``ep_remaining_rounds(first_out, hidden, topk_ids, topk_weights, w13, w2, num_experts, max_tokens_per_rank, group_name, use_fp8, kernel_choice, *, <masked_experts arguments>, experts_kernel_choice)``
     ``first_out`` is round 0's combined output (tokens ``[0, min(T, max_tokens_per_rank))``). Runs
     rounds ``1 .. R - 1`` (dispatch -> masked_experts -> combine on tokens ``[r * max, (r + 1) * max)``,
     empty on a rank with fewer tokens) and returns all ``[T, H]``. With ``R == 1`` (every rank at most
     ``max_tokens_per_rank`` tokens) it runs no collective and only copies ``first_out``. ``R > 1`` cannot
     run inside a CUDA graph: once one was captured, such a step is a ``ValueError`` on every rank.
+    ``kernel_choice`` is the dispatch/combine kernel (as for ``ep_dispatch``), ``experts_kernel_choice`` the
+    ``masked_experts`` one.
+
+``kernel_choice`` is the kernel choice on every op (``MoEConfig.kernel``; see :data:`~moe_fx.ops.checks.KERNELS`
+for why the op argument is not called ``kernel``): ``"auto"`` or a name of :data:`~moe_fx.ops.checks.EP_KERNELS`
+for the communication ops (``experts_kernel_choice``: of :data:`~moe_fx.ops.checks.KERNELS`).
 
 Process groups cannot be op arguments; the ops take the group's c10d name (``group.group_name``, the
 same registry torch's functional collectives use) and resolve it with :func:`resolve_ep_group`.
@@ -64,12 +70,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_fx.ops.checks import EP_BACKENDS, check_combine, check_dispatch, check_remaining_rounds
+from moe_fx.ops.checks import EP_KERNELS, check_combine, check_dispatch, check_remaining_rounds
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE
 from moe_fx.ops.signature import binder
 
 __all__ = [
-    "EP_BACKENDS",
+    "EP_KERNELS",
     "bind_combine",
     "bind_dispatch",
     "bind_dispatch_recv",
@@ -86,11 +92,6 @@ __all__ = [
     "group_size",
     "resolve_ep_group",
 ]
-
-
-# --------------------------------------------------------------------------------------------------
-# Process groups by name
-# --------------------------------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,27 +150,27 @@ def group_size(group_name: str) -> int:
 _LIB = torch.library.Library("moe_fx", "FRAGMENT")
 _LIB.define(
     "ep_dispatch(Tensor hidden, Tensor topk_ids, int num_experts, int max_tokens_per_rank, str group_name, "
-    "bool use_fp8=False, str backend='auto') -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "bool use_fp8=False, str kernel_choice='auto') -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _LIB.define(
     "ep_combine(Tensor expert_out, Tensor topk_ids, Tensor topk_weights, Tensor src_info, Tensor layout_range, "
-    "int num_experts, int max_tokens_per_rank, str group_name, bool use_fp8=False, str backend='auto') -> Tensor"
+    "int num_experts, int max_tokens_per_rank, str group_name, bool use_fp8=False, str kernel_choice='auto') -> Tensor"
 )
 _LIB.define(
     "ep_dispatch_send(Tensor hidden, Tensor topk_ids, int num_experts, int max_tokens_per_rank, str group_name, "
-    "bool use_fp8=False, str backend='auto') -> Tensor"
+    "bool use_fp8=False, str kernel_choice='auto') -> Tensor"
 )
 _LIB.define(
     "ep_dispatch_recv(Tensor ticket, Tensor hidden, int num_experts, int max_tokens_per_rank, str group_name, "
-    "bool use_fp8=False, str backend='auto') -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "bool use_fp8=False, str kernel_choice='auto') -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _LIB.define("ep_agree_step(int num_tokens, int max_tokens_per_rank, str group_name) -> int")
 _LIB.define(
     "ep_remaining_rounds(Tensor first_out, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
     "Tensor w2, int num_experts, int max_tokens_per_rank, str group_name, bool use_fp8=False, "
-    "str backend='auto', *, str activation='silu', Tensor? w13_scale=None, Tensor? w2_scale=None, "
+    "str kernel_choice='auto', *, str activation='silu', Tensor? w13_scale=None, Tensor? w2_scale=None, "
     "Tensor? w13_bias=None, Tensor? w2_bias=None, bool gated=True, str gate_up_layout='halves', "
-    "float alpha=1.0, float? limit=None, float up_offset=0.0, SymInt expected_m=0, str impl='auto') -> Tensor"
+    "float alpha=1.0, float? limit=None, float up_offset=0.0, SymInt expected_m=0, str experts_kernel_choice='auto') -> Tensor"
 )
 
 #: The ops' arguments by name (each op's one signature is its schema above).

@@ -29,13 +29,16 @@ experts, ``I`` for non-gated ones):
                     (128x128 blocks, DeepSeek/transformers fine-grained FP8 recipe); ``None`` otherwise.
 * ``w13_bias``      ``[E, N1]`` (rows in ``w13``'s order) added to the first GEMM's output;
   ``w2_bias``       ``[E, H]`` added to the expert's output (before its routing weight). Float, or None.
-* ``impl``          kernel request passed to the lowering (``"auto"``, ``"reference"``, ``"triton"``,
-                    ``"deepgemm"``); the reference implementation ignores it.
+* ``kernel_choice`` the kernel choice passed to the lowering (``MoEConfig.kernel``): ``"auto"`` or a
+                    name of :data:`~moe_fx.ops.checks.KERNELS` (``"reference"``, ``"triton"``, ``"deepgemm"``;
+                    why the argument is not called ``kernel``: there); the reference ignores it.
 
 Returns ``[T, H]`` in ``hidden.dtype``. ``T = 0`` is allowed.
 
 This module holds the schema, the fake (meta) implementation and the reference implementation only;
-kernels are registered by :mod:`moe_fx.lowering`.
+kernels are registered by :mod:`moe_fx.lowering`. The schema string is the op's one signature: every
+implementation, the checks (:func:`~moe_fx.ops.checks.check_experts`) and the reference take the op's
+arguments bound by name from it (:data:`bind_experts`, :mod:`moe_fx.ops.signature`).
 """
 
 from __future__ import annotations
@@ -43,17 +46,20 @@ from __future__ import annotations
 import torch
 
 from moe_fx.ops.activation import ACTIVATIONS, GATE_UP_LAYOUTS, ExpertActivation
-from moe_fx.ops.checks import check_experts_inputs
+from moe_fx.ops.checks import check_experts
 from moe_fx.ops.recipe import FP8_BLOCK
+from moe_fx.ops.signature import binder
 
 __all__ = [
     "ACTIVATIONS",
     "GATE_UP_LAYOUTS",
     "ExpertActivation",
+    "bind_experts",
     "dequantize_blockwise",
     "expert_mlp_fp32",
     "experts",
     "experts_reference",
+    "reference_of",
 ]
 
 def dequantize_blockwise(w: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
@@ -91,42 +97,29 @@ def expert_mlp_fp32(
     return y
 
 
-def experts_reference(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    activation: str = "silu",
-    weights_on_input: bool = False,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    *,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    gated: bool = True,
-    gate_up_layout: str = "halves",
-    alpha: float = 1.0,
-    limit: float | None = None,
-    up_offset: float = 0.0,
-    identity_experts: int = 0,
-) -> torch.Tensor:
+def experts_reference(*args: object, **kwargs: object) -> torch.Tensor:
     """Straightforward fp32 computation of the experts op; the oracle every kernel is tested against.
 
-    Loops over experts with tokens; correct on any device, for T = 0, duplicate ids and empty experts.
-    A slot whose id names no expert or identity expert (``-1``, or any id outside ``[0, E +
-    identity_experts)``) contributes nothing (see the module docstring).
-    An ambient ``torch.autocast`` does not change it (the op computes in its inputs' dtypes).
+    Takes the op's arguments (its schema, positional or by name; ``kernel_choice`` is ignored). Loops over experts
+    with tokens; correct on any device, for T = 0, duplicate ids and empty experts. A slot whose id names
+    no expert or identity expert (``-1``, or any id outside ``[0, E + identity_experts)``) contributes
+    nothing (see the module docstring). An ambient ``torch.autocast`` does not change it (the op computes
+    in its inputs' dtypes).
     """
+    return reference_of(bind_experts(*args, **kwargs))
+
+
+def reference_of(a: dict) -> torch.Tensor:
+    """:func:`experts_reference` on the op's bound arguments (:data:`bind_experts`)."""
+    hidden = a["hidden"]
     device_type = hidden.device.type
     if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
         with torch.autocast(device_type, enabled=False):
-            return experts_reference(
-                hidden, topk_ids, topk_weights, w13, w2, activation, weights_on_input, w13_scale, w2_scale,
-                w13_bias=w13_bias, w2_bias=w2_bias, gated=gated, gate_up_layout=gate_up_layout, alpha=alpha,
-                limit=limit, up_offset=up_offset, identity_experts=identity_experts,
-            )  # fmt: skip
-    spec = ExpertActivation(activation, gated, gate_up_layout, alpha, limit, up_offset)
+            return reference_of(a)
+    topk_ids, topk_weights, w13, w2 = a["topk_ids"], a["topk_weights"], a["w13"], a["w2"]
+    w13_scale, w2_scale, w13_bias, w2_bias = a["w13_scale"], a["w2_scale"], a["w13_bias"], a["w2_bias"]
+    weights_on_input, identity_experts = a["weights_on_input"], a["identity_experts"]
+    spec = ExpertActivation.of(a)
     t, h = hidden.shape
     num_experts = w13.shape[0]
     out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
@@ -158,7 +151,7 @@ def experts_reference(
 _SCHEMA = (
     "(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, "
     "str activation='silu', bool weights_on_input=False, Tensor? w13_scale=None, "
-    "Tensor? w2_scale=None, str impl='auto', *, Tensor? w13_bias=None, Tensor? w2_bias=None, "
+    "Tensor? w2_scale=None, str kernel_choice='auto', *, Tensor? w13_bias=None, Tensor? w2_bias=None, "
     "bool gated=True, str gate_up_layout='halves', float alpha=1.0, float? limit=None, "
     "float up_offset=0.0, int identity_experts=0) -> Tensor"
 )
@@ -170,54 +163,14 @@ _LIB = torch.library.Library("moe_fx", "FRAGMENT")
 _LIB.define("experts" + _SCHEMA)
 
 
-def experts_args(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    activation: str = "silu",
-    weights_on_input: bool = False,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    impl: str = "auto",
-    *,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    gated: bool = True,
-    gate_up_layout: str = "halves",
-    alpha: float = 1.0,
-    limit: float | None = None,
-    up_offset: float = 0.0,
-    identity_experts: int = 0,
-) -> dict:
-    """The op's arguments by name, from a call in the schema's form (positional or keyword).
-
-    The one Python copy of the op's signature: the default, fake and lowering implementations take
-    ``*args, **kwargs`` and bind them here.
-    """
-    return dict(locals())
-
-
-def check_experts_call(a: dict) -> None:
-    """:func:`~moe_fx.ops.checks.check_experts_inputs` on bound arguments (:func:`experts_args`)."""
-    check_experts_inputs(
-        a["hidden"], a["topk_ids"], a["topk_weights"], a["w13"], a["w2"], a["activation"], a["w13_scale"],
-        a["w2_scale"], a["impl"], w13_bias=a["w13_bias"], w2_bias=a["w2_bias"], gated=a["gated"],
-        gate_up_layout=a["gate_up_layout"], alpha=a["alpha"], limit=a["limit"], up_offset=a["up_offset"],
-        identity_experts=a["identity_experts"],
-    )  # fmt: skip
-
-
-def reference_of(a: dict) -> torch.Tensor:
-    """:func:`experts_reference` on bound arguments (:func:`experts_args`; ``impl`` is ignored)."""
-    return experts_reference(**{k: v for k, v in a.items() if k != "impl"})
+#: ``experts(...)``'s arguments by name (the op's one signature is its schema above).
+bind_experts = binder("moe_fx::experts")
 
 
 def _experts_default(*args: object, **kwargs: object) -> torch.Tensor:
     """Default implementation of ``moe_fx::experts`` (any device without a kernel of the lowering): the reference."""
-    a = experts_args(*args, **kwargs)
-    check_experts_call(a)
+    a = bind_experts(*args, **kwargs)
+    check_experts(a)
     return reference_of(a)
 
 
@@ -230,6 +183,6 @@ experts = torch.ops.moe_fx.experts
 
 @torch.library.register_fake("moe_fx::experts")
 def _experts_fake(*args: object, **kwargs: object) -> torch.Tensor:
-    a = experts_args(*args, **kwargs)
-    check_experts_call(a)
+    a = bind_experts(*args, **kwargs)
+    check_experts(a)
     return a["hidden"].new_empty(a["hidden"].shape)

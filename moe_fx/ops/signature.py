@@ -9,6 +9,7 @@ means editing the schema string and the code that reads the new name, nothing el
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ class SchemaBinder:
         return args, kwargs
 
 
+@functools.cache
 def binder(qualname: str) -> SchemaBinder:
     """The binder of ``moe_fx::<name>``'s default overload (``qualname`` is ``"moe_fx::<name>"``)."""
     namespace, name = qualname.split("::")

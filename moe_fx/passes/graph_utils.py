@@ -9,14 +9,15 @@ analysis sees where values really flow.
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Iterable
 
 import torch
 import torch.fx as fx
 
 __all__ = [
-    "DataFlow", "add_weight_buffer", "fake_mode_of", "is_factory", "is_matmul", "is_mutation", "node_value", "op_name",
-    "scalar_hint", "tensor_value",
+    "DataFlow", "add_weight_buffer", "bound_op_args", "clean_module_path", "experts_module_of", "fake_mode_of", "is_factory",
+    "is_matmul", "is_mutation", "module_stack", "moe_fx_op", "node_value", "op_name", "scalar_hint", "tensor_value",
 ]
 
 _FACTORIES = frozenset(
@@ -59,6 +60,60 @@ def scalar_hint(a: object) -> float | int | None:
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         return v  # a Python number recorded as a node's value (a traced forward's .item())
     return None
+
+
+def moe_fx_op(node: fx.Node) -> str | None:
+    """The name of the moe_fx op ``node`` calls (``"experts"``, ``"masked_experts"``, ...), or None.
+
+    Both spellings count: an overload (``torch.ops.moe_fx.experts.default``, what the passes insert) and the
+    packet (``torch.ops.moe_fx.experts``, what Dynamo records for a captured module's forward)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        target = target.overloadpacket
+    if isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name.startswith("moe_fx::"):
+        return target._qualified_op_name.removeprefix("moe_fx::")
+    return None
+
+
+def bound_op_args(node: fx.Node) -> dict:
+    """The arguments of a moe_fx op call node by name, bound from the op's schema, each node argument replaced
+    by its example value (fake tensors of the traced graph): what the op's implementations receive."""
+    from moe_fx.ops.signature import binder
+
+    name = moe_fx_op(node)
+    if name is None:
+        raise ValueError(f"bound_op_args: {node.format_node()} does not call a moe_fx op")
+    args = fx.node.map_arg(node.args, node_value)
+    kwargs = fx.node.map_arg(node.kwargs, node_value)
+    return binder(f"moe_fx::{name}")(*args, **kwargs)
+
+
+def module_stack(node: fx.Node) -> list[tuple[str, str]]:
+    """``(module path, class name)`` of every module around ``node``, outermost first (Dynamo's ``nn_module_stack``)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    entries = []
+    for key, value in stack.items():
+        path, cls = value if isinstance(value, tuple) else (key, value)
+        name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
+        entries.append((str(path), name))
+    return entries
+
+
+def experts_module_of(node: fx.Node) -> tuple[str, str]:
+    """(module path, class name) of the innermost ``*Experts`` module around ``node``, else the innermost."""
+    entries = module_stack(node)
+    if not entries:
+        return "", ""
+    for path, name in reversed(entries):
+        if name.endswith("Experts"):
+            return path, name
+    return entries[-1]
+
+
+def clean_module_path(path: str) -> str:
+    """``model.layers.0.mlp`` from Dynamo's ``L['self'].model.layers[0].mlp``."""
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path)
 
 
 def op_name(node: fx.Node) -> str:

@@ -1,11 +1,8 @@
 """The ordered list of moe_fx graph passes and the loop that runs them (their context: :mod:`.context`).
 
-Invariants every pass keeps (after Inductor's ``fx_passes/README.md``):
-
-* every node it creates carries a correct fake value in ``meta["example_value"]``;
-* it adds no mutation of graph inputs and creates no aliasing between inputs and outputs;
-* it leaves anything it does not fully understand exactly as it was, and says why in the report;
-* it counts a rewrite only when it happened (the pass returns that count).
+What every pass may assume and must keep (fake values, no mutation or aliasing, weights never copied,
+regions left exactly as written, counts only when rewritten) is written down in ``moe_fx/passes/README.md``,
+after Inductor's ``fx_passes/README.md``.
 """
 
 from __future__ import annotations

@@ -25,14 +25,20 @@ class RegionReport:
         activation: gated activation found (``silu``, ...).
         weights_on_input: True when routing weights scale the expert input (Llama 4 style).
         reason: why the region was not rewritten (empty when matched).
-        kernel: kernel the lowering will pick (filled by explain / the backend).
-        kernel_reasons: why the other kernels were not picked.
+        kernel: the experts kernel the lowering picks for the op as traced (filled by explain from the
+            lowering's own plan of the op node: :func:`moe_fx.lowering.experts.explain_experts`).
+        layout: the row layout that kernel runs on (``"sorted"``, ``"masked"``, ``"reference"``).
+        kernel_reasons: why the other kernels were not picked (and ``"layout"``: the plan of every
+            token-count regime).
+        entry: for a rewritten region, which entry rewrites it: ``"any"`` (``torch.compile(model,
+            backend="moe_fx")`` and ``moe_fx.compile``) or ``"moe_fx.compile"`` (a capture step patched
+            the module before tracing; a backend never sees modules).
         verified: how a matched region was checked: ``"numerics"`` (the structure proves the form and the
             region itself, or a captured module's forward, run on random inputs, equals the op's reference) or
             ``"unverified"`` (``MoEConfig(verify="never")``: rewritten on its structure alone).
         tokens: the region's token count T as traced: ``"5"``, ``"symbolic (traced at 5)"`` when the graph
             is compiled for any T (``dynamic=True``, or automatic dynamic shapes after a recompile), or
-            ``"data-dependent"``; empty where unknown (modules captured before tracing).
+            ``"data-dependent"`` (for a module captured before tracing: what explain reads from its op node); empty where unknown.
         probe: the numerical check's size, e.g. ``"T=14 x3"`` or ``"reduced T=32 of 2048 x3"`` (also
             set when the check ran and failed).
         probe_error: the largest relative error the check found (nan when none ran).
@@ -57,7 +63,9 @@ class RegionReport:
     weights_on_input: bool = False
     reason: str = ""
     kernel: str = ""
+    layout: str = ""
     kernel_reasons: dict[str, str] = field(default_factory=dict)
+    entry: str = ""
     verified: str = ""
     tokens: str = ""
     probe: str = ""

@@ -1,7 +1,7 @@
 """The pass ``rewrite_moe_regions``: replace every recognised experts region by ``moe_fx::experts``.
 
 For each group of expert weights (:mod:`find_experts`), cut out the region from routing results to
-combined output (:mod:`extract_region`), check it (:mod:`verify_region`), and if every guard says
+combined output (:mod:`extract_region`), check it (:mod:`~moe_fx.passes.recognize.verify_region`), and if every guard says
 yes, insert one ``torch.ops.moe_fx.experts`` call and delete the region. Routing stays as written.
 
 Per-expert weights (``nn.ModuleList`` experts) are stacked once into ``w13 [E, 2I, H]`` and
@@ -23,51 +23,37 @@ import torch
 import torch.fx as fx
 
 from moe_fx.ops import ExpertActivation
-from moe_fx.passes.autocast_guard import check_autocast
-from moe_fx.passes.expert_storage import PerExpertSync, WeightSources, share_storage, stack_per_expert
-from moe_fx.passes.extract_region import Region, expert_products, extract_region
-from moe_fx.passes.find_experts import ExpertWeights, find_expert_weights
-from moe_fx.passes.graph_utils import DataFlow, add_weight_buffer, fake_mode_of, tensor_value
 from moe_fx.passes.context import PassContext
-from moe_fx.passes.near_misses import per_expert_near_misses
-from moe_fx.passes.probe_plan import ProbePlan, plan_probe, token_hint
+from moe_fx.passes.expert_storage import PerExpertSync, WeightSources, share_storage, stack_per_expert
+from moe_fx.passes.graph_utils import (
+    DataFlow,
+    add_weight_buffer,
+    clean_module_path,
+    experts_module_of,
+    fake_mode_of,
+    module_stack,
+    tensor_value,
+)
+from moe_fx.passes.recognize.autocast_guard import check_autocast
+from moe_fx.passes.recognize.extract_region import Region, expert_products, extract_region
+from moe_fx.passes.recognize.find_experts import ExpertWeights, find_expert_weights
+from moe_fx.passes.recognize.near_misses import per_expert_near_misses
+from moe_fx.passes.recognize.read_form import FormReading, expert_id_bound, read_region
+from moe_fx.passes.recognize.verify_region import ProbeResult, probe_region, region_rows_per_token, specialize_scalars
 from moe_fx.passes.report import RegionReport
 from moe_fx.passes.split_ep import ep_weights_freed
-from moe_fx.passes.read_form import FormReading, expert_id_bound, read_region
-from moe_fx.passes.verify_region import ProbeResult, probe_region, region_rows_per_token, specialize_scalars
+from moe_fx.verify.probe_plan import ProbePlan, plan_probe, token_hint, tokens_text
 
 __all__ = ["rewrite_moe_regions"]
 
 log = logging.getLogger("moe_fx.passes")
 
 
-def _module_stack(node: fx.Node) -> list[tuple[str, str]]:
-    """``(module path, class name)`` of every module around ``node``, outermost first."""
-    stack = node.meta.get("nn_module_stack") or {}
-    entries = []
-    for key, value in stack.items():
-        path, cls = value if isinstance(value, tuple) else (key, value)
-        name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
-        entries.append((str(path), name))
-    return entries
-
-
-def _module_of(node: fx.Node) -> tuple[str, str]:
-    """(module path, class name) of the innermost ``*Experts`` module around ``node``, else the innermost."""
-    entries = _module_stack(node)
-    if not entries:
-        return "", ""
-    for path, name in reversed(entries):
-        if name.endswith("Experts"):
-            return path, name
-    return entries[-1]
-
-
 def _common_module(a: fx.Node, b: fx.Node) -> tuple[str, str]:
     """The innermost module around both ``a`` and ``b`` (JetMoE keeps w13 and w2 in two sibling modules)."""
     inner = ("", "")
-    for x, y in zip(_module_stack(a), _module_stack(b)):
-        if _clean_path(x[0]) != _clean_path(y[0]):
+    for x, y in zip(module_stack(a), module_stack(b)):
+        if clean_module_path(x[0]) != clean_module_path(y[0]):
             break
         inner = x
     return inner
@@ -82,12 +68,6 @@ def _family(cls: str) -> str:
         if cls.endswith(suffix) and len(cls) > len(suffix):
             return cls[: -len(suffix)]
     return ""
-
-
-def _clean_path(path: str) -> str:
-    # Dynamo spells module paths as L['self'].model.layers[0].mlp or L__self___model_layers_0_mlp.
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    return re.sub(r"\[(\d+)\]", r".\1", path)
 
 
 def _per_expert_values(anchors: ExpertWeights, ctx: PassContext) -> list[torch.Tensor] | None:
@@ -164,7 +144,7 @@ def _insert_op(
             w13_node, w2_node = a.w13, a.w2
         weights_node = _gather_scores(g, region) if region.dense_scores else region.weights
         kwargs = {"activation": probe.activation, "weights_on_input": probe.weights_on_input,
-                  "impl": ctx.config.kernel, **_variant_kwargs(region, probe.spec)}
+                  "kernel_choice": ctx.config.kernel, **_variant_kwargs(region, probe.spec)}
         op = g.call_function(
             torch.ops.moe_fx.experts.default,
             (region.hidden, region.ids, weights_node, w13_node, w2_node),
@@ -223,14 +203,6 @@ def _param_path(node: fx.Node) -> str:
     return re.sub(r"_(modules|parameters|buffers)_", ".", "_" + name).lstrip("._")
 
 
-def _tokens_text(num_tokens: object) -> str:
-    """``"5"``, ``"symbolic (traced at 5)"`` or ``"data-dependent"``: the region's T for reports."""
-    if not isinstance(num_tokens, torch.SymInt):
-        return str(num_tokens)
-    hint = token_hint(num_tokens)
-    return "data-dependent" if hint is None else f"symbolic (traced at {hint})"
-
-
 def _tied_weights(anchors: ExpertWeights) -> str | None:
     """Why a group whose experts share a weight (one Parameter in two slots) is left as written, or None.
 
@@ -256,21 +228,21 @@ def _tied_weights(anchors: ExpertWeights) -> str | None:
 
 
 def _report_for(anchors: ExpertWeights, region: Region | None) -> RegionReport:
-    path, cls = _module_of(region.output) if region is not None else ("", "")
+    path, cls = experts_module_of(region.output) if region is not None else ("", "")
     if not cls.endswith("Experts"):
         # No experts module around the output: name the region after its weights' owner, or the
         # module around both weights when each lives in its own (JetMoE's input_linear / output_linear).
         owners = [next(iter(w.users), w) for w in (anchors.w13, anchors.w2) if w is not None]
         owners = owners or [next(iter(anchors.nodes[-1].users), anchors.nodes[-1])]
-        split = len({_module_of(o)[0] for o in owners}) > 1
-        wpath, wcls = _common_module(*owners) if split else _module_of(owners[-1])
+        split = len({experts_module_of(o)[0] for o in owners}) > 1
+        wpath, wcls = _common_module(*owners) if split else experts_module_of(owners[-1])
         if wpath and (split or wcls.endswith("Experts")) or not path:
             path, cls = wpath, wcls
     if anchors.kind == "per_expert" and not cls.endswith("Experts"):
         path = re.sub(r"\.\d+\.[^.]+\.weight$", "", _param_path(anchors.down[0]))
         cls = ""
     family = _family(cls)
-    layer = _clean_path(path) or ".".join(_param_path(anchors.nodes[-1]).split(".")[:-1]) or _param_path(anchors.nodes[-1])
+    layer = clean_module_path(path) or ".".join(_param_path(anchors.nodes[-1]).split(".")[:-1]) or _param_path(anchors.nodes[-1])
     return RegionReport(
         layer=layer, family=family, num_experts=anchors.num_experts,
         hidden=anchors.hidden, intermediate=anchors.intermediate,
@@ -320,8 +292,8 @@ def _next_layer_start(flow: DataFlow, anchors: ExpertWeights, groups: list[Exper
 
 def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked: tuple[torch.Tensor, torch.Tensor],
            plan: ProbePlan | str, real_weights: bool = True) -> ProbeResult:
-    """Is it safe? The structure proves what the region computes (:func:`~moe_fx.passes.read_form.read_region`),
-    then the numerical check confirms it (:func:`~moe_fx.passes.verify_region.probe_region`).
+    """Is it safe? The structure proves what the region computes (:func:`~moe_fx.passes.recognize.read_form.read_region`),
+    then the numerical check confirms it (:func:`~moe_fx.passes.recognize.verify_region.probe_region`).
 
     ``plan`` is the numerical check to run (:func:`_probe_plan`); a string (the reason there is none) rewrites
     on the structure alone, which the report marks unverified. ``real_weights=False`` checks with random weights
@@ -397,7 +369,7 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
             log.info("moe_fx: left %s untouched: %s", report.layer, report.reason)
             continue
         report.form, report.top_k = region.form, region.top_k
-        report.tokens = _tokens_text(region.num_tokens)
+        report.tokens = tokens_text(region.num_tokens)
         report.dtype = str(tensor_value(region.hidden).dtype).replace("torch.", "")
         report.device = tensor_value(region.hidden).device.type
         stacked = _stacked_weights(region, ctx)

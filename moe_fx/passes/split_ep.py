@@ -32,7 +32,7 @@ Call checks (run before every call of the compiled graph, in Python): ``ep_agree
 largest token count of the graph's expert-parallel layers (every rank learns how many rounds this
 step needs), and, with ``MoEConfig.eplb_interval``, the EPLB rebalance trigger.
 
-Invariants kept (moe_fx/passes/manager.py): every new node gets a fake value (``example_value`` and
+Invariants kept (moe_fx/passes/README.md): every new node gets a fake value (``example_value`` and
 ``val``) computed by the ops' fake implementations under the graph's own fake mode; no graph input is
 mutated (the EPLB counts live in buffers the pass adds); nothing it cannot handle is changed.
 ``E % world_size != 0`` is a ``ValueError`` here, at compile time.
@@ -485,15 +485,17 @@ class _Rewriter:
             form = {k: a[k] for k in _FORM_ARGS}
             y = c(torch.ops.moe_fx.masked_experts.default,
                   (parts[0], parts[2], w["w13"], w["w2"], a["activation"], parts[1] if use_fp8 else None,
-                   w["w13_scale"], w["w2_scale"], expected_m, a["impl"]),
+                   w["w13_scale"], w["w2_scale"], expected_m, a["kernel_choice"]),
                   {"w13_bias": w["w13_bias"], "w2_bias": w["w2_bias"], **form})
+            if "moe_fx" in node.meta:  # which region it is (explain reports its kernel)
+                y.meta["moe_fx"] = node.meta["moe_fx"]
             common = dispatch_args
             out0 = c(torch.ops.moe_fx.ep_combine.default, (y, ids0, w0, parts[3], parts[4], *common))
             out = c(torch.ops.moe_fx.ep_remaining_rounds.default,
                     (out0, send, send_ids, send_w, w["w13"], w["w2"], *common),
                     {"activation": a["activation"], "w13_scale": w["w13_scale"], "w2_scale": w["w2_scale"],
                      "w13_bias": w["w13_bias"], "w2_bias": w["w2_bias"], **form, "expected_m": expected_m,
-                     "impl": a["impl"]})
+                     "experts_kernel_choice": a["kernel_choice"]})
             if on_input:
                 per_slot = c(torch.Tensor.view, (out, (-1, top_k, h)))
                 out = c(torch.Tensor.to, (c(torch.sum, (c(torch.Tensor.float, (per_slot,)), 1)), hidden_v.dtype))

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moe_fx.capture.record_forward import record_forward
 from moe_fx.ops import ExpertActivation
-from moe_fx.passes.read_form import Boundary, FormReading, WeightView, read_form
-from moe_fx.passes.record_forward import record_forward
+from moe_fx.passes.recognize.read_form import Boundary, FormReading, WeightView, read_form
 
 T, K, E, H, I = 6, 2, 4, 8, 4
 G = torch.Generator().manual_seed(0)
@@ -227,7 +227,7 @@ def test_weights_read_the_wrong_way_round_are_refused():
 ])
 def test_expert_id_bound_reads_where_the_ids_come_from(route, want):
     """How many experts the ids can name, from the op that made them; no bound from any other op."""
-    from moe_fx.passes.read_form import expert_id_bound
+    from moe_fx.passes.recognize.read_form import expert_id_bound
 
     rec = record_forward(route, [torch.randn(T, 5, generator=torch.Generator().manual_seed(2))], {})
     bound, where = expert_id_bound(rec.output)

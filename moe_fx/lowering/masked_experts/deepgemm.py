@@ -65,13 +65,16 @@ def supports(problem: ExpertsProblem, caps: Capabilities) -> tuple[bool, str]:
         return False, "expert weights are not K-major contiguous [E, N, K] (a transposed layout): Triton reads them as they are"
     if problem.w2_bias:
         return False, "no bias epilogue for the second GEMM"
+    if problem.masked_rows is not None and problem.masked_rows % MASKED_M_ALIGN:
+        return False, (f"M={problem.masked_rows} rows per expert is not a multiple of {MASKED_M_ALIGN} "
+                       "(DeepGEMM stores whole row tiles)")
     return True, ""
 
 
 def prefer(problem: ExpertsProblem, caps: Capabilities) -> str | None:
     """Under ``auto``: decode-sized batches (regime 0, <= 4 rows per expert) go to Triton.
 
-    A preference, not a capability (an explicit ``impl="deepgemm"`` still runs DeepGEMM): there the
+    A preference, not a capability (an explicit ``kernel="deepgemm"`` still runs DeepGEMM): there the
     GEMMs only stream weights, and Triton's decode tiles are as fast or faster (H200, CUDA-graph
     replays of a Qwen3-30B-A3B layer at T=1: 45 vs 67 µs bf16, 48 vs 60 fp8;
     bench/results/moe_layer_2026-12-02_v2.md).

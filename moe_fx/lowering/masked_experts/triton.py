@@ -2,7 +2,7 @@
 
 Persistent kernels that visit valid row tiles only (:mod:`moe_fx.lowering.triton.grouped_gemm`), a
 bias epilogue, tile configurations from the tuned table chosen when the graph is compiled. On CPU
-tensors the same kernels run under Triton's interpreter (tests; ``impl="triton"`` on CPU).
+tensors the same kernels run under Triton's interpreter (tests; ``kernel="triton"`` on CPU).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def supports(problem: ExpertsProblem, caps: Capabilities) -> tuple[bool, str]:
 def prefer(problem: ExpertsProblem, caps: Capabilities) -> str | None:
     """Under ``auto``: on CPU the interpreter is for tests, the reference runs instead."""
     if problem.device_type == "cpu":
-        return "would run under Triton's interpreter on CPU (impl='triton' asks for that); reference preferred"
+        return "would run under Triton's interpreter on CPU (kernel='triton' asks for that); reference preferred"
     return None
 
 

@@ -20,8 +20,8 @@ wait in DeepEP's kernels until its own timeout (DeepEP has no count exchange to 
 larger than that run in rounds agreed beforehand (:mod:`.rounds`), so ``split_ep``'s graphs never do.
 
 **Hidden sizes DeepEP was not compiled for** (GPT-OSS's 2880, for instance): the LL kernels exist for
-:data:`DEEPEP_LL_HIDDEN` only. Under ``backend="auto"`` such a layer takes the fixed-size
-torch.distributed exchange, unpadded (logged). Requested explicitly (``backend="deepep"``) it is
+:data:`DEEPEP_LL_HIDDEN` only. Under ``kernel="auto"`` such a layer takes the fixed-size
+torch.distributed exchange, unpadded (logged). Requested explicitly (``kernel="deepep"``) it is
 padded with zero columns to the next compiled size, and says so once in the log: the wire then
 carries ``H_pad / H`` times the bytes, dispatch copies the received layout down to H columns and
 combine copies the experts' output up to ``H_pad`` (two copies of ``[E_local, M, H]``).
@@ -50,7 +50,7 @@ __all__ = [
     "supports",
 ]
 
-NAME = "deepep_ll"
+NAME = "deepep"
 #: Hidden sizes the low-latency kernels of the DeepEP sources we build (V1 API, 2025-08) are compiled
 #: for (their ``SWITCH_HIDDEN``); later versions add 3072.
 DEEPEP_LL_HIDDEN: tuple[int, ...] = (2048, 2560, 4096, 5120, 6144, 7168, 8192)
@@ -106,7 +106,7 @@ def prefer(problem: DispatchProblem, caps: Capabilities) -> str | None:
         return (
             f"hidden size {problem.hidden} not compiled into its LL kernels; it would be padded to {padded} "
             f"(+{100 * (padded - problem.hidden) / problem.hidden:.0f}% bytes, two copies of the masked layout): "
-            "request backend='deepep' for that"
+            "request kernel='deepep' for that"
         )
     return None
 

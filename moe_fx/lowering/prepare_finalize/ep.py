@@ -1,7 +1,8 @@
 """Expert-parallel dispatch and combine: implementations of ``moe_fx::ep_dispatch`` / ``moe_fx::ep_combine``.
 
-Backends (family ``"prepare_finalize"`` of :mod:`moe_fx.lowering.select`, chosen once per problem and
-logged once), each a module with the same ``dispatch`` / ``combine`` functions:
+Kernels (family ``"prepare_finalize"`` of :mod:`moe_fx.lowering.select`, chosen once per problem and
+logged once; the ops' ``kernel`` argument), each a module with the same ``dispatch`` / ``combine`` functions,
+which the :class:`~moe_fx.lowering.select.Choice` carries:
 
 * :mod:`.deepep_ll` — DeepEP's low-latency kernels (CUDA, bf16, hidden sizes it was compiled for);
 * :mod:`.torch_dist_fixed` — a fixed-size exchange over any torch.distributed backend, no host sync
@@ -25,18 +26,18 @@ from types import ModuleType
 import torch
 
 from moe_fx.lowering.problem import DispatchProblem, dtype_name
-from moe_fx.lowering.select import Choice, candidates, choose
+from moe_fx.lowering.select import Choice, choose
 from moe_fx.ops.checks import check_combine, check_dispatch
 from moe_fx.ops.ep import bind_combine, bind_dispatch, bind_dispatch_recv, bind_dispatch_send, resolve_ep_group
 
-__all__ = ["backend_for", "ep_combine_impl", "ep_dispatch_impl", "ep_dispatch_recv_impl", "ep_dispatch_send_impl"]
+__all__ = ["ep_combine_impl", "ep_dispatch_impl", "ep_dispatch_recv_impl", "ep_dispatch_send_impl", "kernel_for"]
 
 log = logging.getLogger("moe_fx.lowering")
 
 # Per-call host work is on the latency path (DeepEP's dispatch + combine take ~90 µs on an H200):
 # groups and choices are looked up once per distinct problem.
 _GROUPS: dict[str, torch.distributed.ProcessGroup] = {}
-_CHOICES: dict[tuple, tuple[Choice, ModuleType]] = {}
+_CHOICES: dict[tuple, Choice] = {}
 
 
 def _group(group_name: str) -> torch.distributed.ProcessGroup:
@@ -46,28 +47,27 @@ def _group(group_name: str) -> torch.distributed.ProcessGroup:
     return group
 
 
-def backend_for(
+def kernel_for(
     hidden: int, dtype: torch.dtype, device: torch.device, top_k: int, num_experts: int, max_tokens: int,
-    world: int, use_fp8: bool, backend: str,
-) -> tuple[Choice, ModuleType]:
-    """The prepare/finalize choice for one problem, and the module that implements it (cached)."""
-    key = (hidden, dtype, device.type, top_k, num_experts, max_tokens, world, use_fp8, backend)
-    hit = _CHOICES.get(key)
-    if hit is None:
+    world: int, use_fp8: bool, kernel: str,
+) -> Choice:
+    """The prepare/finalize choice for one problem (cached); ``choice.implementation`` runs it."""
+    key = (hidden, dtype, device.type, top_k, num_experts, max_tokens, world, use_fp8, kernel)
+    choice = _CHOICES.get(key)
+    if choice is None:
         problem = DispatchProblem(world, device.type, dtype_name(dtype), hidden, top_k, num_experts, max_tokens,
                                   use_fp8, expert_parallel=True)
-        choice = choose("prepare_finalize", problem, request=backend, device=device)
+        choice = choose("prepare_finalize", problem, kernel=kernel, device=device)
         if choice.error is not None:
             raise RuntimeError(
-                f"moe_fx EP: backend={backend!r} requested but cannot run: {choice.error} ({problem.describe()})"
+                f"moe_fx EP: kernel={kernel!r} requested but cannot run: {choice.error} ({problem.describe()})"
             )
-        if choice.name != "deepep_ll" and backend == "auto" and device.type == "cuda" and world > 1:
+        if choice.kernel != "deepep" and kernel == "auto" and device.type == "cuda" and world > 1:
             # A GPU fallback away from DeepEP is worth a warning: it is slower at decode sizes.
             log.warning("moe_fx EP %s: DeepEP not taken (%s); using %s", problem.describe(),
-                        choice.reasons.get("deepep_ll", ""), choice.name)
-        module = next(m for m in candidates("prepare_finalize") if m.NAME == choice.name)
-        hit = _CHOICES[key] = (choice, module)
-    return hit
+                        choice.reasons.get("deepep", ""), choice.kernel)
+        _CHOICES[key] = choice
+    return choice
 
 
 def _send(a: dict) -> tuple[ModuleType, object]:
@@ -76,19 +76,19 @@ def _send(a: dict) -> tuple[ModuleType, object]:
     check_dispatch(a, world)
     hidden, topk_ids = a["hidden"], a["topk_ids"]
     # combine decides from expert_out's dtype: bf16 after fp8 dispatch (DeepEP's only case), else hidden's.
-    _, module = backend_for(hidden.shape[1], hidden.dtype, hidden.device, topk_ids.shape[1], a["num_experts"],
-                            a["max_tokens_per_rank"], world, a["use_fp8"], a["backend"])
+    module = kernel_for(hidden.shape[1], hidden.dtype, hidden.device, topk_ids.shape[1], a["num_experts"],
+                        a["max_tokens_per_rank"], world, a["use_fp8"], a["kernel_choice"]).implementation
     state = module.dispatch_send(hidden, topk_ids, a["num_experts"], a["max_tokens_per_rank"], group, a["use_fp8"])
     return module, state
 
 
 def ep_dispatch_impl(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
-    """Run ``moe_fx::ep_dispatch`` on the chosen backend (shapes in :mod:`moe_fx.ops.ep`)."""
+    """Run ``moe_fx::ep_dispatch`` on the chosen kernel (shapes in :mod:`moe_fx.ops.ep`)."""
     module, state = _send(bind_dispatch(*args, **kwargs))
     return module.dispatch_recv(state)
 
 
-#: ticket address -> (backend module, its dispatch state), between a send and its receive.
+#: ticket address -> (kernel module, its dispatch state), between a send and its receive.
 _IN_FLIGHT: dict[int, tuple[ModuleType, object]] = {}
 
 
@@ -111,13 +111,13 @@ def ep_dispatch_recv_impl(*args: object, **kwargs: object) -> tuple[torch.Tensor
 
 
 def ep_combine_impl(*args: object, **kwargs: object) -> torch.Tensor:
-    """Run ``moe_fx::ep_combine`` on the backend its dispatch used (same static inputs, same choice)."""
+    """Run ``moe_fx::ep_combine`` on the kernel its dispatch used (same static inputs, same choice)."""
     a = bind_combine(*args, **kwargs)
     group = _group(a["group_name"])
     world = group.size()
     check_combine(a, world)
     y, topk_ids = a["expert_out"], a["topk_ids"]
-    _, module = backend_for(y.shape[2], y.dtype, y.device, topk_ids.shape[1], a["num_experts"],
-                            a["max_tokens_per_rank"], world, a["use_fp8"], a["backend"])
+    module = kernel_for(y.shape[2], y.dtype, y.device, topk_ids.shape[1], a["num_experts"],
+                        a["max_tokens_per_rank"], world, a["use_fp8"], a["kernel_choice"]).implementation
     return module.combine(y, topk_ids, a["topk_weights"], a["src_info"], a["layout_range"], a["num_experts"],
                           a["max_tokens_per_rank"], group)

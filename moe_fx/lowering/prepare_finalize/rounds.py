@@ -1,7 +1,7 @@
 """Steps larger than ``max_tokens_per_rank``: rounds every rank agrees on (``ep_agree_step``,
 ``ep_remaining_rounds``; contract in :mod:`moe_fx.ops.ep`).
 
-Why rounds, and why agreed on the host. Every expert-parallel backend exchanges a masked layout of
+Why rounds, and why agreed on the host. Every expert-parallel kernel exchanges a masked layout of
 static size (``M = max_tokens_per_rank * world`` rows per expert): DeepEP's registered buffer, the
 fixed-size exchange and DeepGEMM's masked GEMMs all need it, and it is what keeps decode steps free
 of host syncs and capturable. A longer step (a prompt) is therefore cut into rounds of at most
@@ -104,14 +104,14 @@ def remaining_rounds(*args: object, **kwargs: object) -> torch.Tensor:
     out[: first.shape[0]] = first
     ops = torch.ops.moe_fx
     experts_kwargs = {k: a[k] for k in ("w13_bias", "w2_bias", "gated", "gate_up_layout", "alpha", "limit", "up_offset")}
-    common = (a["num_experts"], mt, group_name, a["use_fp8"], a["backend"])
+    common = (a["num_experts"], mt, group_name, a["use_fp8"], a["kernel_choice"])
     for r in range(1, rounds):
         lo, hi = min(r * mt, t), min((r + 1) * mt, t)
         ids, weights = a["topk_ids"][lo:hi], a["topk_weights"][lo:hi]
         recv_x, recv_scale, masked_m, src_info, layout_range = ops.ep_dispatch(hidden[lo:hi], ids, *common)
         y = ops.masked_experts(
             recv_x, masked_m, a["w13"], a["w2"], a["activation"], recv_scale if a["use_fp8"] else None,
-            a["w13_scale"], a["w2_scale"], a["expected_m"], a["impl"], **experts_kwargs,
+            a["w13_scale"], a["w2_scale"], a["expected_m"], a["experts_kernel_choice"], **experts_kwargs,
         )  # fmt: skip
         out[lo:hi] = ops.ep_combine(y, ids, weights, src_info, layout_range, *common)
     return out

@@ -4,7 +4,7 @@ The *synced* torch.distributed backend: it sends only the rows each rank needs, 
 host synchronisation per op (the split sizes). That costs nothing on CPU (gloo), where it is the
 default; on a GPU it stalls the host and cannot be captured in a CUDA graph, so there
 :mod:`.torch_dist_fixed` (a fixed-size exchange, counts in the data) is taken instead unless this
-one is requested (``backend="torch_dist"``).
+one is requested (``kernel="torch_dist"``).
 
 Same masked layout and op interface as DeepEP's low-latency path (see :mod:`moe_fx.ops.ep`):
 

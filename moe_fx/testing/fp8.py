@@ -83,7 +83,7 @@ def tiny_fp8_hf_model(
     Everything else (embeddings, attention, router, norms, lm_head) stays in ``dtype``. Shapes default
     to multiples of 128 so the DeepGEMM path applies. Nothing is downloaded.
     """
-    from moe_fx.testing import tiny_hf_model
+    from moe_fx.testing.models import tiny_hf_model
 
     model = tiny_hf_model(
         family, dtype=dtype, hidden=hidden, intermediate=intermediate,

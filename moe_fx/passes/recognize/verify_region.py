@@ -1,11 +1,11 @@
 """The graph pass's numerical check of a region: the region itself, run in float32 against the op's reference.
 
-The structure decides what a region computes (:func:`~moe_fx.passes.read_form.read_form`); this module
-confirms it with the verification toolkit (:mod:`~moe_fx.passes.check_numerics`): the region is cut into a
+The structure decides what a region computes (:func:`~moe_fx.passes.recognize.read_form.read_form`); this module
+confirms it with the verification toolkit (:mod:`~moe_fx.verify.check_numerics`): the region is cut into a
 standalone graph, upcast to float32 when it is low precision (inputs upcast, the dtype casts inside redirected
 to float32, ``torch._grouped_mm`` run per group), and run on the toolkit's cases, with the model's real expert
 weights and with random ones of the same shapes; a symbolic token count is also run well above its traced
-value. How many tokens and runs is :mod:`~moe_fx.passes.probe_plan`'s; a static graph probed at another token
+value. How many tokens and runs is :mod:`~moe_fx.verify.probe_plan`'s; a static graph probed at another token
 count has its literals resized there.
 """
 
@@ -19,7 +19,11 @@ import torch
 import torch.fx as fx
 
 from moe_fx.ops import ExpertActivation
-from moe_fx.passes.check_numerics import (
+from moe_fx.passes.graph_utils import DataFlow, node_value, scalar_hint, tensor_value
+from moe_fx.passes.recognize.extract_region import Region
+from moe_fx.passes.recognize.probe_resize import resize_literals, symbolic_value
+from moe_fx.passes.recognize.read_form import FormReading, region_boundary
+from moe_fx.verify.check_numerics import (
     NumericsResult,
     OpWeights,
     ProbeCase,
@@ -30,10 +34,7 @@ from moe_fx.passes.check_numerics import (
     make_cases,
     random_weight,
 )
-from moe_fx.passes.extract_region import Region
-from moe_fx.passes.graph_utils import DataFlow, node_value, scalar_hint, tensor_value
-from moe_fx.passes.probe_plan import ProbePlan, probe_routing, resize_literals, symbolic_value, token_hint
-from moe_fx.passes.read_form import FormReading, region_boundary
+from moe_fx.verify.probe_plan import ProbePlan, probe_routing, token_hint
 
 __all__ = ["ProbeResult", "probe_region", "region_rows_per_token", "specialize_scalars"]
 

@@ -9,7 +9,7 @@ Many experts modules are written as a loop over the experts that received tokens
 transformers' ``eager`` experts implementation, GPT-OSS's and LongCat-Flash's experts, Step-3.7's and DBRX's
 are. Dynamo cannot trace such a loop as one graph (it breaks the graph at the loop, even with
 ``capture_dynamic_output_shape_ops``), so the graph pass never sees these blocks. This capture step
-works on the module instead, before tracing, like :mod:`~moe_fx.passes.match_fp8_experts`:
+works on the module instead, before tracing, like :mod:`~moe_fx.capture.fp8_modules`:
 
 * :func:`loop_experts_candidates` picks the modules to look at: experts modules called as
   ``experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K])`` whose forward is not one of
@@ -42,7 +42,6 @@ import inspect
 import itertools
 import logging
 import math
-import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -50,9 +49,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from moe_fx.capture.patch import patch_forward, patched_with, release_patched
+from moe_fx.capture.record_forward import RecordedForward, record_forward
 from moe_fx.config import MoEConfig
 from moe_fx.ops import ExpertActivation
-from moe_fx.passes.check_numerics import (
+from moe_fx.passes.recognize.read_form import Boundary, FormReading, WeightView, read_form
+from moe_fx.passes.report import RegionReport
+from moe_fx.verify.check_numerics import (
     NumericsResult,
     OpWeights,
     ProbeCase,
@@ -63,19 +66,17 @@ from moe_fx.passes.check_numerics import (
     make_cases,
     random_weight,
 )
-from moe_fx.passes.probe_plan import plan_probe, probe_routing
-from moe_fx.passes.read_form import Boundary, FormReading, WeightView, read_form
-from moe_fx.passes.record_forward import RecordedForward, record_forward
-from moe_fx.passes.report import RegionReport
+from moe_fx.verify.probe_plan import plan_probe, probe_routing
 
 __all__ = [
     "LoopExpertsMatch",
     "capture_expert_loops",
     "check_forward",
+    "loop_candidates",
     "loop_experts_candidates",
     "match_loop_experts",
-    "release_expert_loops",
     "pack_split_gate_up",
+    "release_expert_loops",
     "trace_inputs",
 ]
 
@@ -98,7 +99,7 @@ class LoopExpertsMatch:
         identity_experts: ids ``E .. E + identity_experts - 1`` return their input (LongCat-Flash).
         spec: the activation.
         weights_on_input: routing weights scale the expert input (Llama 4 style) instead of the output.
-        error: the largest per-token error of the numerical check (:mod:`check_numerics`).
+        error: the largest per-token error of the numerical check (:mod:`~moe_fx.verify.check_numerics`).
         up: the up projection's parameter when gate (``w13``) and up are separate (DBRX).
         batch_view: the module takes ``[B, S, H]`` and returns ``out.view(B, -1, H)`` (DBRX), also for
             ``[T, H]`` inputs (``[T, 1, H]``).
@@ -229,7 +230,7 @@ def _traceable_implementation(module: nn.Module) -> str | None:
 
 
 def _captured(module: nn.Module) -> bool:
-    return getattr(vars(module).get("forward"), "__func__", None) is _captured_forward
+    return patched_with(module, _captured_forward)
 
 
 def loop_experts_candidates(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -550,7 +551,7 @@ def capture_expert_loops(model: nn.Module, config: MoEConfig | None = None) -> l
             continue
         module._moe_fx_loop = found
         module._moe_fx_kernel = config.kernel
-        module.forward = types.MethodType(_captured_forward, module)
+        patch_forward(module, _captured_forward)
         w13 = module.get_parameter(found.w13)
         report.matched, report.num_experts, report.hidden = True, found.num_experts, found.hidden
         report.intermediate, report.top_k = found.intermediate, _top_k(module, found.num_experts)
@@ -564,9 +565,9 @@ def capture_expert_loops(model: nn.Module, config: MoEConfig | None = None) -> l
 
 def release_expert_loops(model: nn.Module) -> int:
     """Undo :func:`capture_expert_loops`: restore the class forward of captured modules; returns how many."""
-    count = 0
-    for module in model.modules():
-        if _captured(module):
-            del module.forward
-            count += 1
-    return count
+    return release_patched(model, _captured_forward)
+
+
+def loop_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The candidates of :func:`loop_experts_candidates` that are not captured (the module runs its own loop)."""
+    return [(name, m) for name, m in loop_experts_candidates(model) if not _captured(m)]

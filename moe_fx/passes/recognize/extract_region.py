@@ -28,8 +28,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from moe_fx.passes.find_experts import ExpertWeights, _first_matmul
 from moe_fx.passes.graph_utils import DataFlow, is_factory, is_matmul, node_value, op_name, tensor_value
+from moe_fx.passes.recognize.find_experts import ExpertWeights, _first_matmul
 
 __all__ = ["Region", "expert_products", "extract_region", "sparse_support"]
 

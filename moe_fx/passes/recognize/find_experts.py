@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from moe_fx.passes.graph_utils import DataFlow, is_matmul, op_name, tensor_value
+from moe_fx.passes.graph_utils import DataFlow, is_matmul, moe_fx_op, op_name, tensor_value
 
 __all__ = ["ExpertWeights", "find_expert_weights"]
 
@@ -76,14 +76,6 @@ def _weight_nodes(graph: fx.Graph, ndim: int) -> list[fx.Node]:
     return out
 
 
-def _is_moe_fx_op(node: fx.Node) -> bool:
-    """True for a call of a moe_fx op (experts already captured at module level or rewritten)."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        target = target.overloadpacket
-    return isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name.startswith("moe_fx::")
-
-
 def _first_matmul(flow: DataFlow, weight: fx.Node, limit: int = 6) -> fx.Node | None:
     """The first matrix product reached from ``weight`` through a few layout ops (transpose, index...).
 
@@ -93,7 +85,7 @@ def _first_matmul(flow: DataFlow, weight: fx.Node, limit: int = 6) -> fx.Node | 
         nxt = []
         for n in frontier:
             for u in n.users:
-                if _is_moe_fx_op(u):
+                if moe_fx_op(u) is not None:
                     continue
                 if is_matmul(u):
                     return u

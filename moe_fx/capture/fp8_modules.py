@@ -9,15 +9,15 @@ code (without the ``kernels`` package, or offline, Dynamo fails at trace time), 
 over experts with a data-dependent ``nonzero`` (graph breaks).
 
 So this recognizer works on the module before tracing (a capture step, like the one DESIGN.md asks
-for graph breaks), to the standard of :mod:`capture_expert_loops`:
+for graph breaks), to the standard of :mod:`~moe_fx.capture.hit_loops`:
 
 * :func:`match_fp8_experts` checks the op's contract from the parameters (gated ``gate_up_proj`` /
   ``down_proj`` in e4m3, fp32 128x128 block scales of the right shapes, no bias, dynamic activation
   quantisation, not transformers' own expert parallelism, an experts implementation whose kernels are
-  modelled); then **records** the module's own forward (:func:`~moe_fx.passes.record_forward.record_forward`,
-  on tokens that hit every expert) and **reads** it (:func:`~moe_fx.passes.read_form.read_form`: every op
+  modelled); then **records** the module's own forward (:func:`~moe_fx.capture.record_forward.record_forward`,
+  on tokens that hit every expert) and **reads** it (:func:`~moe_fx.passes.recognize.read_form.read_form`: every op
   accounted for, the activation and where the routing weights multiply read from it), and **checks** it
-  numerically (:func:`~moe_fx.passes.capture_expert_loops.check_forward`: float32, per token, real and
+  numerically (:func:`~moe_fx.capture.hit_loops.check_forward`: float32, per token, real and
   random fp8 weights and scales, against :func:`~moe_fx.ops.experts_reference` on the dequantised weights).
   transformers' fp8 matmuls are opaque kernels (a Hub Triton kernel, DeepGEMM) that cannot run here and
   could not be read: while recording and checking, :func:`modelled_fp8_kernels` puts in their place the
@@ -47,13 +47,14 @@ from torch import nn
 from torch.overrides import handle_torch_function, has_torch_function
 
 import moe_fx.ops  # noqa: F401  (registers torch.ops.moe_fx.experts)
+from moe_fx.capture.hit_loops import check_forward, trace_inputs
+from moe_fx.capture.patch import patch_forward, patched_with, release_patched
+from moe_fx.capture.record_forward import record_forward
 from moe_fx.config import MoEConfig
 from moe_fx.ops import ExpertActivation, dequantize_blockwise
-from moe_fx.passes.capture_expert_loops import check_forward, trace_inputs
-from moe_fx.passes.check_numerics import OpWeights, Semantics, clamp_scale, random_weight
-from moe_fx.passes.read_form import Boundary, FormReading, WeightView, read_form
-from moe_fx.passes.record_forward import record_forward
+from moe_fx.passes.recognize.read_form import Boundary, FormReading, WeightView, read_form
 from moe_fx.passes.report import RegionReport
+from moe_fx.verify.check_numerics import OpWeights, Semantics, clamp_scale, random_weight
 
 __all__ = [
     "Fp8ExpertsMatch",
@@ -61,6 +62,7 @@ __all__ = [
     "fp8_block_batched_mm",
     "fp8_block_grouped_mm",
     "fp8_block_linear",
+    "fp8_candidates",
     "match_fp8_experts",
     "modelled_fp8_kernels",
     "release_fp8_experts",
@@ -333,7 +335,7 @@ def match_fp8_experts(module: nn.Module, config: MoEConfig | None = None) -> Fp8
     """Whether ``module`` is an FP8 experts module ``moe_fx::experts`` computes exactly; else why not.
 
     The parameters must fit the op's fp8 arguments; then the module's forward is recorded and read
-    (:func:`~moe_fx.passes.read_form.read_form`: the structure proves the form, transformers' fp8 kernels taken
+    (:func:`~moe_fx.passes.recognize.read_form.read_form`: the structure proves the form, transformers' fp8 kernels taken
     at their contract, :func:`modelled_fp8_kernels`) and checked numerically. No module is captured on its
     attributes alone.
     """
@@ -375,7 +377,7 @@ def _moe_fx_fp8_forward(
 
 
 def _captured(module: nn.Module) -> bool:
-    return getattr(vars(module).get("forward"), "__func__", None) is _moe_fx_fp8_forward
+    return patched_with(module, _moe_fx_fp8_forward)
 
 
 def capture_fp8_experts(model: nn.Module, config: MoEConfig | None = None) -> list[RegionReport]:
@@ -401,7 +403,7 @@ def capture_fp8_experts(model: nn.Module, config: MoEConfig | None = None) -> li
             continue
         module._moe_fx_fp8 = m
         module._moe_fx_kernel = config.kernel
-        module.forward = types.MethodType(_moe_fx_fp8_forward, module)
+        patch_forward(module, _moe_fx_fp8_forward)
         w = module.gate_up_proj
         reports.append(
             RegionReport(
@@ -418,9 +420,9 @@ def capture_fp8_experts(model: nn.Module, config: MoEConfig | None = None) -> li
 
 def release_fp8_experts(model: nn.Module) -> int:
     """Undo :func:`capture_fp8_experts`: restore the class forward of captured modules; returns how many."""
-    count = 0
-    for module in model.modules():
-        if _captured(module):
-            del module.forward
-            count += 1
-    return count
+    return release_patched(model, _moe_fx_fp8_forward)
+
+
+def fp8_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every FP8 experts module of ``model`` that :func:`capture_fp8_experts` has not routed."""
+    return [(name, m) for name, m in model.named_modules() if _looks_like_fp8_experts(m) and not _captured(m)]

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_fx.passes.extract_region import Region
 from moe_fx.passes.graph_utils import is_matmul, tensor_value
+from moe_fx.passes.recognize.extract_region import Region
 
 __all__ = ["check_autocast"]
 

@@ -1,13 +1,13 @@
 """Record what a module's forward computed on real inputs as a straight-line FX graph (torch-level ops).
 
-The capture step (:mod:`capture_expert_loops`) must prove what a loop over the experts a batch hits computes,
+The capture step (:mod:`~moe_fx.capture.hit_loops`) must prove what a loop over the experts a batch hits computes,
 and Dynamo cannot trace such a loop as one graph. :func:`record_forward` runs the forward once on real inputs
 under a ``TorchFunctionMode`` and writes down every torch call it makes, with the loop unrolled the way it ran
 (every expert hit, so every expert's chain is in the graph). The graph uses the vocabulary of Dynamo's graphs
 (``call_function`` on torch functions and ``operator`` functions, ``call_method`` on tensor methods), so that
-:func:`~moe_fx.passes.read_form.read_form` reads it with the same rules; each node's ``meta["example_value"]``
+:func:`~moe_fx.passes.recognize.read_form.read_form` reads it with the same rules; each node's ``meta["example_value"]``
 is the real value, and tensors whose number of rows depends on the data (``nonzero``, ``where(mask)`` and what
-they index) carry :data:`~moe_fx.passes.read_form.DATA_DEPENDENT_ROWS`.
+they index) carry :data:`~moe_fx.passes.recognize.read_form.DATA_DEPENDENT_ROWS`.
 
 Python control flow on tensor values (``if expert_idx == E``) is recorded as the comparison that fed it; the
 branch is the one taken (the trace is of this run).
@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
-from moe_fx.passes.read_form import DATA_DEPENDENT_ROWS
+from moe_fx.passes.recognize.read_form import DATA_DEPENDENT_ROWS
 
 __all__ = ["RecordedForward", "record_forward"]
 

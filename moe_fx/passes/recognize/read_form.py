@@ -2,12 +2,12 @@
 
 One recogniser, :func:`read_form`, for every way the experts are written (transformers' ``grouped_mm`` and
 ``batched_mm``, ``range(E)`` loops over an ``nn.ModuleList``, sort-and-split dispatch, dense ``bmm`` over every
-expert, the loop over the experts a batch hits that :mod:`capture_expert_loops` records). It walks the region's
+expert, the loop over the experts a batch hits that :mod:`~moe_fx.capture.hit_loops` records). It walks the region's
 nodes in graph order, as a pattern matcher consumes its match, and gives every value one abstract role:
 
 * **routing plumbing**: integer and boolean values (ids, masks and counts computed from them, sort
   permutations, offsets, sizes) and floats computed from them alone (``histc`` of the ids). Which row meets which
-  expert weight is plumbing: the numerical check (:mod:`check_numerics`) confirms it, on routing it draws;
+  expert weight is plumbing: the numerical check (:mod:`~moe_fx.verify.check_numerics`) confirms it, on routing it draws;
 * **routing weights**: the boundary ``[T, K]`` weights (or Llama 4's ``[T, E]`` scores) and their reshapes,
   gathers and permutations; a ``[T, E]`` matrix scattered from them into zeros;
 * **expert weights**: the anchors (``w13``, ``w2``, per-expert ``gate`` / ``up`` / ``down``, biases) and their
@@ -47,7 +47,7 @@ from moe_fx.ops import ExpertActivation
 from moe_fx.passes.graph_utils import is_factory, is_mutation, node_value, op_name, scalar_hint, tensor_value
 
 if TYPE_CHECKING:
-    from moe_fx.passes.extract_region import Region
+    from moe_fx.passes.recognize.extract_region import Region
 
 __all__ = ["DATA_DEPENDENT_ROWS", "Boundary", "FormReading", "WeightView", "expert_id_bound", "read_form", "read_region",
            "region_boundary"]
@@ -63,7 +63,7 @@ _SHAPE_READS = frozenset({"size", "sym_size", "sym_size.int", "dim", "numel", "s
 _PRODUCTS = frozenset({"linear", "matmul", "mm", "bmm", "_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
 _GROUPED = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
 #: Expert products with fp8 weights and their 128x128 block scales: the kernels of transformers' fine-grained FP8
-#: experts, as :mod:`~moe_fx.passes.match_fp8_experts` records them (each one node, read by its contract).
+#: experts, as :mod:`~moe_fx.capture.fp8_modules` records them (each one node, read by its contract).
 _FP8_PRODUCTS = frozenset({"fp8_block_linear", "fp8_block_grouped_mm", "fp8_block_batched_mm"})
 #: In-place spellings that compute what the functional op computes (the base then holds the result).
 _INPLACE = {"iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "truediv"}
@@ -110,7 +110,7 @@ class Boundary:
         hidden: the tokens ``[T, H]``.
         ids: the top-k ids ``[T, K]`` (plumbing), or None when the region does not read them.
         weights: the routing weights ``[T, K]``, or with ``dense_scores`` a ``[T, E]`` score matrix that is
-            zero outside the top-k (proved by :func:`~moe_fx.passes.extract_region.sparse_support`).
+            zero outside the top-k (proved by :func:`~moe_fx.passes.recognize.extract_region.sparse_support`).
         weights_of: every expert weight and bias the region reads, with its :class:`WeightView`.
         num_experts, top_k: E (routed experts; identity experts come after them) and K.
         gated: whether ``w13`` holds gate and up (``N1 = 2I``) or one up projection.

@@ -1,7 +1,7 @@
 """The numerical check behind every rewrite and capture: the second line, after the structural proof.
 
-:mod:`read_form` proves from the graph which computation a region is; this module confirms it by running the
-region (the graph pass, :mod:`verify_region`) or the captured module's forward (:mod:`capture_expert_loops`)
+:mod:`~moe_fx.passes.recognize.read_form` proves from the graph which computation a region is; this module confirms it by running the
+region (the graph pass, :mod:`~moe_fx.passes.recognize.verify_region`) or the captured module's forward (:mod:`~moe_fx.capture.hit_loops`)
 and comparing it with :func:`~moe_fx.ops.experts_reference` for the one reading the structure gave. It is what
 checks the routing plumbing (which row meets which expert weight), which the structure does not model. What
 makes it hard to fool:
@@ -13,7 +13,7 @@ makes it hard to fool:
   tokens are worst;
 * **weights**: the real ones and random ones of the same shapes (:func:`random_weight`), so weights of the
   moment (zeros before a ``load_state_dict``) prove nothing wrong;
-* **routing**: ids that reach every expert, uneven loads (:func:`~moe_fx.passes.probe_plan.probe_routing`),
+* **routing**: ids that reach every expert, uneven loads (:func:`~moe_fx.verify.probe_plan.probe_routing`),
   routing weights of both signs (:func:`signed_weights`: weights on the input and on the output differ);
 * **inputs**: scales 1 and 4 and one past the clamp bound of the form (:func:`clamp_scale`), the only
   threshold a form that the structure accepts has;
@@ -61,7 +61,7 @@ WINDOWED_BYTES = 256 << 20
 
 @dataclass(frozen=True)
 class Semantics:
-    """What the candidate must equal: ``moe_fx::experts`` with these arguments (read by :mod:`read_form`)."""
+    """What the candidate must equal: ``moe_fx::experts`` with these arguments (read by :mod:`~moe_fx.passes.recognize.read_form`)."""
 
     spec: ExpertActivation
     weights_on_input: bool
@@ -109,7 +109,7 @@ class NumericsResult:
 @contextlib.contextmanager
 def exact_float32(single_thread: bool = False) -> Iterator[None]:
     """float32 products computed in float32, as the tight bound assumes: no TF32, no ambient autocast (a region
-    whose products autocast would recast is refused before any probe; see :mod:`autocast_guard`).
+    whose products autocast would recast is refused before any probe; see :mod:`~moe_fx.passes.recognize.autocast_guard`).
 
     ``single_thread``: one CPU thread meanwhile. A probe's tensors are tiny; intra-op threads only add fork-join
     latency, which on a loaded machine costs milliseconds per op (measured: 0.3 s of probe per layer with two

@@ -1,14 +1,16 @@
-"""How big a numerical probe of an experts region is, which routing it uses, and how it is resized.
+"""How big a numerical probe of an experts computation is and which routing it uses.
 
-Every region the pass rewrites is run on random inputs and compared with the op's reference
-(:func:`moe_fx.passes.verify_region.probe_region`, :mod:`moe_fx.passes.check_numerics`). This module decides the
-probe's shape:
+Every region the graph pass rewrites and every module a capture step captures is run on random inputs and
+compared with the op's reference (:mod:`moe_fx.verify.check_numerics`; callers: the graph pass's
+:func:`moe_fx.passes.recognize.verify_region.probe_region` and :mod:`moe_fx.capture.hit_loops`). This module
+decides the probe's shape:
 
 * **size**: the region's own token count T when one run costs at most ``verify_max_flops`` (or under
   ``verify="always"``); otherwise a *reduced* problem of a few tokens. A reduced probe runs the same
   region subgraph at a smaller T: symbolic token counts (``dynamic=True``, automatic dynamic
   recompiles) are evaluated at the new T exactly; a static graph has T baked in as integer literals
-  (``view(T, K, H)``, ``arange(T * K)``), which are replaced by the new T. When that is not sound, no
+  (``view(T, K, H)``, ``arange(T * K)``), which are replaced by the new T
+  (:mod:`moe_fx.passes.recognize.probe_resize`, graph side). When that is not sound, no
   reduced probe is made and the region is left untouched with the reason: T equals another size of
   the region (a literal could not be told apart), or the region holds literals that may be functions
   of T (a capacity ``int(1.25 * T * K / E)``: at a smaller T it would not act as at T). A symbolic
@@ -16,9 +18,9 @@ probe's shape:
 * **routing**: top-k ids with distinct experts per token (as top-k gives). The first runs give every
   expert at least one token between them (every expert weight is exercised; with few tokens, decode
   with T * K < E, as many runs as that takes); two more runs send most tokens to a few experts
-  (uneven loads). Input scales, weight sets and the comparison are :mod:`~moe_fx.passes.check_numerics`'s.
+  (uneven loads). Input scales, weight sets and the comparison are :mod:`~moe_fx.verify.check_numerics`'s.
 
-Nothing here reads a graph beyond the region's subgraph; nothing runs the region.
+Nothing here reads a graph or runs the computation: sizes and routing only.
 """
 
 from __future__ import annotations
@@ -26,21 +28,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import sympy
 import torch
-import torch.fx as fx
-
-from moe_fx.passes.graph_utils import op_name
 
 __all__ = [
     "ProbePlan",
     "coverage_runs",
     "plan_probe",
     "probe_routing",
-    "resize_literals",
-    "symbolic_value",
     "token_hint",
-    "unexplained_literals",
+    "tokens_text",
 ]
 
 #: Token count of a reduced probe when the budget allows more: enough for uneven loads, still cheap.
@@ -86,6 +82,14 @@ def token_hint(value: object) -> int | None:
         hint = value.node.hint
         return None if hint is None else int(hint)
     return int(value)  # type: ignore[call-overload]
+
+
+def tokens_text(num_tokens: object) -> str:
+    """``"5"``, ``"symbolic (traced at 5)"`` or ``"data-dependent"``: a token count T for reports."""
+    if not isinstance(num_tokens, torch.SymInt):
+        return str(num_tokens)
+    hint = token_hint(num_tokens)
+    return "data-dependent" if hint is None else f"symbolic (traced at {hint})"
 
 
 def plan_probe(
@@ -156,94 +160,3 @@ def probe_routing(tokens: int, runs: int, num_experts: int, top_k: int, gen: tor
         ids = ids.gather(1, torch.rand(tokens, top_k, generator=gen).argsort(dim=1))  # slot order varies
         out.append(ids[torch.randperm(tokens, generator=gen)])
     return out
-
-
-#: Comparison ops: a literal compared with (a capacity, a threshold) may be a function of T.
-_COMPARISONS = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "clamp", "clamp_", "clamp_min", "clamp_max"})
-
-
-def _literals(n: fx.Node) -> list[tuple[object, bool]]:
-    """``(literal, is_getitem_index)`` for every int/float literal in ``n``'s arguments."""
-    found: list[tuple[object, bool]] = []
-    index_arg = n.args[1] if op_name(n) == "getitem" and len(n.args) > 1 else None
-
-    def visit(a: object) -> object:
-        if type(a) in (int, float):
-            found.append((a, a is index_arg))
-        return a
-
-    fx.node.map_aggregate(n.args, visit)
-    fx.node.map_aggregate(n.kwargs, visit)
-    return found
-
-
-def unexplained_literals(
-    gm: fx.GraphModule, traced: int, top_k: int, num_experts: int, sizes: set[int]
-) -> list[str]:
-    """Literals of a static region subgraph that may be functions of its token count T.
-
-    A literal is explained when it is T or T*K (resized), a size of the experts (``sizes``: E, K, H,
-    I, ...), a small constant (a dim, a chunk count: ``|v| <= 3``), an expert index (``mask[e]``),
-    or a float not compared with anything. Anything else (a capacity ``int(1.25 * T * K / E)``, a
-    threshold) might change with T, and a probe at another T would not see what it does at T.
-    """
-    known = {traced, traced * top_k} | sizes
-    out = []
-    for n in gm.graph.nodes:
-        comparison = op_name(n) in _COMPARISONS
-        for v, is_index in _literals(n):
-            if abs(v) <= 3 or (type(v) is int and (v in known or (is_index and 0 <= v < num_experts))):
-                continue
-            if type(v) is float and not comparison:
-                continue
-            out.append(f"{v!r} in {n.name}")
-    return out
-
-
-def resize_literals(gm: fx.GraphModule, traced: int, tokens: int, top_k: int, num_experts: int,
-                    sizes: set[int]) -> str | None:
-    """Replace the integer literals T and T*K of a static region subgraph by ``tokens`` and ``tokens*K``.
-
-    ``sizes`` are the other sizes the region knows (E, K, H, I, ...). Nothing is changed, and the
-    reason is returned, when T or T*K equals one of them (a literal could not be told apart) or when
-    the region holds literals that may depend on T (:func:`unexplained_literals`). None on success.
-    """
-    mapping = {traced: tokens, traced * top_k: tokens * top_k}
-    ambiguous = sorted(k for k in mapping if k in sizes | {-1, 0, 1, 2, 3})
-    if ambiguous:
-        return (f"the traced token count {traced} (T*K = {traced * top_k}) equals another size of the region "
-                f"({ambiguous[0]}), so T cannot be told apart in the graph's integer literals")
-    odd = unexplained_literals(gm, traced, top_k, num_experts, sizes)
-    if odd:
-        return f"the region holds literals that may depend on T ({', '.join(odd[:3])})"
-
-    def swap(a: object) -> object:
-        return mapping[a] if type(a) is int and a in mapping else a
-
-    for n in gm.graph.nodes:
-        n.args = fx.node.map_aggregate(n.args, swap)
-        n.kwargs = fx.node.map_aggregate(n.kwargs, swap)
-    gm.recompile()
-    return None
-
-
-def symbolic_value(value: torch.SymInt, tokens_expr: object, tokens: int) -> int:
-    """The value of a SymInt read by a region when its token count ``tokens_expr`` takes the value ``tokens``.
-
-    Values that do not depend on T's symbols keep their traced value; values that are a constant
-    multiple of T scale with it. Anything else raises ``ValueError`` (the probe cannot be resized).
-    """
-    expr = value.node.expr
-    t_expr = sympy.sympify(tokens_expr)
-    if not (expr.free_symbols & t_expr.free_symbols):
-        hint = value.node.hint
-        if hint is None:
-            raise ValueError(f"no concrete value known for {expr}")
-        return int(hint)
-    ratio = sympy.simplify(expr / t_expr)
-    if not ratio.is_Rational:
-        raise ValueError(f"{expr} is not a constant multiple of the token count {t_expr}")
-    scaled = ratio * tokens
-    if not scaled.is_Integer:
-        raise ValueError(f"{expr} is not an integer at T={tokens}")
-    return int(scaled)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_fx.testing import randomise_weights
+from moe_fx.testing.models import randomise_weights
 
 __all__ = [
     "FAMILY_OVERRIDES",
