@@ -94,7 +94,31 @@ def launch(name: str, device: torch.device, grid: tuple, *args: object, **kwargs
     kernel = getattr(kernels(device), name)
     if kwargs.get("DEVICE_TMA") and device.type == "cuda":
         _set_tma_allocator()
-    wrap_triton(kernel)[grid](*args, **kwargs)
+    # Every parameter passed explicitly: torch 2.11's Inductor neither fills a user kernel's defaults in
+    # its generated launch ("launcher() missing ... required positional arguments") nor analyses which
+    # buffers such a launch writes ("Incorrect number of arguments passed to kernel").
+    wrap_triton(kernel)[grid](*args, **{**_defaults_not_given(kernel, len(args), kwargs), **kwargs})
+
+
+def _defaults_not_given(kernel: object, num_args: int, kwargs: dict[str, object]) -> dict[str, object]:
+    """``{parameter: default}`` of ``kernel``'s parameters with a default that a call with ``num_args``
+    positional arguments and ``kwargs`` leaves out."""
+    params = _parameters(kernel)
+    given = {name for name, _ in params[:num_args]} | set(kwargs)
+    return {name: default for name, default in params if name not in given and default is not _NO_DEFAULT}
+
+
+_NO_DEFAULT = object()
+
+
+@functools.cache
+def _parameters(kernel: object) -> list[tuple[str, object]]:
+    """``(name, default or _NO_DEFAULT)`` of a ``@triton.jit`` function's parameters, in order."""
+    import inspect
+
+    sig = inspect.signature(getattr(kernel, "fn", kernel))
+    return [(p.name, _NO_DEFAULT if p.default is inspect.Parameter.empty else p.default)
+            for p in sig.parameters.values()]
 
 
 @functools.cache
