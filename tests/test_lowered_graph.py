@@ -68,6 +68,16 @@ def _kernel_name(node: fx.Node) -> str:
     return getattr(k, "__name__", None) or k.fn.__name__
 
 
+def _assert_every_parameter_passed(node: fx.Node) -> None:
+    """torch 2.11's Inductor fills no defaults of a user kernel in the launch it generates: every launch
+    the lowering traces names each parameter of its kernel."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+    given = set(node.kwargs["kwargs"]) | set(kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"]))
+    assert given == set(kernel.arg_names), (_kernel_name(node), set(kernel.arg_names) - given)
+
+
 def _experts(h, ids, w, w13, w2):
     return (torch.ops.moe_fx.experts(h, ids, w, w13, w2),)
 
@@ -90,6 +100,7 @@ def test_experts_op_becomes_kernel_launches(sm90, t):
         # each kernel writes only its outputs: Inductor inserts no copy of an input (masked_m, the weights)
         assert set(node.kwargs["tensors_to_clone"]) == outputs[_kernel_name(node)], node.kwargs["tensors_to_clone"]
         assert all(isinstance(g, int) for grid in node.kwargs["grid"] for g in grid)
+        _assert_every_parameter_passed(node)
 
 
 def test_fp8_weights_trace_to_fp8_kernels(sm90):
@@ -160,6 +171,9 @@ def test_masked_experts_op_becomes_the_same_pipeline(sm90):
     gm = _trace(f, [x, mm, w13, w2])
     assert [_kernel_name(n) for n in _launches(gm)] == ["masked_gemm_kernel", "activation_kernel", "masked_gemm_kernel"]
     assert "moe_fx.masked_experts" not in gm.code
+    for node in _launches(gm):
+        _assert_every_parameter_passed(node)
+        assert set(node.kwargs["tensors_to_clone"]) == {"c_ptr" if "gemm" in _kernel_name(node) else "y_ptr"}
 
 
 def test_weights_with_dynamic_dims_specialise_them(sm90):
