@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from moe_fx.lowering import layouts as L
-from moe_fx.ops import dequantize_blockwise
 
 
 def _reference_mn_major_storage(sf: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from moe_fx.lowering.quant import quantize_fp8_blockwise, quantize_fp8_per_token_group
-from moe_fx.ops.recipe import FP8_E4M3_MAX as FP8_MAX
 from moe_fx.ops import dequantize_blockwise
+from moe_fx.ops.recipe import FP8_E4M3_MAX as FP8_MAX
 
 
 @pytest.mark.parametrize("shape", [(3, 256, 384), (2, 200, 136), (1, 1, 5), (130, 129)])

@@ -10,6 +10,7 @@ from _triton_util import devices, gpu, ragged_ids, rel_err
 from moe_fx.lowering.quant import quantize_fp8_blockwise, quantize_fp8_per_token_group
 from moe_fx.ops import experts_reference
 
+
 def triton_experts(*args, **kwargs):
     """The op with the Triton kernels requested (what the lowering runs eagerly and compiles into graphs)."""
     return torch.ops.moe_fx.experts(*args, kernel_choice="triton", **kwargs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _triton_util import devices, gpu, rel_err
+from _triton_util import devices, rel_err
 
 from moe_fx.lowering.quant import quantize_fp8_blockwise, quantize_fp8_per_token_group
 from moe_fx.lowering.triton.configs import TileConfig, candidates

@@ -213,7 +213,11 @@ def dispatch_outputs(
 
 @torch.library.register_fake("moe_fx::ep_dispatch")
 def _ep_dispatch_fake(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
-    a = bind_dispatch(*args, **kwargs)
+    return _received_fake(bind_dispatch(*args, **kwargs))
+
+
+def _received_fake(a: dict[str, object]) -> tuple[torch.Tensor, ...]:
+    """The received buffers of a dispatch (whole, or its receive half) from its bound arguments."""
     world = group_size(a["group_name"])
     e_local, m = check_dispatch(a, world)
     hidden = a["hidden"]
@@ -229,11 +233,7 @@ def _ep_dispatch_send_fake(*args: object, **kwargs: object) -> torch.Tensor:
 
 @torch.library.register_fake("moe_fx::ep_dispatch_recv")
 def _ep_dispatch_recv_fake(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
-    a = bind_dispatch_recv(*args, **kwargs)
-    world = group_size(a["group_name"])
-    e_local, m = check_dispatch(a, world)
-    hidden = a["hidden"]
-    return dispatch_outputs(hidden, e_local, m, hidden.shape[1], world, a["use_fp8"])
+    return _received_fake(bind_dispatch_recv(*args, **kwargs))
 
 
 @torch.library.register_fake("moe_fx::ep_combine")

@@ -21,9 +21,9 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
+from moe_fx.passes.context import PassContext
 from moe_fx.passes.expert_storage import SourceWatch, WeightSources
 from moe_fx.passes.graph_utils import add_weight_buffer, tensor_value
-from moe_fx.passes.context import PassContext
 from moe_fx.passes.report import RegionReport
 
 __all__ = ["quantize_experts"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Callable
 
 import torch
 import torch.fx as fx
