@@ -8,7 +8,20 @@ The first check of issue 10. Models are transformers 5.x causal LMs at the real 
 
 with ``--layers`` decoder layers (default 2), bf16, random weights (nothing is downloaded) and a reduced
 vocabulary (``--vocab``, default 32000). Every MoE model, backend and mode gets its own copy of the same
-weights, so a rewrite by moe_fx can never touch what plain Inductor runs.
+weights, so a rewrite by moe_fx can never touch what plain Inductor runs. ``--layers full`` builds each
+model at its released depth (Qwen3-30B-A3B 48, OLMoE 16, Mixtral-8x7B 32, GPT-OSS-20B 24 layers; random
+weights made on the GPU: about 61, 14, 93 and 42 GB of bf16) and implies ``--share-weights``: each side
+gets its own module tree on the one model's tensors (one copy of the weights on the GPU), and the run
+checks at the end that no tensor of that model changed (storage, version counter; meta
+``shared_weights_changed``).
+
+``--weights`` picks what the experts hold (one kind per run; merge runs with ``--merge``):
+``bf16``; ``fp8_checkpoint``, transformers' fine-grained FP8 experts made from the bf16 model
+(moe_fx.testing.fp8), moe_fx through ``moe_fx.compile`` against plain ``torch.compile`` of the same FP8
+model where that runs (offline it cannot: transformers' FP8 kernels come from the Hub) and of the
+dequantised bf16 model otherwise; ``quantize_fp8``, ``MoEConfig(quantize="fp8")`` on the bf16 model against
+plain bf16. Every forward row also has each side's logit error against the eager model (the dequantised
+one for ``fp8_checkpoint``): ``max |logits - eager| / mean |eager|`` of the last position.
 
 What is measured (all moe_fx / plain pairs are timed alternately, in rounds, in one process, so clock and
 thermal drift hit both; numbers are medians):
@@ -48,6 +61,8 @@ plain.
 
     python bench/e2e_model.py [--models qwen3,olmoe,mixtral] [--tokens 1,16,256,1024,4096]
         [--modes default,reduce-overhead] [--no-deepgemm] [--budget-s 420] [--tag TAG]
+    python bench/e2e_model.py --models qwen3 --layers full --tokens 16,1024,4096 --modes default
+    python bench/e2e_model.py --models qwen3,mixtral --weights fp8_checkpoint --tokens 16,1024,4096 --modes default
     python bench/e2e_model.py --merge A.json B.json [--tag TAG]
     python bench/e2e_model.py --smoke        # CPU, tiny model, ~2-3 min on 2 cores: checks the script end to end
 
@@ -98,14 +113,25 @@ class ModelSpec:
     kv_heads: int
     head_dim: int
     norm_topk_prob: bool = True
+    depth: int = 2  # the released model's decoder layers (``--layers full``)
 
 
 MODELS = {
-    "qwen3": ModelSpec("qwen3_moe", 128, 8, 2048, 768, 32, 4, 128),
-    "olmoe": ModelSpec("olmoe", 64, 8, 2048, 1024, 16, 16, 128, norm_topk_prob=False),
-    "mixtral": ModelSpec("mixtral", 8, 2, 4096, 14336, 32, 8, 128),
+    "qwen3": ModelSpec("qwen3_moe", 128, 8, 2048, 768, 32, 4, 128, depth=48),
+    "olmoe": ModelSpec("olmoe", 64, 8, 2048, 1024, 16, 16, 128, norm_topk_prob=False, depth=16),
+    "mixtral": ModelSpec("mixtral", 8, 2, 4096, 14336, 32, 8, 128, depth=32),
     # GPT-OSS-20B's layer: biased experts, clamped interleaved SwiGLU with alpha, H = 2880 (Triton only)
-    "gpt_oss": ModelSpec("gpt_oss", 32, 4, 2880, 2880, 64, 8, 64),
+    "gpt_oss": ModelSpec("gpt_oss", 32, 4, 2880, 2880, 64, 8, 64, depth=24),
+}
+#: What the expert weights are (``--weights``): the moe_fx side and the plain side of each row.
+WEIGHTS = {
+    "bf16": "the model's bf16 experts; moe_fx = torch.compile(model, backend='moe_fx')",
+    "fp8_checkpoint": (
+        "transformers' fine-grained FP8 experts (e4m3, 128x128 scale_inv, built from the random bf16 model); "
+        "moe_fx = moe_fx.compile(fp8 model); plain = torch.compile of the same FP8 model where it runs, else "
+        "of the dequantised bf16 model (meta: plain_model)"
+    ),
+    "quantize_fp8": "bf16 checkpoint; moe_fx = moe_fx.compile(model, MoEConfig(quantize='fp8')); plain = bf16",
 }
 SMOKE_MODELS = {
     name: dataclasses.replace(spec, experts=8, top_k=2, hidden=64, intermediate=32, heads=4, kv_heads=2, head_dim=16)
@@ -263,7 +289,7 @@ class Settings:
     device: str
     dtype: Any
     vocab: int
-    layers: int
+    layers: int | None  # None: each model's full depth
     dynamic: bool
     rounds: int
     per_round: int
@@ -273,17 +299,29 @@ class Settings:
     gen_prompt: int
     gen_new: int
     gen_rounds: int
+    weights: str = "bf16"
+    share_weights: bool = False
+
+    def layers_of(self, spec: ModelSpec) -> int:
+        """The decoder layers a model of ``spec`` gets in this run."""
+        return spec.depth if self.layers is None else self.layers
 
 
-def compile_forward(model, backend: str, mode: str, dynamic: bool) -> Callable:
-    """``torch.compile(model, backend=..., mode=...)``: plain Inductor for ``"plain"``, moe_fx's backend else."""
+def compile_forward(model, backend: str, mode: str, dynamic: bool, weights: str = "bf16") -> Callable:
+    """``torch.compile(model, mode=...)`` for ``"plain"``; for ``"moe_fx"``, ``backend="moe_fx"`` on bf16
+    weights and ``moe_fx.compile`` (module capture, ``MoEConfig``) for the fp8 kinds of ``--weights``.
+    ``model`` may be a module or a bound ``forward``."""
     import torch
 
     kwargs: dict[str, Any] = {"dynamic": dynamic}
     if mode != "default":
         kwargs["mode"] = mode
-    if backend == "moe_fx":
+    if backend == "moe_fx" and weights == "bf16":
         kwargs["backend"] = "moe_fx"
+    elif backend == "moe_fx":
+        import moe_fx
+
+        return moe_fx.compile(model, moe_fx.MoEConfig(quantize="fp8" if weights == "quantize_fp8" else None), **kwargs)
     return torch.compile(model, **kwargs)
 
 
@@ -310,8 +348,9 @@ def forward_target(mode: str, t: int) -> float | None:
     return None
 
 
-def measure_forward(calls: dict[str, Callable], s: Settings) -> dict:
-    """Warm up (compiles), time alternately, profile: the per-backend numbers of one forward row."""
+def measure_forward(calls: dict[str, Callable], s: Settings, reference: Callable[[], Any] | None = None) -> dict:
+    """Warm up (compiles), time alternately, profile: the per-backend numbers of one forward row; with
+    ``reference`` (the eager model's forward on the same tokens), each backend's ``logits_err`` too."""
     import torch
 
     with torch.no_grad():
@@ -322,7 +361,16 @@ def measure_forward(calls: dict[str, Callable], s: Settings) -> dict:
         timed = time_alternating(calls, s.rounds, s.per_round)
         for name, fn in calls.items():
             timed[name]["gpu_us"], timed[name]["kernels"] = gpu_time_per_call(fn, s.prof_iters)
+        if reference is not None:
+            want = reference().logits.float()
+            for name, fn in calls.items():
+                timed[name]["logits_err"] = logits_error(fn().logits.float(), want)
     return timed
+
+
+def logits_error(got, want) -> float:
+    """``max |got - want| / mean |want|``: the worst logit's error against the logits' typical size."""
+    return float((got - want).abs().max() / want.abs().mean().clamp_min(1e-30))
 
 
 def run_cell(row: dict, measure: Callable[[], dict], budget: Budget, errors: tuple, skip: str | None = None) -> dict:
@@ -343,9 +391,11 @@ def run_cell(row: dict, measure: Callable[[], dict], budget: Budget, errors: tup
     return row
 
 
-def forward_row(calls: dict[str, Callable], mode: str, t: int, s: Settings) -> dict:
-    """The numbers of one forward row: per-backend times, speed-up and the issue's target for it."""
-    row: dict[str, Any] = measure_forward(calls, s)
+def forward_row(calls: dict[str, Callable], mode: str, t: int, s: Settings,
+                reference: Callable[[], Any] | None = None) -> dict:
+    """The numbers of one forward row: per-backend times (and logit errors against ``reference``), speed-up
+    and the issue's target for it."""
+    row: dict[str, Any] = measure_forward(calls, s, reference)
     row["speedup"] = row["plain"]["wall_us"] / row["moe_fx"]["wall_us"]
     row["target"] = forward_target(mode, t)
     row["ok"] = None if row["target"] is None else row["speedup"] >= row["target"]
@@ -421,8 +471,9 @@ def cache_kwarg(model) -> str:
 def generate_row(model_name: str, models: dict[str, Any], s: Settings) -> dict:
     """Greedy generate() with a static cache: eager, plain torch.compile and moe_fx, timed alternately.
 
-    ``models`` maps ``"eager"``, ``"plain"``, ``"moe_fx"`` to model objects with the same weights; the two
-    compiled ones get ``model.forward = torch.compile(model.forward, ...)`` here.
+    ``models`` maps ``"eager"``, ``"plain"``, ``"moe_fx"`` to model objects with the same weights (one object
+    more than once with ``--share-weights``); each compiled side gets its own compiled forward
+    (``torch.compile(model.forward, ...)``, transformers' recipe), installed as ``model.forward`` for its calls.
     """
     import torch
 
@@ -431,19 +482,17 @@ def generate_row(model_name: str, models: dict[str, Any], s: Settings) -> dict:
     prompts = torch.randint(3, base.config.vocab_size, (s.gen_batch, s.gen_prompt), generator=g).to(s.device)
     mask = torch.ones_like(prompts)
     max_len = s.gen_prompt + s.gen_new
-    caches, runs = {}, {}
+    caches, runs, forwards = {}, {}, {}
+    cache_kw = cache_kwarg(base)  # before any forward is replaced: read from its signature
     for name, model in models.items():
         model.generation_config.disable_compile = True  # eager stays eager; compiled forwards are compiled once
-        if name != "eager":
-            model.forward = torch.compile(
-                model.forward, dynamic=s.dynamic, **({"backend": "moe_fx"} if name == "moe_fx" else {})
-            )
+        own = type(model).forward.__get__(model)  # the class's forward: never another side's compiled one
+        forwards[name] = own if name == "eager" else compile_forward(own, name, "default", s.dynamic, s.weights)
         caches[name] = static_cache(model, s.gen_batch, max_len)
-
-    cache_kw = cache_kwarg(base)
 
     def run(name: str, new: int):
         caches[name].reset()
+        models[name].forward = forwards[name]
         return models[name].generate(
             prompts, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
             **{cache_kw: caches[name]},
@@ -467,6 +516,8 @@ def generate_row(model_name: str, models: dict[str, Any], s: Settings) -> dict:
                     run(name, new)
                     synchronize()
                     runs[name][key].append(time.perf_counter() - t0)
+    for model in models.values():
+        model.__dict__.pop("forward", None)  # the class's forward again
     row: dict[str, Any] = {
         "kind": "generate", "model": model_name, "mode": "default", "batch": s.gen_batch,
         "prompt": s.gen_prompt, "new": s.gen_new,
@@ -514,16 +565,85 @@ def deepgemm_state(disabled: bool) -> str:
     return "importable"
 
 
-def explain_kernels(model, input_ids) -> str:
+def explain_kernels(model, input_ids, weights: str = "bf16") -> str:
     """moe_fx.explain()'s summary for ``model``: matched regions and the kernels they run."""
     import moe_fx
 
-    report = moe_fx.explain(model, input_ids=input_ids, use_cache=False, logits_to_keep=1)
+    config = moe_fx.MoEConfig(quantize="fp8") if weights == "quantize_fp8" else None
+    report = moe_fx.explain(model, input_ids=input_ids, config=config, use_cache=False, logits_to_keep=1)
     kernels = sorted({str(r.kernel) for r in report.matched})
     reasons = sorted({f"{k}: {v}" for r in report.matched for k, v in r.kernel_reasons.items()})
-    return f"{len(report.matched)}/{len(report.regions)} regions rewritten, kernel(s) {kernels}" + (
+    fp8 = sum(bool(r.fp8) for r in report.matched)
+    return f"{len(report.matched)}/{len(report.regions)} regions rewritten ({fp8} with fp8 weights), kernel(s) {kernels}" + (
         f"; not taken: {reasons[:3]}" if reasons else ""
     )
+
+
+def fp8_checkpoint_of(base, share: bool):
+    """A copy of ``base`` whose experts are transformers' fine-grained FP8 experts, quantised from ``base``'s
+    bf16 experts (:func:`moe_fx.testing.fp8.fp8_experts_like`); ``base``'s experts then get the dequantised
+    weights, so that eager ``base`` is what the FP8 model means. ``share``: the copy shares every other
+    tensor with ``base`` (no second copy of a full-depth model)."""
+    import itertools
+
+    import torch
+
+    from moe_fx.ops import dequantize_blockwise
+    from moe_fx.testing.fp8 import fp8_experts_like
+
+    memo = {id(t): t for t in itertools.chain(base.parameters(), base.buffers())} if share else {}
+    fp8 = copy.deepcopy(base, memo)
+    cfg = base.config.get_text_config()
+    names = [n for n, m in fp8.named_modules() if n.endswith(".experts") and hasattr(m, "gate_up_proj")]
+    for name in names:
+        module = fp8.get_submodule(name)
+        if getattr(module, "gate_up_proj_bias", None) is not None:
+            raise SystemExit(f"--weights fp8_checkpoint: {name} has expert biases, which FP8Experts does not hold")
+        quantized = fp8_experts_like(module, cfg)
+        fp8.set_submodule(name, quantized)
+        with torch.no_grad():
+            for proj in ("gate_up_proj", "down_proj"):
+                w = getattr(base.get_submodule(name), proj)
+                w.copy_(dequantize_blockwise(getattr(quantized, proj), getattr(quantized, f"{proj}_scale_inv")).to(w.dtype))
+    if not names:
+        raise SystemExit("--weights fp8_checkpoint: the model has no fused experts module")
+    return fp8
+
+
+def tensor_copy(model, share: bool):
+    """A new module tree of ``model`` (own forward attributes, so captures stay on one side) that shares
+    ``model``'s tensors when ``share``, else a deep copy."""
+    import itertools
+
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())} if share else {}
+    return copy.deepcopy(model, memo)
+
+
+def side_models(base, s: Settings, input_ids) -> tuple[Any, Any, str]:
+    """``(plain source, moe_fx source, what plain runs)`` for ``--weights``; eager ``base`` is the oracle.
+
+    fp8_checkpoint: plain compiles the FP8 model itself where plain torch.compile runs it (transformers'
+    FP8 kernels come from the Hub's ``kernels`` package: absent offline), else the dequantised bf16 model.
+    """
+    import torch
+
+    if s.weights != "fp8_checkpoint":
+        return base, base, "the bf16 model"
+    fp8 = fp8_checkpoint_of(base, s.share_weights)
+    trial = tensor_copy(fp8, share=True)
+    try:
+        with torch.no_grad():
+            torch.compile(trial, dynamic=s.dynamic)(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+    except Exception as err:  # noqa: BLE001 - any failure of plain on the FP8 model is the finding itself
+        torch._dynamo.reset()
+        return base, fp8, f"the dequantised bf16 model (plain torch.compile of the FP8 model: {error_text(err)})"
+    return trial, fp8, "the FP8 model"
+
+
+def weights_fingerprint(model) -> dict[str, tuple]:
+    """Storage, version counter, shape and dtype of every parameter and buffer: what a shared model must keep."""
+    return {name: (t.data_ptr(), t._version, tuple(t.shape), t.dtype)
+            for name, t in [*model.named_parameters(), *model.named_buffers()]}
 
 
 class Budget:
@@ -568,6 +688,8 @@ def run_benchmark(args: argparse.Namespace) -> None:
     budget = Budget(args.budget_s)
     settings = make_settings(args)
     specs = SMOKE_MODELS if args.smoke else MODELS
+    if args.smoke and args.weights != "bf16":  # FP8Experts holds whole 128x128 blocks: 128-multiple sizes
+        specs = {n: dataclasses.replace(m, hidden=128, intermediate=128, head_dim=32) for n, m in specs.items()}
     models = args.models.split(",")
     for name in models:
         if name not in specs:
@@ -587,7 +709,7 @@ def run_benchmark(args: argparse.Namespace) -> None:
         "smoke": args.smoke,
         "device": settings.device,
         "dtype": str(settings.dtype).replace("torch.", ""),
-        "layers": settings.layers,
+        "layers": "full" if settings.layers is None else settings.layers,
         "vocab": settings.vocab,
         "dynamic": settings.dynamic,
         "deepgemm": dg,
@@ -596,7 +718,12 @@ def run_benchmark(args: argparse.Namespace) -> None:
             f"{settings.warmup} warm-up calls; profiler over {settings.prof_iters} calls"
         ),
         "models": {n: dataclasses.asdict(specs[n]) for n in models},
+        "weights": settings.weights,
+        "weights_meaning": WEIGHTS[settings.weights],
+        "share_weights": settings.share_weights,
+        "plain_model": {},
         "explain": {},
+        **({"shared_weights_changed": {}} if settings.share_weights else {}),
     }
     log("meta", json.dumps({k: v for k, v in meta.items() if k != "models"}))
     rows: list[dict] = []
@@ -619,41 +746,58 @@ def run_benchmark(args: argparse.Namespace) -> None:
             log(f"{model_name}: skipped, time budget spent")
             continue
         spec = specs[model_name]
-        tag = {"model": model_name, "deepgemm": dg}
-        base_model = build_model(spec, settings.layers, settings.vocab, settings.device, settings.dtype)
+        layers = settings.layers_of(spec)
+        tag = {"model": model_name, "deepgemm": dg, "weights": settings.weights}
+        base_model = build_model(spec, layers, settings.vocab, settings.device, settings.dtype)
         meta.setdefault("experts_implementation", experts_implementation(base_model))
         ids = {t: torch.randint(3, settings.vocab, (1, t), device=settings.device) for t in tokens}
+        plain_src, moe_src, meta["plain_model"][model_name] = side_models(base_model, settings, ids[tokens[0]])
+
+        def side(model):  # one compiled side's own module tree; with --share-weights, on the model's tensors
+            return tensor_copy(model, share=True) if settings.share_weights else copy.deepcopy(model)
+
+        before = weights_fingerprint(base_model)
         try:
-            meta["explain"][model_name] = explain_kernels(copy.deepcopy(base_model), ids[tokens[-1]])
+            meta["explain"][model_name] = explain_kernels(side(moe_src), ids[tokens[-1]], settings.weights)
         except errors as err:
             meta["explain"][model_name] = error_text(err)
         log("explain", model_name, meta["explain"][model_name])
         compiled: dict[tuple[str, str], Callable] = {}
         for mode in modes:
             for b in BACKENDS:
-                compiled[(b, mode)] = compile_forward(copy.deepcopy(base_model), b, mode, settings.dynamic)
+                src = plain_src if b == "plain" else moe_src
+                compiled[(b, mode)] = compile_forward(side(src), b, mode, settings.dynamic, settings.weights)
             for t in tokens:
                 bar.set_postfix_str(f"{model_name} {mode} T={t} ({budget.elapsed():.0f}s)")
                 calls = {b: forward_call(compiled[(b, mode)], ids[t], mode) for b in BACKENDS}
+                eager = forward_call(base_model, ids[t], "default")
                 finish(run_cell(
-                    {"kind": "forward", **tag, "mode": mode, "T": t, "layers": settings.layers},
-                    lambda: forward_row(calls, mode, t, settings), budget, errors,
+                    {"kind": "forward", **tag, "mode": mode, "T": t, "layers": layers},
+                    lambda: forward_row(calls, mode, t, settings, reference=eager), budget, errors,
                     skip="needs CUDA" if mode == "reduce-overhead" and settings.device != "cuda" else None,
                 ))
         if not args.no_layer_host:
             t = args.layer_host_tokens
             finish(run_cell(
-                {"kind": "layer_host", **tag, "T": t, "mode": "default", "layers": settings.layers},
+                {"kind": "layer_host", **tag, "T": t, "mode": "default", "layers": layers},
                 lambda: layer_host_cell(model_name, spec, base_model, compiled, t, settings), budget, errors,
+                skip="--share-weights: the one-layer host cell builds a model of twice the depth"
+                if settings.share_weights else (
+                    "bf16 weights only" if settings.weights != "bf16" else None),
             ))
         if not args.no_generate:
             finish(run_cell(
-                {"kind": "generate", **tag, "mode": "default"},
-                lambda: generate_row(model_name, {"eager": base_model, "plain": copy.deepcopy(base_model),
-                                                  "moe_fx": copy.deepcopy(base_model)}, settings),
+                {"kind": "generate", **tag, "mode": "default", "layers": layers},
+                lambda: generate_row(model_name, {"eager": base_model, "plain": side(plain_src),
+                                                  "moe_fx": side(moe_src)}, settings),
                 budget, errors,
             ))
-        base_model = compiled = None  # free this model's copies before the next one
+        if settings.share_weights:
+            changed = sorted(k for k, v in weights_fingerprint(base_model).items() if before.get(k) != v)
+            meta["shared_weights_changed"][model_name] = changed[:10]
+            if changed:
+                log(f"{model_name}: the shared model's tensors changed during the run: {changed[:10]}")
+        base_model = plain_src = moe_src = compiled = None  # free this model's copies before the next one
         torch._dynamo.reset()
         gc.collect()
         if torch.cuda.is_available():
@@ -676,7 +820,7 @@ def make_settings(args: argparse.Namespace) -> Settings:
         device="cuda" if cuda else "cpu",
         dtype=torch.bfloat16 if cuda else torch.float32,
         vocab=args.vocab if args.vocab else (128 if smoke else 32000),
-        layers=args.layers,
+        layers=None if args.layers == "full" else int(args.layers),
         dynamic=args.dynamic == "true",
         rounds=args.rounds or (2 if smoke else 10),
         per_round=args.per_round or (2 if smoke else 5),
@@ -686,6 +830,8 @@ def make_settings(args: argparse.Namespace) -> Settings:
         gen_prompt=4 if smoke else args.gen_prompt,
         gen_new=3 if smoke else args.gen_new,
         gen_rounds=1 if smoke else args.gen_rounds,
+        weights=args.weights,
+        share_weights=args.share_weights or args.layers == "full",
     )
 
 
@@ -698,6 +844,10 @@ def fmt(x: Any, digits: int = 1) -> str:
     if isinstance(x, float):
         return f"{x:.{digits}f}"
     return str(x)
+
+
+def sci(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
 
 
 def verdict(row: dict) -> str:
@@ -763,13 +913,21 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     lines.append("Targets met: " + target_summary(rows) + "." + (
         f" Not measured (time budget): {', '.join(skipped)}." if skipped else ""))
     lines.append("")
+    lines.append(f"Weights: {meta.get('weights', 'bf16')}: {meta.get('weights_meaning', WEIGHTS['bf16'])}." + (
+        " Weights shared: plain and moe_fx run module trees of their own on one model's tensors." if meta.get("share_weights") else ""))
+    lines.append("")
+    for name, text in meta.get("plain_model", {}).items():
+        lines.append(f"- plain runs, {name}: {text}")
+    for name, changed in meta.get("shared_weights_changed", {}).items():
+        lines.append(f"- shared tensors changed during the run, {name}: {changed or 'none'}")
     for name, text in meta.get("explain", {}).items():
         lines.append(f"- moe_fx.explain, {name}: {text}")
     lines += md_table(
         "Forward", "",
-        ["model", "mode", "DeepGEMM", "T", "plain wall µs", "moe_fx wall µs", "speed-up", "target", "",
-         "plain GPU µs", "moe_fx GPU µs", "plain host µs", "moe_fx host µs", "kernels plain / moe_fx"],
-        fw, lambda r: [r["model"], r["mode"], r["deepgemm"], str(r["T"])],
+        ["model", "weights", "layers", "mode", "DeepGEMM", "T", "plain wall µs", "moe_fx wall µs", "speed-up", "target",
+         "", "plain GPU µs", "moe_fx GPU µs", "plain host µs", "moe_fx host µs", "kernels plain / moe_fx",
+         "logit err plain / moe_fx"],
+        fw, lambda r: [r["model"], r.get("weights", "bf16"), str(r.get("layers", "?")), r["mode"], r["deepgemm"], str(r["T"])],
         lambda r: [
             f"{r['plain']['wall_us']:.0f} ± {r['plain']['wall_spread_us']:.0f}",
             f"{r['moe_fx']['wall_us']:.0f} ± {r['moe_fx']['wall_spread_us']:.0f}",
@@ -777,8 +935,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             fmt(r["plain"]["gpu_us"], 0), fmt(r["moe_fx"]["gpu_us"], 0),
             f"{r['plain']['host_us']:.0f}", f"{r['moe_fx']['host_us']:.0f}",
             f"{fmt(r['plain']['kernels'], 0)} / {fmt(r['moe_fx']['kernels'], 0)}",
+            f"{sci(r['plain'].get('logits_err'))} / {sci(r['moe_fx'].get('logits_err'))}",
         ],
-        sort_key=lambda r: (r["model"], r["mode"], r["deepgemm"], r["T"]),
+        sort_key=lambda r: (r["model"], r.get("weights", "bf16"), r["mode"], r["deepgemm"], r["T"]),
     )
     lines += md_table(
         "Host time of one MoE decoder layer (default mode)",
@@ -798,9 +957,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "generate() decode (greedy, static cache, compiled forward, default mode)",
         "decode tok/s = batch * (N - 1) / (t(N new tokens) - t(1 new token)); new tok/s = batch * N / t(N). "
         "Speed-up = moe_fx decode / plain decode; target >= 1.2x. same = fraction of greedy tokens equal to eager's.",
-        ["model", "DeepGEMM", "batch x prompt + new", "eager decode tok/s", "plain decode tok/s",
+        ["model", "weights", "layers", "DeepGEMM", "batch x prompt + new", "eager decode tok/s", "plain decode tok/s",
          "moe_fx decode tok/s", "speed-up", "target", "", "new tok/s eager / plain / moe_fx", "same plain / moe_fx"],
-        gen, lambda r: [r["model"], r["deepgemm"]],
+        gen, lambda r: [r["model"], r.get("weights", "bf16"), str(r.get("layers", "?")), r["deepgemm"]],
         lambda r: [
             f"{r['batch']} x {r['prompt']} + {r['new']}",
             *(fmt(r[n]["decode_tok_s"], 0) for n in ("eager", "plain", "moe_fx")),
@@ -808,7 +967,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             " / ".join(f"{r[n]['new_tok_s']:.0f}" for n in ("eager", "plain", "moe_fx")),
             f"{r['plain']['same_tokens_as_eager']:.2f} / {r['moe_fx']['same_tokens_as_eager']:.2f}",
         ],
-        sort_key=lambda r: (r["model"], r["deepgemm"]),
+        sort_key=lambda r: (r["model"], r.get("weights", "bf16"), r["deepgemm"]),
     )
     return "\n".join(lines) + "\n"
 
@@ -892,7 +1051,7 @@ def plot(path: str, meta: dict, rows: list[dict]) -> None:
 
 def row_key(row: dict) -> tuple:
     """What identifies a measurement across runs (a later run's row replaces an earlier one's)."""
-    return (row["kind"], row["model"], row.get("mode"), row.get("T"), row["deepgemm"])
+    return (row["kind"], row["model"], row.get("mode"), row.get("T"), row["deepgemm"], row.get("weights", "bf16"))
 
 
 def load_runs(paths: list[str], key: Callable[[dict], Any], same: tuple[str, ...]) -> tuple[list[dict], dict]:
@@ -936,7 +1095,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-deepgemm", action="store_true", help="set MOE_FX_DISABLE_DEEPGEMM=1 (moe_fx runs Triton)")
     ap.add_argument("--dynamic", choices=["true", "false"], default="true",
                     help="torch.compile(dynamic=...) for both backends (default true: one compile for all T >= 2)")
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--layers", default="2",
+                    help="decoder layers per model, or 'full' for the released depth (implies --share-weights)")
+    ap.add_argument("--weights", choices=sorted(WEIGHTS), default="bf16",
+                    help="expert weights: " + "; ".join(f"{k}: {v}" for k, v in WEIGHTS.items()))
+    ap.add_argument("--share-weights", action="store_true",
+                    help="plain and moe_fx run module trees of their own on the one model's tensors (no copy of "
+                         "the weights; checked unchanged at the end); skips the layer-host cell")
     ap.add_argument("--vocab", type=int, default=0, help="vocabulary size (default 32000; smoke 128)")
     ap.add_argument("--rounds", type=int, default=0, help="alternating rounds per cell (default 10; smoke 2)")
     ap.add_argument("--per-round", type=int, default=0, help="calls per backend per round (default 5; smoke 2)")

@@ -46,7 +46,7 @@ def test_e2e_model_smoke_writes_results(tmp_path):
     assert row["speedup"] == pytest.approx(row["plain"]["wall_us"] / row["moe_fx"]["wall_us"])
     assert row["target"] == 1.0 and isinstance(row["ok"], bool)
     md = js.with_suffix(".md").read_text()
-    assert "| qwen3 | default | " in md and "## Host time of one MoE decoder layer" in md and "## generate()" in md
+    assert "| qwen3 | bf16 | 1 | default | " in md and "## Host time of one MoE decoder layer" in md and "## generate()" in md
 
     sys.path.insert(0, str(SCRIPT.parent))
     import e2e_model
@@ -56,3 +56,26 @@ def test_e2e_model_smoke_writes_results(tmp_path):
     [mjs] = merged.glob("e2e_model_*_m.json")
     mdata = json.loads(mjs.read_text())
     assert len(mdata["rows"]) == 1 and mdata["meta"]["merged_from"] == [js.name, js.name]
+
+
+@pytest.mark.timeout(120)
+def test_e2e_model_fp8_checkpoint_rows_on_shared_weights(tmp_path):
+    """``--weights fp8_checkpoint --share-weights``: moe_fx runs transformers' FP8 experts model (captured),
+    plain the model it can run, both on one model's tensors; the logits of both are checked against the
+    eager oracle (the dequantised model) and the shared tensors are unchanged at the end."""
+    out = tmp_path / "res"
+    proc = _run(["--smoke", "--cpu", "--tokens", "8", "--layers", "1", "--dynamic", "false", "--no-layer-host",
+                 "--no-generate", "--no-plot", "--out", str(out), "--tag", "f", "--weights", "fp8_checkpoint",
+                 "--share-weights"], timeout=100)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    [js] = out.glob("e2e_model_*_f.json")
+    data = json.loads(js.read_text())
+    meta, [row] = data["meta"], data["rows"]
+    assert meta["weights"] == "fp8_checkpoint" and meta["share_weights"] is True
+    assert meta["shared_weights_changed"] == {"qwen3": []}
+    assert meta["plain_model"]["qwen3"].startswith(("the FP8 model", "the dequantised bf16 model"))
+    assert "1/1 regions rewritten (1 with fp8 weights)" in meta["explain"]["qwen3"], meta["explain"]
+    assert row["weights"] == "fp8_checkpoint" and "error" not in row, row
+    for backend in ("plain", "moe_fx"):
+        assert 0 <= row[backend]["logits_err"] < 1e-3, row[backend]
+    assert "| qwen3 | fp8_checkpoint | 1 | default |" in js.with_suffix(".md").read_text()
