@@ -55,17 +55,19 @@ class StackedMoE(nn.Module):
         return y.view(x.shape[0], self.top_k, x.shape[1]).sum(dim=1)
 
 
-def _left_as_written(model: nn.Module, x: torch.Tensor, why: str, **compile_kwargs) -> None:
-    """No op in the graph, the same graph code and numbers as without the pass, the reason in explain."""
-    out, cap = run_captured(model, x, **compile_kwargs)
-    ref, plain = run_captured(model, x, passes=False, **compile_kwargs)
+def _left_as_written(model: nn.Module, x: torch.Tensor | tuple, why: str, **compile_kwargs) -> None:
+    """No op in the graph, the same graph code and numbers as without the pass, the reason in explain (``x``: the
+    input, or a tuple of inputs)."""
+    xs = x if isinstance(x, tuple) else (x,)
+    out, cap = run_captured(model, *xs, **compile_kwargs)
+    ref, plain = run_captured(model, *xs, passes=False, **compile_kwargs)
     assert cap.count(OP) == 0 and cap.code == plain.code, "an unmatched region must stay exactly as it was"
     with torch.no_grad():
-        assert torch.equal(out, ref) and torch.equal(out, model(x))
+        assert torch.equal(out, ref) and torch.equal(out, model(*xs))
     (report,) = cap.reports
     assert not report.matched and why in report.reason, report.reason
     torch._dynamo.reset()
-    assert why in str(moe_fx.explain(model, x))
+    assert why in str(moe_fx.explain(model, *xs))
 
 
 def test_float_mask_inside_the_experts_is_a_near_miss():
@@ -296,14 +298,59 @@ class ExpertsOnly(StackedMoE):
         return y.view(x.shape[0], self.top_k, x.shape[1]).sum(dim=1)
 
 
+class ExpertsOnlyLoop(LoopExpertsMoE):
+    """The experts alone as a ``range(E)`` loop over ``where(ids == e)``: ids outside ``[0, E)`` meet no expert."""
+
+    def forward(self, x, ids, weights):
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * weights[tok, slot, None])
+        return out
+
+
+class DroppedSlotsMoE(StackedMoE):
+    """Slots with a small routing weight get id -1 ("no expert"); the batched gather ``w13[-1]`` then reads the
+    last expert, which eager adds to the output."""
+
+    def forward(self, x):
+        probs = F.softmax(x @ self.router.t(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        return ExpertsOnly.forward(self, x, torch.where(weights > 0.2, ids, -1), weights)
+
+
 def test_ids_without_a_bound_in_the_graph_are_reported():
-    """A region whose ids are a graph input is rewritten (ids outside [0, E) are skipped, as a ``range(E)`` loop
-    skips them) and the report says that the graph gives no bound; ids from the router's top-k give one."""
+    """A region whose ids are a graph input is rewritten only if it skips ids outside [0, E) as the op does (a
+    ``range(E)`` loop skips them), and the report says that the graph gives no bound; ids from the router's top-k
+    give one."""
     gen = torch.Generator().manual_seed(2)
     x, ids, w = _x(6), torch.randint(0, 8, (6, 2), generator=gen), torch.rand(6, 2, generator=gen)
-    _, cap = run_captured(ExpertsOnly(), x, ids, w)
+    ids[::2, 0] = -1
+    ids[1, 1] = 8
+    model = ExpertsOnlyLoop(num_experts=8)
+    got, cap = run_captured(model, x, ids, w)
     (report,) = cap.reports
     assert report.matched and any("no bound on the expert ids (the expert ids are a graph input)" in m
                                   for m in report.warnings), report.warnings
+    with torch.no_grad():
+        assert rel_err(got, model(x, ids, w)) < 1e-5
     _, cap = run_captured(StackedMoE(), x)
     assert cap.reports[0].matched and not any("expert ids" in m for m in cap.reports[0].warnings)
+
+
+@pytest.mark.parametrize("make, inputs", [
+    (ExpertsOnly, lambda x: (x, torch.tensor([[-1, 3], [2, 5], [-1, 0], [7, 1], [4, 6], [-1, 2]]),
+                             torch.rand(6, 2, generator=torch.Generator().manual_seed(2)))),
+    (DroppedSlotsMoE, lambda x: (x,)),
+], ids=["graph_input_ids", "where_ids_minus_1"])
+def test_gather_of_ids_outside_the_experts_is_refused(make, inputs):
+    """ids of -1 that nothing in the graph excludes (a graph input, or ``where(weight > 0.2, ids, -1)``): the batched
+    gather ``w13[-1]`` reads the last expert, the op skips the slot. Rewritten, the compiled block dropped those
+    slots (relative error 0.11); the check now runs ids -1 and E through the region."""
+    x = _x(6, scale=3.0)
+    model = make()
+    args = inputs(x)
+    with torch.no_grad():
+        weights, _ = torch.topk(F.softmax(x @ model.router.t(), dim=-1), 2)
+    assert (args[1] == -1).any() if len(args) > 1 else (weights <= 0.2).any(), "some slot must be dropped"
+    _left_as_written(model, args, "does not skip id -1")

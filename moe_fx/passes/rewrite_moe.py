@@ -390,7 +390,8 @@ def rewrite_moe_regions(gm: fx.GraphModule, ctx: PassContext) -> int:
         bound, why = expert_id_bound(region.ids)
         if bound is None:  # read_region refused ids that can pass E; here nothing says they cannot
             report.warnings.append(f"the graph gives no bound on the expert ids ({why}): ids outside "
-                                   f"[0, {region.anchors.num_experts}) are skipped, as a range(E) loop skips them")
+                                   f"[0, {region.anchors.num_experts}) are skipped, as the region skips them or "
+                                   "raises on them (checked with ids -1 and E)")
         _insert_op(gm, flow, region, probe, ctx, stacked, count, len(ctx.report) - 1)
         ctx.weight_sources[len(ctx.report) - 1] = _weight_sources(region, ctx, stacked)
         report.matched, report.activation, report.weights_on_input = True, probe.activation, probe.weights_on_input

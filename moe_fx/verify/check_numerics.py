@@ -18,7 +18,11 @@ makes it hard to fool:
 * **inputs**: scales 1 and 4 and one past the clamp bound of the form (:func:`clamp_scale`), the only
   threshold a form that the structure accepts has;
 * **tokens**: the caller adds cases at a token count well above the traced one for symbolic shapes
-  (:func:`large_tokens`).
+  (:func:`large_tokens`);
+* **ids out of range**: where nothing bounds the ids to ``[0, E)``, the caller adds cases with ``-1`` and ``E``
+  in some slots (:func:`out_of_range_cases`): the op skips those slots, and so must the candidate (a gather
+  ``w13[ids]`` reads expert ``E - 1`` for ``-1``); a candidate that raises on them gives no answer there to
+  contradict, and that case is not counted.
 
 Standalone: it knows tensors and the op's reference, not graphs or modules.
 """
@@ -28,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,6 +49,7 @@ __all__ = [
     "exact_float32",
     "large_tokens",
     "make_cases",
+    "out_of_range_cases",
     "random_weight",
     "signed_weights",
 ]
@@ -90,10 +95,12 @@ class ProbeCase:
     ids: torch.Tensor
     routing: torch.Tensor
     scale: float
+    sentinel: int | None = None  # an id outside [0, E) some slots hold (:func:`out_of_range_cases`)
 
     def describe(self) -> str:
-        """``"random weights, T=64, scale 4"``."""
-        return f"{self.weights} weights, T={self.hidden.shape[0]}, scale {self.scale:g}"
+        """``"random weights, T=64, scale 4"`` (``", id -1 in some slots"``)."""
+        ids = "" if self.sentinel is None else f", id {self.sentinel} in some slots"
+        return f"{self.weights} weights, T={self.hidden.shape[0]}, scale {self.scale:g}{ids}"
 
 
 @dataclass
@@ -202,6 +209,21 @@ def make_cases(
     return out
 
 
+def out_of_range_cases(cases: Sequence[ProbeCase], num_ids: int, gen: torch.Generator) -> list[ProbeCase]:
+    """Copies of the first case of each weight set with ids ``-1`` ("no expert") and ``num_ids`` (one past the
+    last expert) in the first slot of every other token: the ids a model writes for a dropped slot or a skip
+    expert, which the op skips."""
+    out = []
+    for name in dict.fromkeys(c.weights for c in cases):
+        base = next(c for c in cases if c.weights == name)
+        rows = torch.randperm(base.ids.shape[0], generator=gen)[: (base.ids.shape[0] + 1) // 2].to(base.ids.device)
+        for sentinel in (-1, num_ids):
+            ids = base.ids.clone()
+            ids[rows, 0] = sentinel
+            out.append(replace(base, ids=ids, sentinel=sentinel))
+    return out
+
+
 def _want(case: ProbeCase, op: OpWeights, sem: Semantics) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference output ``[T, H]`` and each token's error scale ``sum_k |w_k| * ||expert_k(x)||``.
 
@@ -270,6 +292,8 @@ def check_cases(
     with torch.no_grad(), exact_float32(single_thread=_small_on_cpu(cases, op_weights)):
         for case in cases:
             got = run(case)
+            if isinstance(got, str) and case.sentinel is not None:
+                continue  # the candidate raises on ids outside [0, E): it has no answer there to contradict
             if isinstance(got, str):
                 return NumericsResult(False, math.nan, f"the candidate failed on probe inputs{where}: {got}")
             if got.shape != case.hidden.shape:
@@ -285,6 +309,9 @@ def check_cases(
         return NumericsResult(True, worst)
     found = _worst_expert(errors[worst_case.weights], tol)
     expert = f"; expert {found[0]} is off on its tokens (median error {found[1]:.1e})" if found else ""
+    if worst_case.sentinel is not None:
+        expert = (f"; the region does not skip id {worst_case.sentinel} as moe_fx::experts does (an id outside "
+                  "[0, E) names no expert), and nothing in the graph keeps the ids in range")
     return NumericsResult(
         False, worst,
         f"numerical check failed{where}: a token's error {worst:.2e} > {tol:.0e} ({worst_case.describe()}){expert}",

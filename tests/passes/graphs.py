@@ -37,6 +37,19 @@ def traced(fn: Callable | torch.nn.Module, *inputs: torch.Tensor) -> fx.GraphMod
     return gm
 
 
+def routed(fn: Callable, top_k: int) -> Callable:
+    """``fn(h, ids, w, w13, w2)`` with its ids and weights made in the graph by a router's top-k of ``scores [T, E]``:
+    ``routed(fn)(h, scores, w13, w2)``. Ids from a top-k are bounded to ``[0, E)``; ids that are a graph input could
+    be ``-1`` or ``E``, which a region must skip as the op does to be rewritten."""
+
+    def with_router(h, scores, w13, w2):
+        w, ids = torch.topk(scores, top_k, dim=-1)
+        return fn(h, ids, w, w13, w2)
+
+    with_router.__name__ = getattr(fn, "__name__", "fn")
+    return with_router
+
+
 def context(gm: fx.GraphModule, inputs: list, **config: Any) -> PassContext:
     """The pass context the backend makes for ``gm`` called with ``inputs`` (bound to the graph)."""
     from moe_fx.lowering.weights import pack_experts_weights

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from graphs import traced
+from graphs import routed, traced
 from torch import fx, nn
 
 from moe_fx.passes.graph_utils import DataFlow
@@ -170,8 +170,12 @@ def test_autocast_guard_refuses_products_recast_by_autocast():
 # --- verify_region --------------------------------------------------------------------------------
 
 
-def _probe(fn):
+def _probe(fn, bounded=True):
+    """``fn`` (a batched form) probed as a region; ``bounded``: its ids from a top-k in the graph (else an input)."""
     inputs = _inputs()
+    if bounded:
+        fn, inputs = routed(fn, K), [inputs[0], torch.randn(T, E, generator=torch.Generator().manual_seed(3)),
+                                     *inputs[3:]]
     gm, flow, region = _region(fn, inputs)
     reading = read_region(region)
     real = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs, strict=False))
@@ -182,10 +186,19 @@ def _probe(fn):
 def test_verify_region_confirms_a_region_and_catches_wrong_plumbing():
     reading, result = _probe(make_batched())
     assert result.ok and result.activation == "silu" and result.error < 1e-4 and "T=6 x3" in result.probe
+    assert "ids -1" not in result.probe  # the top-k bounds them
     # the structure reads the same form whichever rows the weights are gathered with (plumbing); the probe sees it
     reading, result = _probe(make_batched(shift=1))
     assert not isinstance(reading, str) and reading.spec.name == "silu"
     assert not result.ok and result.reason.startswith("numerical check failed (T=6 x3): a token's error")
+
+
+def test_verify_region_runs_ids_outside_the_experts_when_nothing_bounds_them():
+    """Graph-input ids: the probe also runs ids -1 and E; the gather ``w13[-1]`` reads expert E - 1 (the op skips
+    the slot), ``w13[E]`` raises (no answer to contradict)."""
+    reading, result = _probe(make_batched(), bounded=False)
+    assert f"ids -1 and {E} in some slots" in result.probe
+    assert not result.ok and "id -1 in some slots" in result.reason and "does not skip id -1" in result.reason
 
 
 # --- probe_resize ---------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from graphs import context, ops, traced
+from graphs import context, ops, routed, traced
 
 from moe_fx.passes.rewrite_moe import rewrite_moe_regions
 
@@ -23,6 +23,12 @@ def _inputs(transposed=False):
     w13 = torch.randn(E, H, 2 * I, generator=g) if transposed else torch.randn(E, 2 * I, H, generator=g)
     w2 = torch.randn(E, I, H, generator=g) if transposed else torch.randn(E, H, I, generator=g)
     return [torch.randn(T, H, generator=g), ids, torch.rand(T, K, generator=g), w13, w2]
+
+
+def _routed_inputs():
+    """Inputs of :func:`graphs.routed` forms: ``h, scores [T, E], w13, w2`` (top-k ids without ties)."""
+    h, _, _, w13, w2 = _inputs()
+    return [h, torch.randperm(T * E, generator=torch.Generator().manual_seed(1)).float().view(T, E) / (T * E), w13, w2]
 
 
 def make_batched(act=F.silu, after=None, rows=None, out=None):
@@ -65,16 +71,26 @@ def _rewrite(fn, inputs, **config):
 
 
 def test_batched_experts_become_one_op():
-    inputs = _inputs()
-    gm, _, count, (report,) = _rewrite(batched, inputs)
-    assert count == 1 and ops(gm) == ["experts.default"]
-    assert gm.code.strip().splitlines()[1].strip() == (
-        "experts_default = torch.ops.moe_fx.experts.default(h, ids, w, w13, w2, activation = 'silu', "
-        "weights_on_input = False, kernel_choice = 'auto');  h = ids = w = w13 = w2 = None")
+    inputs = _routed_inputs()
+    fn = routed(batched, K)
+    gm, _, count, (report,) = _rewrite(fn, inputs)
+    assert count == 1 and ops(gm) == ["topk", "getitem", "getitem", "experts.default"]
+    assert gm.code.strip().splitlines()[4].strip() == (
+        "experts_default = torch.ops.moe_fx.experts.default(h, getitem_1, getitem, w13, w2, activation = 'silu', "
+        "weights_on_input = False, kernel_choice = 'auto');  h = getitem_1 = getitem = w13 = w2 = None")
     assert (report.matched, report.form, report.num_experts, report.top_k, report.verified) == (
         True, "batched_mm", E, K, "numerics")
     assert gm.graph.find_nodes(op="call_function", target=EXPERTS)[0].meta["example_value"].shape == (T, H)
-    torch.testing.assert_close(gm(*inputs), batched(*inputs))
+    torch.testing.assert_close(gm(*inputs), fn(*inputs))
+
+
+def test_ids_that_are_a_graph_input_must_be_skipped_as_the_op_skips_them():
+    """Nothing bounds graph-input ids: the batched gather ``w13[-1]`` reads the last expert where the op skips the
+    slot, so the region is left as written, with the reason."""
+    inputs = _inputs()
+    gm, before, count, (report,) = _rewrite(batched, inputs)
+    assert count == 0 and gm.code == before
+    assert "the region does not skip id -1 as moe_fx::experts does" in report.reason, report.reason
 
 
 def test_transposed_stacked_weights_are_passed_as_views():
@@ -86,10 +102,10 @@ def test_transposed_stacked_weights_are_passed_as_views():
 
 
 def test_what_follows_the_combine_stays_outside_the_region():
-    inputs = _inputs()
-    fn = make_batched(out=lambda y: torch.tanh(y) + 1.0)
+    inputs = _routed_inputs()
+    fn = routed(make_batched(out=lambda y: torch.tanh(y) + 1.0), K)
     gm, _, count, _ = _rewrite(fn, inputs)
-    assert count == 1 and ops(gm) == ["experts.default", "tanh", "add"]
+    assert count == 1 and ops(gm) == ["topk", "getitem", "getitem", "experts.default", "tanh", "add"]
     torch.testing.assert_close(gm(*inputs), fn(*inputs))
 
 

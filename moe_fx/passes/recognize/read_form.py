@@ -1290,6 +1290,8 @@ def expert_id_bound(ids: fx.Node) -> tuple[int | None, str]:
             break
         if name in _ID_SOURCES and isinstance(tensor_value(n), torch.Tensor):
             break  # argmax / argsort return the indices themselves
+        if name in ("masked_fill", "where"):
+            return _filled_id_bound(n)
         if name not in _ID_KEEPS or not n.args or not isinstance(n.args[0], fx.Node):
             what = "a graph input" if n.op == "placeholder" else f"computed by {name} ({n.name})"
             return None, f"the expert ids are {what}"
@@ -1305,6 +1307,35 @@ def expert_id_bound(ids: fx.Node) -> tuple[int | None, str]:
     if not isinstance(size, int):
         return None, f"the expert ids come from {op_name(n)} ({n.name}) over a symbolic axis ({size})"
     return size, f"{op_name(n)} over {list(src)} at {n.name}"
+
+
+def _filled_id_bound(n: fx.Node) -> tuple[int | None, str]:
+    """:func:`expert_id_bound` of ``ids.masked_fill(mask, v)`` / ``where(mask, ids, v)`` / ``where(mask, v, ids)``
+    with a literal ``v``: the ids' bound, widened to hold ``v``; a mask ``ids == bound - 1`` (Zaya's skip expert
+    sent to expert 0) removes the top id. A negative ``v`` (``-1`` for "no expert") is outside any bound."""
+    name = op_name(n)
+    if name == "masked_fill" and len(n.args) >= 3:
+        mask, ids, fill, replaced_when = n.args[1], n.args[0], n.args[2], True
+    elif name == "where" and len(n.args) == 3 and isinstance(n.args[1], fx.Node) != isinstance(n.args[2], fx.Node):
+        mask = n.args[0]
+        ids, fill, replaced_when = (n.args[1], n.args[2], False) if isinstance(n.args[1], fx.Node) else \
+            (n.args[2], n.args[1], True)
+    else:
+        return None, f"the expert ids are computed by {name} ({n.name})"
+    value = fill if isinstance(fill, (int, float)) and not isinstance(fill, bool) else None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(ids, fx.Node) or not isinstance(value, int):
+        return None, f"the expert ids are computed by {name} ({n.name}) with a fill that is not a literal"
+    if value < 0:
+        return None, f"the expert ids can be {value} ({name} at {n.name})"
+    bound, where = expert_id_bound(ids)
+    if bound is None:
+        return None, where
+    top_removed = replaced_when and isinstance(mask, fx.Node) and op_name(mask) == "eq" and \
+        mask.args[0] is ids and scalar_hint(mask.args[1]) == bound - 1
+    bound = max(bound - 1 if top_removed else bound, value + 1)
+    return bound, f"{where}, then {name} ({n.name}) with {value}"
 
 
 def region_boundary(region: Region) -> Boundary:

@@ -22,7 +22,7 @@ from moe_fx.ops import ExpertActivation
 from moe_fx.passes.graph_utils import DataFlow, node_value, scalar_hint, tensor_value
 from moe_fx.passes.recognize.extract_region import Region
 from moe_fx.passes.recognize.probe_resize import resize_literals, symbolic_value
-from moe_fx.passes.recognize.read_form import FormReading, region_boundary
+from moe_fx.passes.recognize.read_form import FormReading, expert_id_bound, region_boundary
 from moe_fx.verify.check_numerics import (
     NumericsResult,
     OpWeights,
@@ -32,6 +32,7 @@ from moe_fx.verify.check_numerics import (
     clamp_scale,
     large_tokens,
     make_cases,
+    out_of_range_cases,
     random_weight,
 )
 from moe_fx.verify.probe_plan import ProbePlan, probe_routing, token_hint
@@ -297,6 +298,10 @@ def probe_region(
             cases += make_cases(probe_routing(big, LARGE_T_RUNS, e, k, gen), h, {"random": clamps["random"]}, gen,
                                 device=device)
             ran += f", T={big} x{LARGE_T_RUNS}"
+    if region.ids is not None and not region.dense_scores and expert_id_bound(region.ids)[0] is None:
+        # Nothing in the graph keeps the ids in [0, E): the region must skip the others as the op does.
+        cases += out_of_range_cases(cases, e, gen)
+        ran += f", ids -1 and {e} in some slots"
     extras: dict[int, list[object] | str] = {}
 
     def run(case: ProbeCase) -> torch.Tensor | str:
