@@ -11,6 +11,14 @@ from moe_fx.backend import enable_capture, make_backend
 from moe_fx.config import MoEConfig
 from moe_fx.passes.report import RegionReport
 
+#: ``tiny_hf_model`` keywords for graph tests that print Dynamo's code of a transformers model. Under sdpa
+#: attention the traced code depends on the torch version: transformers' masking_utils skips the causal
+#: mask (``is_causal=True``, GQA inside sdpa) only where Dynamo does not fold ``torch.compiler.is_exporting()``
+#: to True (pytorch#176499: torch 2.13 yes, 2.11 no); elsewhere it builds the mask and traces ``repeat_kv``,
+#: whose ``hidden_states`` locals shift Dynamo's ``hidden_states_N`` numbering of every later name.
+#: Eager attention always builds the mask and repeats k/v, so the printed graph is the same on both.
+ATTENTION_SAME_ON_EVERY_TORCH = {"_attn_implementation": "eager"}
+
 
 @dataclass
 class Captured:

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 from expecttest import TestCase
-from helpers import capture_backend, logits, rel_err, run_captured
+from helpers import ATTENTION_SAME_ON_EVERY_TORCH, capture_backend, logits, rel_err, run_captured
 
 from moe_fx.backend import enable_capture
 from moe_fx.config import MoEConfig
@@ -70,10 +70,13 @@ class TestFormGraphs(TestCase):
     def test_llama4(self):
         # Dense sigmoid scores on the expert input: the op reads the router's own top-k ids and the scores
         # gathered at them (weights_on_input); the shared expert's in-place add stays.
-        model = tiny_hf_model("llama4", num_layers=1, num_experts=4, dtype=torch.bfloat16)
+        # Eager attention, so that Dynamo's names below are the same on every torch (see helpers).
+        model = tiny_hf_model(
+            "llama4", num_layers=1, num_experts=4, dtype=torch.bfloat16, **ATTENTION_SAME_ON_EVERY_TORCH
+        )
         _, cap = run_captured(model, _tokens())
         self.assertExpectedInline(_short(_slice(cap.code, "router_logits = ", after=2)), """\
-    router_logits = torch._C._nn.linear(hidden_states_3, feed_forward.router.weight, None)
+    router_logits = torch._C._nn.linear(hidden_states_5, feed_forward.router.weight, None)
     topk = torch.topk(router_logits, 1, dim = 1)
     router_top_value = topk[0]
     router_indices = topk[1]
@@ -82,15 +85,15 @@ class TestFormGraphs(TestCase):
     float_8 = router_scores.float()
     sigmoid = torch.nn.functional.sigmoid(float_8)
     router_scores_1 = sigmoid.to(torch.bfloat16)
-    linear_5 = torch._C._nn.linear(hidden_states_3, feed_forward.shared_expert.gate_proj.weight, None)
+    linear_5 = torch._C._nn.linear(hidden_states_5, feed_forward.shared_expert.gate_proj.weight, None)
     silu_1 = torch.nn.functional.silu(linear_5)
-    linear_6 = torch._C._nn.linear(hidden_states_3, feed_forward.shared_expert.up_proj.weight, None)
+    linear_6 = torch._C._nn.linear(hidden_states_5, feed_forward.shared_expert.up_proj.weight, None)
     down_proj = silu_1 * linear_6
     out = torch._C._nn.linear(down_proj, feed_forward.shared_expert.down_proj.weight, None)
-    transpose_5 = feed_forward.experts.gate_up_proj.transpose(1, 2)
-    transpose_6 = feed_forward.experts.down_proj.transpose(1, 2)
+    transpose_6 = feed_forward.experts.gate_up_proj.transpose(1, 2)
+    transpose_7 = feed_forward.experts.down_proj.transpose(1, 2)
     gather = router_scores_1.gather(1, router_indices)
-    experts_default = torch.ops.moe_fx.experts.default(hidden_states_3, router_indices, gather, transpose_5, transpose_6, activation = 'silu', weights_on_input = True, kernel_choice = 'auto')
+    experts_default = torch.ops.moe_fx.experts.default(hidden_states_5, router_indices, gather, transpose_6, transpose_7, activation = 'silu', weights_on_input = True, kernel_choice = 'auto')
     add_ = out.add_(experts_default)
     view_5 = out.view((1, 9, 32))""")
 

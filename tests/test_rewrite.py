@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 from expecttest import TestCase
-from helpers import experts_in_one_copy, run_captured
+from helpers import ATTENTION_SAME_ON_EVERY_TORCH, experts_in_one_copy, run_captured
 
 from moe_fx.config import MoEConfig
 from moe_fx.testing.models import DENSE_VARIANTS, HF_FAMILIES, DenseBmmMoE, LoopMoE, TitanGroupedMoE, tiny_hf_model
@@ -28,8 +28,11 @@ class TestExpectedGraphs(TestCase):
     """The graph after the pass, printed, for the user-written forms."""
 
     def _hf_moe_slice(self, impl: str) -> str:
-        """The graph lines from the router to the line after the op, for a 1-layer tiny Qwen3-MoE."""
-        model = tiny_hf_model("qwen3_moe", num_layers=1, experts_implementation=impl, dtype=torch.bfloat16)
+        """The graph lines from the router to the line after the op, for a 1-layer tiny Qwen3-MoE (eager
+        attention: see ``ATTENTION_SAME_ON_EVERY_TORCH``)."""
+        model = tiny_hf_model(
+            "qwen3_moe", num_layers=1, experts_implementation=impl, dtype=torch.bfloat16, **ATTENTION_SAME_ON_EVERY_TORCH
+        )
         _, cap = run_captured(model, torch.randint(0, 128, (1, 5)))
         lines = _body(cap.code).splitlines()
         start = next(i for i, ln in enumerate(lines) if "router_logits = " in ln)
@@ -41,7 +44,7 @@ class TestExpectedGraphs(TestCase):
         grouped = self._hf_moe_slice("grouped_mm")
         self.assertEqual(self._hf_moe_slice("batched_mm"), grouped)
         self.assertExpectedInline(grouped, """\
-    router_logits = torch._C._nn.linear(hidden_states_11, model_modules_layers_modules_0_modules_mlp_modules_gate_parameters_weight);  hidden_states_11 = model_modules_layers_modules_0_modules_mlp_modules_gate_parameters_weight = None
+    router_logits = torch._C._nn.linear(hidden_states_13, model_modules_layers_modules_0_modules_mlp_modules_gate_parameters_weight);  hidden_states_13 = model_modules_layers_modules_0_modules_mlp_modules_gate_parameters_weight = None
     router_probs = torch.nn.functional.softmax(router_logits, dtype = torch.float32, dim = -1);  router_logits = None
     topk = torch.topk(router_probs, 2, dim = -1);  router_probs = None
     router_top_value = topk[0]

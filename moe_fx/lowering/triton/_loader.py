@@ -89,15 +89,29 @@ def launch(name: str, device: torch.device, grid: tuple, *args: object, **kwargs
     Inductor generates launches the kernel itself; in eager code (``set_wrap_triton_enabled(False)``)
     and under the CPU interpreter it is a plain launch.
     """
-    from torch.library import wrap_triton
-
     kernel = getattr(kernels(device), name)
     if kwargs.get("DEVICE_TMA") and device.type == "cuda":
         _set_tma_allocator()
     # Every parameter passed explicitly: torch 2.11's Inductor neither fills a user kernel's defaults in
     # its generated launch ("launcher() missing ... required positional arguments") nor analyses which
     # buffers such a launch writes ("Incorrect number of arguments passed to kernel").
-    wrap_triton(kernel)[grid](*args, **{**_defaults_not_given(kernel, len(args), kwargs), **kwargs})
+    _launchable(kernel)[grid](*args, **{**_defaults_not_given(kernel, len(args), kwargs), **kwargs})
+
+
+def _launchable(kernel: object) -> object:
+    """``kernel`` wrapped by :func:`torch.library.wrap_triton`, or ``kernel`` itself if interpreted.
+
+    An interpreted kernel (``TRITON_INTERPRET=1``: an ``InterpretedFunction``, not a ``JITFunction``)
+    cannot become a graph node and only ever launches eagerly. torch 2.13's ``wrap_triton`` hands
+    such a kernel back unchanged; torch 2.11's raises "wrap_triton only works on functions annotated
+    with triton.jit", so the interpreter case is decided here, by the kernel's type, for both.
+    """
+    from torch.library import wrap_triton
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(kernel, JITFunction):
+        return kernel
+    return wrap_triton(kernel)
 
 
 def _defaults_not_given(kernel: object, num_args: int, kwargs: dict[str, object]) -> dict[str, object]:
