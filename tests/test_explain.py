@@ -264,3 +264,36 @@ def test_explain_dynamic_shows_what_a_dynamic_compile_does():
     assert static.regions[0].tokens == "5"
     assert dynamic.regions[0].tokens == "symbolic (traced at 5)"
     assert "symbolic (traced at 5)" in str(dynamic) and "symbolic" not in str(static)
+
+
+class _InPlaceScaledInputMoE(nn.Module):
+    """Gathered stacked experts whose input is edited in place first (``x.mul_(2)`` on a clone)."""
+
+    def __init__(self, num_experts: int = 4, hidden: int = 16, inter: int = 8, top_k: int = 2) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.top_k, self.hidden = top_k, hidden
+        self.router = nn.Parameter(torch.randn(num_experts, hidden, generator=g) * 0.3)
+        self.w13 = nn.Parameter(torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.2)
+        self.w2 = nn.Parameter(torch.randn(num_experts, hidden, inter, generator=g) * 0.2)
+
+    def forward(self, x):
+        x = x.clone()
+        x.mul_(2.0)
+        weights, ids = torch.topk(F.softmax(x @ self.router.t(), -1), self.top_k, dim=-1)
+        flat = ids.reshape(-1)
+        h = torch.bmm(self.w13[flat], x.repeat_interleave(self.top_k, dim=0).unsqueeze(-1)).squeeze(-1)
+        gate, up = h.chunk(2, -1)
+        y = torch.bmm(self.w2[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        return (y.view(-1, self.top_k, self.hidden) * weights.unsqueeze(-1)).sum(1)
+
+
+def test_refusal_for_several_hidden_inputs_names_them():
+    """Before: "found 2 hidden-state [T, H] inputs instead of one", naming neither; the block stays as written."""
+    model, x = _InPlaceScaledInputMoE().eval(), torch.randn(7, 16, generator=torch.Generator().manual_seed(1))
+    got, cap = run_captured(model, x)
+    (r,) = cap.reports
+    assert not r.matched and "found 2 hidden-state [T, H] inputs" in r.reason, r.reason
+    assert "mul_" in r.reason, r.reason
+    with torch.no_grad():
+        assert torch.equal(got, model(x))

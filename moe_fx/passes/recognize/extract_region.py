@@ -264,7 +264,8 @@ class _Builder:
             for role in ("hidden", "ids", "weights"):
                 if len(found[role]) != 1:
                     what = {"hidden": "hidden-state [T, H]", "ids": "top-k id [T, K]", "weights": "routing-weight [T, K]"}
-                    raise _Reject(f"found {len(found[role])} {what[role]} inputs instead of one")
+                    raise _Reject(f"found {len(found[role])} {what[role]} inputs instead of one"
+                                  + _named(found[role]))
             ids = next(iter(found["ids"]))
             (rw,) = found["weights"]
             if tuple(tensor_value(rw).shape) == tuple(tensor_value(ids).shape):
@@ -324,7 +325,8 @@ class _Builder:
             # Llama 4: the first walk's boundary is (hidden, scores); the ids come from the router.
             rw, ids = dense
             if len(found["hidden"]) != 1:
-                raise _Reject(f"found {len(found['hidden'])} hidden-state [T, H] inputs instead of one") from None
+                raise _Reject(f"found {len(found['hidden'])} hidden-state [T, H] inputs instead of one"
+                              + _named(found["hidden"])) from None
         (hidden,) = found["hidden"]
         w13_bias, w2_bias = self._bias_roles(found["bias"])
         inputs = found["hidden"] | found["ids"] | found["weights"] | found["extra"] | found["bias"] | self.anchor_set
@@ -481,3 +483,11 @@ def _module_paths(node: fx.Node) -> list[str]:
     """The paths of the modules around ``node`` (Dynamo's ``nn_module_stack``), outermost first."""
     stack = node.meta.get("nn_module_stack") or {}
     return [str(v[0]) if isinstance(v, tuple) else str(k) for k, v in stack.items()]
+
+
+def _named(nodes: set[fx.Node]) -> str:
+    """`` (a, b): ...`` naming the boundary tensors of one role, for a refusal that found several: each is a
+    separate value the experts read (an in-place edit of the input, or a copy, makes a second one)."""
+    if not nodes:
+        return ""
+    return f" ({', '.join(sorted(n.name for n in nodes))}: the experts read each of them as a separate value)"
