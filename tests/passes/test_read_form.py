@@ -227,6 +227,7 @@ def test_weights_read_the_wrong_way_round_are_refused():
     (lambda s: (lambda i: i.masked_fill(i == 4, 0))(s.topk(K, dim=-1).indices), (4, "then masked_fill")),  # Zaya
     (lambda s: (lambda i: i.masked_fill(i == 2, 0))(s.topk(K, dim=-1).indices), (5, "then masked_fill")),
     (lambda s: torch.where(s.topk(K, dim=-1).values > 0, s.topk(K, dim=-1).indices, -1), (None, "can be -1")),
+    (lambda s: (lambda i: i.masked_fill(i == 1, 5))(s.topk(K, dim=-1).indices), (None, "can be 5")),  # sentinel E
 ])
 def test_expert_id_bound_reads_where_the_ids_come_from(route, want):
     """How many experts the ids can name, from the op that made them; no bound from any other op."""

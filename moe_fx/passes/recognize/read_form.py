@@ -1334,8 +1334,12 @@ def _filled_id_bound(n: fx.Node) -> tuple[int | None, str]:
         return None, where
     top_removed = replaced_when and isinstance(mask, fx.Node) and op_name(mask) == "eq" and \
         mask.args[0] is ids and scalar_hint(mask.args[1]) == bound - 1
-    bound = max(bound - 1 if top_removed else bound, value + 1)
-    return bound, f"{where}, then {name} ({n.name}) with {value}"
+    kept = bound - 1 if top_removed else bound
+    if value >= kept:
+        # A sentinel past every expert the router names ("no expert", as -1 is): no bound in [0, E), so the
+        # probe checks that the region skips such ids as moe_fx::experts does.
+        return None, f"the expert ids can be {value} ({name} at {n.name}, past the {kept} the router chooses among)"
+    return kept, f"{where}, then {name} ({n.name}) with {value}"
 
 
 def region_boundary(region: Region) -> Boundary:
