@@ -584,15 +584,12 @@ def fp8_checkpoint_of(base, share: bool):
     bf16 experts (:func:`moe_fx.testing.fp8.fp8_experts_like`); ``base``'s experts then get the dequantised
     weights, so that eager ``base`` is what the FP8 model means. ``share``: the copy shares every other
     tensor with ``base`` (no second copy of a full-depth model)."""
-    import itertools
-
     import torch
 
     from moe_fx.ops import dequantize_blockwise
     from moe_fx.testing.fp8 import fp8_experts_like
 
-    memo = {id(t): t for t in itertools.chain(base.parameters(), base.buffers())} if share else {}
-    fp8 = copy.deepcopy(base, memo)
+    fp8 = tensor_copy(base, share)
     cfg = base.config.get_text_config()
     names = [n for n, m in fp8.named_modules() if n.endswith(".experts") and hasattr(m, "gate_up_proj")]
     for name in names:
@@ -754,7 +751,7 @@ def run_benchmark(args: argparse.Namespace) -> None:
         plain_src, moe_src, meta["plain_model"][model_name] = side_models(base_model, settings, ids[tokens[0]])
 
         def side(model):  # one compiled side's own module tree; with --share-weights, on the model's tensors
-            return tensor_copy(model, share=True) if settings.share_weights else copy.deepcopy(model)
+            return tensor_copy(model, settings.share_weights)
 
         before = weights_fingerprint(base_model)
         try:
