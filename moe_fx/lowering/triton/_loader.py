@@ -95,7 +95,7 @@ def launch(name: str, device: torch.device, grid: tuple, *args: object, **kwargs
     # Every parameter passed explicitly: torch 2.11's Inductor neither fills a user kernel's defaults in
     # its generated launch ("launcher() missing ... required positional arguments") nor analyses which
     # buffers such a launch writes ("Incorrect number of arguments passed to kernel").
-    _launchable(kernel)[grid](*args, **{**_defaults_not_given(kernel, len(args), kwargs), **kwargs})
+    _launchable(kernel)[grid](*args, **{**_defaults_not_given(kernel, len(args), frozenset(kwargs)), **kwargs})
 
 
 def _launchable(kernel: object) -> object:
@@ -114,25 +114,16 @@ def _launchable(kernel: object) -> object:
     return wrap_triton(kernel)
 
 
-def _defaults_not_given(kernel: object, num_args: int, kwargs: dict[str, object]) -> dict[str, object]:
-    """``{parameter: default}`` of ``kernel``'s parameters with a default that a call with ``num_args``
-    positional arguments and ``kwargs`` leaves out."""
-    params = _parameters(kernel)
-    given = {name for name, _ in params[:num_args]} | set(kwargs)
-    return {name: default for name, default in params if name not in given and default is not _NO_DEFAULT}
-
-
-_NO_DEFAULT = object()
-
-
 @functools.cache
-def _parameters(kernel: object) -> list[tuple[str, object]]:
-    """``(name, default or _NO_DEFAULT)`` of a ``@triton.jit`` function's parameters, in order."""
+def _defaults_not_given(kernel: object, num_args: int, given_names: frozenset[str]) -> dict[str, object]:
+    """``{parameter: default}`` of ``kernel``'s parameters with a default that a call with ``num_args``
+    positional arguments and the keywords ``given_names`` leaves out (read once per call shape: it is on
+    every eager launch). The caller must not modify the dict."""
     import inspect
 
-    sig = inspect.signature(getattr(kernel, "fn", kernel))
-    return [(p.name, _NO_DEFAULT if p.default is inspect.Parameter.empty else p.default)
-            for p in sig.parameters.values()]
+    params = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters.values())
+    given = {p.name for p in params[:num_args]} | given_names
+    return {p.name: p.default for p in params if p.name not in given and p.default is not inspect.Parameter.empty}
 
 
 @functools.cache
