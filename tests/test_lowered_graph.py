@@ -25,9 +25,9 @@ triton = pytest.importorskip("triton")
 
 H200 = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "deep_ep is not installed", 132, "NVIDIA H200")
 H200_DG = Capabilities("cuda", (9, 0), None, None, "deep_ep is not installed", 132, "NVIDIA H200")
-#: the contiguous (sorted) layout, the default on one GPU: sort, GEMM1 gathering tokens, activation, GEMM2, combine
-KERNELS = ("expert_counts_kernel", "sort_slots_kernel", "masked_gemm_kernel", "activation_kernel", "masked_gemm_kernel",
-           "unpermute_kernel")
+#: the contiguous (sorted) layout, the default on one GPU: sort, GEMM1 gathering tokens with the activation in
+#: its epilogue, GEMM2, combine (fp8 weights keep the activation kernel, which quantises for GEMM2)
+KERNELS = ("expert_counts_kernel", "sort_slots_kernel", "masked_gemm_kernel", "masked_gemm_kernel", "unpermute_kernel")
 #: decode-sized (<= 4 rows per expert): the one-program sort
 DECODE = ("sort_small_kernel",) + KERNELS[2:]
 MASKED = ("permute_kernel", "masked_gemm_kernel", "activation_kernel", "masked_gemm_kernel", "unpermute_kernel")
@@ -238,7 +238,9 @@ def test_dynamic_graph_tiles_are_the_regimes_not_the_traced_size(sm90, monkeypat
     # rows per expert ceil(T * 2 / 8): T=80 -> 20, T=256 -> 64, both in regime 2 (17..64)
     tiles = {_gemm_tiles(_trace(_experts, _symbolic_inputs(hint)))[0] for hint in (80, 256)}
     static = _gemm_tiles(_trace(_experts, _inputs(FakeTensorMode(), t=200)))
-    assert tiles == {static[0]} and static == [(64, 128, 64, False, True), (32, 64, 128, True, False)], (tiles, static)
+    # GEMM1 applies the gated activation in its epilogue: the tuned 128 columns of gate/up rows become
+    # two accumulators of 64 output columns (grouped_gemm._split_columns); the swapped GEMM2 tile is kept
+    assert tiles == {static[0]} and static == [(64, 64, 64, False, True), (32, 64, 128, True, False)], (tiles, static)
     gm = _trace(_experts, _inputs(FakeTensorMode(), t=200))
     for node in _launches(gm):  # descriptors made in the kernel are no write of the weights or tokens
         if "gemm" in _kernel_name(node):

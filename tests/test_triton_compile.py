@@ -48,6 +48,10 @@ def _kernels():
 GEMM = {"GROUP_M": 8, "E_POW2": 128, "EVEN_K": True, "UPCAST": False, "s_ak": 1, "s_bk": 1, "s_cn": 1,
         "bias_ptr": None, "HAS_BIAS": False, "sorted_ptr": None, "rw_ptr": None, "SORTED": False, "GATHER_A": False,
         "TOPK": 1, "ROUTE_W": False, "SWAP_AB": False, "DEVICE_TMA": False}
+#: masked_gemm_kernel's epilogue activation off (the bf16 kernel's extra constants)
+NO_ACT = {"ACT_FUSED": False, "ACT": 0, "GATED": False, "INTERLEAVED": False, "HAS_LIMIT": False}
+#: Inductor types Python float arguments as fp64 (seen on torch 2.11): the kernels must compile with those
+ACT_FLOATS = {"alpha": "fp64", "limit": "fp64", "up_offset": "fp64"}
 
 
 @pytest.mark.parametrize(
@@ -78,7 +82,8 @@ def test_gemm_compiles_pipelined(fp8, bm, bn, bk, warps, stages, tma):
         consts["SCALAR_BS"] = bn <= 128
     else:
         fn = k.masked_gemm_kernel
-        consts["IEEE"] = False
+        consts.update(IEEE=False, **NO_ACT)
+        types.update(ACT_FLOATS)
     types["masked_m_ptr"] = "*i32"
     ptx = _compile(fn, types, consts, warps, stages).asm["ptx"]
     if tma:
@@ -99,9 +104,10 @@ def test_gemm_compiles_pipelined(fp8, bm, bn, bk, warps, stages, tma):
 
 def test_gemm_bias_epilogue_compiles_pipelined():
     k = _kernels()
-    consts = dict(GEMM, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, TMA=False, IEEE=False, HAS_BIAS=True)
+    consts = dict(GEMM, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, TMA=False, IEEE=False, HAS_BIAS=True, **NO_ACT)
     del consts["bias_ptr"]
-    types = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "masked_m_ptr": "*i32", "bias_ptr": "*bf16"}
+    types = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "masked_m_ptr": "*i32", "bias_ptr": "*bf16",
+             **ACT_FLOATS}
     ptx = _compile(k.masked_gemm_kernel, types, consts, 8, 3).asm["ptx"]
     assert "cp.async" in ptx and "wgmma.mma_async" in ptx and "ld.local" not in ptx
 
@@ -143,8 +149,9 @@ def test_elementwise_kernels_compile(quant, gpt_oss):
     _compile(k.unpermute_kernel, types, consts)
 
 
-def _sorted_gemm(fp8: bool, gather: bool, route_w: bool = False, **consts):
-    """(kernel, types, constants) of a sorted-layout GEMM launch on contiguous tensors."""
+def _sorted_gemm(fp8: bool, gather: bool, route_w: bool = False, act: dict | None = None, **consts):
+    """(kernel, types, constants) of a sorted-layout GEMM launch on contiguous tensors (``act``: the
+    epilogue activation's constants, bf16 only)."""
     k = _kernels()
     consts = dict(GEMM, TMA=False, SORTED=True, GATHER_A=gather, TOPK=8, ROUTE_W=route_w, s_ag=0, s_cg=0, **consts)
     elem = "fp8e4nv" if fp8 else "bf16"
@@ -157,7 +164,8 @@ def _sorted_gemm(fp8: bool, gather: bool, route_w: bool = False, **consts):
         types.update({"as_ptr": "*fp32", "bs_ptr": "*fp32"})
         consts.update(s_ask=1, s_asg=0, SCALAR_BS=consts["BLOCK_N"] <= 128)
         return k.masked_gemm_fp8_kernel, types, consts
-    consts["IEEE"] = False
+    consts.update(IEEE=False, **(act or NO_ACT))
+    types.update(ACT_FLOATS)
     return k.masked_gemm_kernel, types, consts
 
 
@@ -208,4 +216,32 @@ def test_sorted_gemm_swap_and_device_descriptors_compile(fp8, swap_ab, device_tm
     assert "wgmma.mma_async" in ptx, "Hopper MMA expected (the swapped 16-row tile too)"
     if device_tma:
         assert "cp.async.bulk.tensor" in ptx, "TMA loads expected"
+    assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
+
+
+@pytest.mark.parametrize(
+    "form,bm,bn,bk,warps,stages,device_tma,swap_ab",
+    [
+        ("silu", 128, 128, 64, 8, 3, True, False),    # prefill: the 128x256 unfused tile split in two accumulators
+        ("silu", 64, 64, 128, 4, 4, False, False),    # mid-size tile, pointer loads
+        ("gpt_oss", 128, 256, 64, 8, 3, True, False),  # interleaved rows: the unfused tile, split; bias, clamp
+        ("gpt_oss", 64, 128, 64, 4, 4, False, False),  # the same through pointers
+        ("silu", 16, 64, 128, 4, 4, False, True),     # decode: swapped tile (wgmma on the weight rows)
+        ("relu2", 128, 256, 64, 8, 3, True, False),   # not gated: one accumulator, the unfused tile
+    ],
+)
+def test_gemm_with_activation_epilogue_compiles_pipelined(form, bm, bn, bk, warps, stages, device_tma, swap_ab):
+    """GEMM1 with the activation in its epilogue: both accumulators on wgmma, pipelined loads, no spills."""
+    gated = form != "relu2"
+    act = {"ACT_FUSED": True, "ACT": 4 if form == "relu2" else 0, "GATED": gated,
+           "INTERLEAVED": form == "gpt_oss", "HAS_LIMIT": form == "gpt_oss"}
+    fn, types, consts = _sorted_gemm(False, True, act=act, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    consts.update(TMA=device_tma, SWAP_AB=swap_ab, DEVICE_TMA=device_tma)
+    if form == "gpt_oss":
+        types["bias_ptr"] = "*bf16"
+        del consts["bias_ptr"]
+        consts["HAS_BIAS"] = True
+    ptx = _compile(fn, types, consts, warps, stages).asm["ptx"]
+    assert "wgmma.mma_async" in ptx, "Hopper MMA expected"
+    assert ("cp.async.bulk.tensor" if device_tma else "cp.async") in ptx, "main loop not pipelined"
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"

@@ -27,7 +27,12 @@ from moe_fx.ops import ExpertActivation
 from moe_fx.ops.masked_experts import dequantize_activations
 from moe_fx.ops.recipe import FP8_DTYPE
 
-__all__ = ["ExpertWeights", "GemmHints", "MaskedGemms", "run_masked_experts", "run_sorted_experts"]
+__all__ = ["FUSE_ACTIVATION", "ExpertWeights", "GemmHints", "MaskedGemms", "run_masked_experts", "run_sorted_experts"]
+
+#: The sorted layout applies the activation in GEMM1's epilogue (bf16/fp16/fp32 weights). Read when a
+#: call runs (so when a graph is compiled, for compiled code); benchmarks set it False to time the
+#: separate activation kernel beside it (bench/fused_activation.py).
+FUSE_ACTIVATION = True
 
 
 @dataclass(frozen=True)
@@ -194,10 +199,17 @@ def run_sorted_experts(
     elif hidden.dtype != weights.w13.dtype:
         x = hidden.to(weights.w13.dtype)
     # GEMM1's bias is per expert: added in its epilogue (after the routing weight, as (w x) W^T + b)
-    gate_up = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias, hints=hints,
-                                gather=True, route_weights=route_weights)
-    # the activation kernel sees the sorted rows [1, N, N1] as one group of all valid rows (the scratch's total)
-    a2, a2_scale = expert_activation(gate_up, rows.scratch, spec, quant_fp8=weights.fp8,
-                                     max_total_m=rows.num_rows, masked_m_offset=rows.num_experts)
+    if FUSE_ACTIVATION and not weights.fp8:
+        # the activation in GEMM1's epilogue: the [N, 2I] product is never stored, one launch fewer
+        a2 = gemms.sorted_gemm(x, None, weights.w13, None, rows, bias=weights.w13_bias, hints=hints,
+                               gather=True, route_weights=route_weights, activation=spec)
+        a2_scale = None
+    else:
+        # fp8: the activation quantises its output per 1x128 group for GEMM2, a kernel of its own
+        gate_up = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias,
+                                    hints=hints, gather=True, route_weights=route_weights)
+        # the activation kernel sees the sorted rows [1, N, N1] as one group of all valid rows (the scratch's total)
+        a2, a2_scale = expert_activation(gate_up, rows.scratch, spec, quant_fp8=weights.fp8,
+                                         max_total_m=rows.num_rows, masked_m_offset=rows.num_experts)
     return gemms.sorted_gemm(a2, a2_scale, weights.w2, weights.w2_scale, rows, bias=weights.w2_bias, hints=hints,
                              gather=False, route_weights=None)

@@ -11,6 +11,7 @@ import torch
 
 from moe_fx.lowering.masked_experts.pipeline import GemmHints
 from moe_fx.lowering.problem import Capabilities, ExpertsProblem
+from moe_fx.ops import ExpertActivation
 from moe_fx.ops.recipe import FP8_BLOCK
 
 __all__ = ["GEMMS", "LAYOUTS", "NAME", "TritonGemms", "prefer", "supports"]
@@ -97,13 +98,15 @@ class TritonGemms:
         hints: GemmHints,
         gather: bool,
         route_weights: torch.Tensor | None,
+        activation: ExpertActivation | None = None,
     ) -> torch.Tensor:
-        """The contiguous layout's GEMM (:func:`~moe_fx.lowering.triton.grouped_gemm.sorted_gemm`): ``[T * K, N]``."""
+        """The contiguous layout's GEMM (:func:`~moe_fx.lowering.triton.grouped_gemm.sorted_gemm`): ``[T * K, N]``
+        (``activation``: applied in the epilogue, ``[T * K, I]``)."""
         from moe_fx.lowering.triton.grouped_gemm import sorted_gemm
 
         return sorted_gemm(a, w, rows, a_scale=a_scale, b_scale=w_scale, gather=gather, route_weights=route_weights,
                            bias=bias, expected_m=hints.expected_m, active_groups=hints.active_groups,
-                           regime=hints.regime)
+                           regime=hints.regime, activation=activation)
 
 
 GEMMS = TritonGemms()

@@ -98,6 +98,21 @@ def _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M: tl.constexpr, SORTED: 
 
 
 @triton.jit
+def _mma(acc, a, b, SWAP_AB: tl.constexpr, IEEE: tl.constexpr):
+    """``acc + a @ b`` (``[BM, BK] x [BK, BN]``), or with SWAP_AB ``acc + b^T a^T`` (acc is ``[BN, BM]``)."""
+    if SWAP_AB:
+        if IEEE:
+            out = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision="ieee")
+        else:
+            out = tl.dot(tl.trans(b), tl.trans(a), acc)
+    elif IEEE:
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
 def masked_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -138,6 +153,14 @@ def masked_gemm_kernel(
     ROUTE_W: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False,
     DEVICE_TMA: tl.constexpr = False,
+    ACT_FUSED: tl.constexpr = False,
+    ACT: tl.constexpr = 0,
+    GATED: tl.constexpr = False,
+    INTERLEAVED: tl.constexpr = False,
+    HAS_LIMIT: tl.constexpr = False,
+    alpha=1.0,
+    limit=0.0,
+    up_offset=0.0,
 ):
     """c[g, :m_g, :] = a[g, :m_g, :] @ b[g]^T (+ bias[g]), fp32 accumulation, stored in c's dtype.
 
@@ -150,13 +173,24 @@ def masked_gemm_kernel(
     reading the tokens where they are); ROUTE_W multiplies each row by its routing weight
     ``rw[slot // TOPK, slot % TOPK]`` before the bias (weights applied to the expert's input:
     ``(w x) W^T = w (x W^T)``).
+
+    ACT_FUSED (the expert activation in the epilogue, :func:`_act_epilogue`): ``c`` gets ``N`` columns of
+    ``act(gate) * (up + up_offset)`` (GATED; ``b`` holds ``2N`` rows) or of ``act(h)``, from the fp32
+    products, so the ``[M, 2N]`` product is never stored. Gate/up as halves (rows ``j`` and ``N + j``):
+    a tile keeps two accumulators of BLOCK_N columns, gate and up. INTERLEAVED (rows ``2j``, ``2j + 1``):
+    a tile multiplies BLOCK_N consecutive rows of ``b``, as unfused, and splits its accumulator into
+    BLOCK_N / 2 gate and up columns. Biases are ``b``'s rows (``[G, 2N]``).
     """
     # Written out in both GEMM kernels on purpose: a pointer handed to a helper counts as written in
     # Inductor's mutation analysis, which would then copy the weights before every launch.
     if DEVICE_TMA:  # tensor descriptors made on the device (what Inductor-launched kernels can use)
         # the unit last stride is written as a literal (the host checked it): TMA needs it static
-        b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[s_bg, s_bn, 1],
-                                          block_shape=[1, BLOCK_N, BLOCK_K])
+        if ACT_FUSED and GATED:  # gate and up: 2N rows
+            b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, 2 * N, K], strides=[s_bg, s_bn, 1],
+                                              block_shape=[1, BLOCK_N, BLOCK_K])
+        else:
+            b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[s_bg, s_bn, 1],
+                                              block_shape=[1, BLOCK_N, BLOCK_K])
         if not GATHER_A:
             if SORTED:  # one group of rows (its group stride is never used)
                 a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[1, M, K], strides=[M * s_am, s_am, 1],
@@ -168,17 +202,21 @@ def masked_gemm_kernel(
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
     rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
-    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    if ACT_FUSED and INTERLEAVED:  # tiles walk b's 2N rows; each gives BLOCK_N // 2 output columns
+        NB = 2 * N
+    else:
+        NB = N
+    num_n = (NB + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
     starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
     for t in range(pid, total, nprog):
         e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
         e64 = e.to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # b's rows of the tile (halves: the gate's)
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < m_e
-        mask_n = offs_n < N
+        mask_n = offs_n < NB
         srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
         c_idx = srow.to(tl.int64)
         if GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
@@ -191,46 +229,69 @@ def masked_gemm_kernel(
             a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
         if not TMA:
             b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
+            if ACT_FUSED and GATED and not INTERLEAVED:  # the up rows, N below the gate's
+                u_ptrs = b_ptrs + N * s_bn
         if SWAP_AB:  # acc^T = b^T a^T: the weight tile is the MMA's M (wgmma needs 64+), the few rows its N
             acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
         else:
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        if ACT_FUSED and GATED and not INTERLEAVED:  # the up accumulator (acc + 0.0: a new tensor of its shape)
+            acc_u = acc + 0.0
         for k0 in range(0, K, BLOCK_K):
             if TMA and not GATHER_A:
                 a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
-                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-            elif TMA:
-                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
             elif EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
             else:
                 a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+            if TMA:
+                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+                if ACT_FUSED and GATED and not INTERLEAVED:
+                    u = b_ptr.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif EVEN_K:
+                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+                if ACT_FUSED and GATED and not INTERLEAVED:
+                    u = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
                 b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
+                if ACT_FUSED and GATED and not INTERLEAVED:
+                    u = tl.load(u_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
             if UPCAST:  # the CPU interpreter's dot mis-reads bf16 / fp8 operands; fp32 is exact there
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            if SWAP_AB:
-                if IEEE or UPCAST:
-                    acc = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(tl.trans(b), tl.trans(a), acc)
-            elif IEEE or UPCAST:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = _mma(acc, a, b, SWAP_AB, IEEE or UPCAST)
+            if ACT_FUSED and GATED and not INTERLEAVED:
+                if UPCAST:
+                    u = u.to(tl.float32)
+                acc_u = _mma(acc_u, a, u, SWAP_AB, IEEE or UPCAST)
             if not (TMA and not GATHER_A):
                 a_ptrs += BLOCK_K * s_ak
             if not TMA:
                 b_ptrs += BLOCK_K * s_bk
+                if ACT_FUSED and GATED and not INTERLEAVED:
+                    u_ptrs += BLOCK_K * s_bk
         if SWAP_AB:
             acc = tl.trans(acc)
+            if ACT_FUSED and GATED and not INTERLEAVED:
+                acc_u = tl.trans(acc_u)
         if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)
-            rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0)
-            acc = acc * rw.to(tl.float32)[:, None]
-        if HAS_BIAS:  # bias [G, N], contiguous along N
+            rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0).to(tl.float32)
+            acc = acc * rw[:, None]
+            if ACT_FUSED and GATED and not INTERLEAVED:
+                acc_u = acc_u * rw[:, None]
+        if HAS_BIAS:  # bias [G, rows of b], contiguous along them
             acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if ACT_FUSED and GATED and not INTERLEAVED:
+                acc_u += tl.load(bias_ptr + e64 * s_biasg + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if ACT_FUSED and GATED and INTERLEAVED:  # columns (2j, 2j + 1) of the tile: (gate, up) of output column j
+            g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+            acc = _act_epilogue(g, u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
+            offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            mask_n = offs_n < N
+        elif ACT_FUSED and GATED:
+            acc = _act_epilogue(acc, acc_u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
+        elif ACT_FUSED:
+            acc = _act_epilogue(acc, acc, alpha, limit, up_offset, ACT, False, HAS_LIMIT, UPCAST)
         c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -430,6 +491,30 @@ def _act(g, alpha, ACT: tl.constexpr):
 
 
 @triton.jit
+def _act_epilogue(g, u, alpha, limit, up_offset, ACT: tl.constexpr, GATED: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                  INTERP: tl.constexpr):
+    """The expert activation of fp32 ``g`` (and ``u``): ``act(g) * (u + up_offset)`` gated, ``act(g)`` not,
+    after the clamp (gate <= limit, |up| <= limit; |h| <= limit). Shared by the activation kernel and
+    the GEMM epilogue, so both compute the same function."""
+    if not INTERP:  # Inductor passes Python floats as fp64: keep the math in fp32.
+        # tl.cast, not .to: torch 2.11's analysis of which buffers a kernel writes compiles it with the
+        # floats as Python constants, which have no .to (the analysis then assumes every buffer written).
+        alpha = tl.cast(alpha, tl.float32)
+        limit = tl.cast(limit, tl.float32)
+        up_offset = tl.cast(up_offset, tl.float32)
+    if GATED:
+        if HAS_LIMIT:
+            g = tl.minimum(g, limit)
+            u = tl.clamp(u, -limit, limit)
+        v = _act(g, alpha, ACT) * (u + up_offset)
+    else:
+        if HAS_LIMIT:
+            g = tl.clamp(g, -limit, limit)
+        v = _act(g, alpha, ACT)
+    return v
+
+
+@triton.jit
 def activation_kernel(
     x_ptr,
     y_ptr,
@@ -472,12 +557,6 @@ def activation_kernel(
     ``bias [G, N1]`` is added to x first; HAS_LIMIT clamps gate <= limit, |up| <= limit (|h| <= limit).
     With QUANT: fp8 output with one scale per 1xBLOCK_N group (BLOCK_N = 128), written through ys's strides.
     """
-    if not INTERP:  # Inductor passes Python floats as fp64: keep the math (and the fp8 conversion) in fp32.
-        # tl.cast, not .to: torch 2.11's analysis of which buffers a kernel writes compiles it with the
-        # floats as Python constants, which have no .to (the analysis then assumes every buffer written).
-        alpha = tl.cast(alpha, tl.float32)
-        limit = tl.cast(limit, tl.float32)
-        up_offset = tl.cast(up_offset, tl.float32)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
@@ -507,14 +586,9 @@ def activation_kernel(
             u = tl.load(row_ptrs + col_u[None, :] * s_xn, mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 u += tl.load(bias_ptr + e64 * s_bg + col_u * s_bn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            if HAS_LIMIT:
-                g = tl.minimum(g, limit)
-                u = tl.clamp(u, -limit, limit)
-            v = _act(g, alpha, ACT) * (u + up_offset)
+            v = _act_epilogue(g, u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, INTERP)
         else:
-            if HAS_LIMIT:
-                g = tl.clamp(g, -limit, limit)
-            v = _act(g, alpha, ACT)
+            v = _act_epilogue(g, g, alpha, limit, up_offset, ACT, False, HAS_LIMIT, INTERP)
         v = tl.where(mask, v, 0.0)
         y_ptrs = y_ptr + e64 * s_yg + offs_m[:, None] * s_ym + offs_n[None, :] * s_yn
         if QUANT:

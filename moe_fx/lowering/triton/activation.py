@@ -18,12 +18,23 @@ from moe_fx.lowering.triton.grouped_gemm import _check_masked, _known_empty, _ou
 from moe_fx.ops import ExpertActivation
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["ACT_CODES", "expert_activation"]
+__all__ = ["ACT_CODES", "epilogue_args", "expert_activation"]
 
 #: Activation names (those of :data:`moe_fx.ops.ACTIVATIONS`) to the kernel's code.
 ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4}
 #: Rows per tile of the activation kernel (it streams; the row tile only bounds the padding visited).
 _BLOCK_M = 16
+
+
+def epilogue_args(spec: ExpertActivation, name: str = "expert_activation") -> dict[str, object]:
+    """The kernel arguments that make a GEMM apply ``spec`` in its epilogue (``masked_gemm_kernel``'s
+    ACT_FUSED); the activation kernel takes the same codes. Raises ``ValueError`` for a spec no kernel runs."""
+    bad = spec.problems()
+    if bad or spec.name not in ACT_CODES:
+        raise ValueError(f"{name}: {'; '.join(bad) or f'no kernel for activation {spec.name!r}'}")
+    return dict(ACT_FUSED=True, ACT=ACT_CODES[spec.name], GATED=spec.gated,
+                INTERLEAVED=spec.gate_up_layout == "interleaved", HAS_LIMIT=spec.limit is not None,
+                alpha=float(spec.alpha), limit=float(spec.limit or 0.0), up_offset=float(spec.up_offset))
 
 
 def expert_activation(
@@ -59,9 +70,7 @@ def expert_activation(
     """
     if x.dim() != 3 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"expert_activation: x must be a bf16/fp16/fp32 [G, M, N1] tensor, got {x.dtype} {list(x.shape)}")
-    bad = spec.problems()
-    if bad or spec.name not in ACT_CODES:
-        raise ValueError(f"expert_activation: {'; '.join(bad) or f'no kernel for activation {spec.name!r}'}")
+    act = epilogue_args(spec)
     g, m, n1 = x.shape
     if spec.gated and n1 % 2:
         raise ValueError(f"expert_activation: a gated activation needs an even N1 = 2I, got {n1}")
@@ -96,9 +105,9 @@ def expert_activation(
         x, out, out_scale, masked_m, bias,
         g, m, i,
         *x.stride(), *out.stride(), *sstride, *bstride,
-        float(spec.alpha), float(spec.limit or 0.0), float(spec.up_offset),
-        masked_m_offset, ACT=ACT_CODES[spec.name], GATED=spec.gated, INTERLEAVED=spec.gate_up_layout == "interleaved",
-        HAS_LIMIT=spec.limit is not None, HAS_BIAS=bias is not None, QUANT=quant_fp8,
+        act["alpha"], act["limit"], act["up_offset"],
+        masked_m_offset, ACT=act["ACT"], GATED=act["GATED"], INTERLEAVED=act["INTERLEAVED"],
+        HAS_LIMIT=act["HAS_LIMIT"], HAS_BIAS=bias is not None, QUANT=quant_fp8,
         INTERP=x.device.type == "cpu", BLOCK_M=_BLOCK_M, BLOCK_N=block_n, E_POW2=_pow2(g),
         num_warps=4,
     )  # fmt: skip

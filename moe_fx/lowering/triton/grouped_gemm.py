@@ -8,12 +8,13 @@ they were (unwritten).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from moe_fx.lowering.triton import configs
 from moe_fx.lowering.triton._loader import is_traced, launch
+from moe_fx.ops import ExpertActivation
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
 __all__ = ["SortedRows", "check_offsets", "masked_gemm", "masked_gemm_fp8", "num_programs", "sorted_gemm",
@@ -238,9 +239,12 @@ def _gemm_config(kind: str, a: torch.Tensor, n: int, k: int, hints: dict, layout
 def _launch_gemm(
     kind: str, a, a_scale, b, b_scale, masked_m, out, groups: int, m: object, n: int, k: int,
     cfg: configs.TileConfig, tile_bound: object, *, a_strides: tuple, as_strides: tuple, c_strides: tuple,
-    bias, sorted_rows: SortedRows | None, gather: bool, route_weights,
+    bias, sorted_rows: SortedRows | None, gather: bool, route_weights, epilogue: dict | None = None,
 ) -> None:
-    """One launch of the masked / sorted GEMM kernel of ``kind`` (the layouts differ only in row offsets)."""
+    """One launch of the masked / sorted GEMM kernel of ``kind`` (the layouts differ only in row offsets).
+
+    ``epilogue``: the activation's kernel arguments (:func:`moe_fx.lowering.triton.activation.epilogue_args`)
+    when GEMM1 applies it (bf16 kinds only)."""
     nprog = num_programs(a.device, cfg, tile_bound)
     device_tma = sorted_rows is not None and cfg.tma and _device_tma_ok(a, b, gather)
     if device_tma:
@@ -276,7 +280,7 @@ def _launch_gemm(
             a_in, b_in, out, masked_m,
             groups, m, n, k,
             *a_strides, *b.stride(), *c_strides,
-            IEEE=a.dtype == torch.float32, **common,
+            IEEE=a.dtype == torch.float32, **common, **(epilogue or {}),
         )  # fmt: skip
 
 
@@ -420,6 +424,7 @@ def sorted_gemm(
     active_groups: object = None,
     regime: int | None = None,
     config: configs.TileConfig | None = None,
+    activation: ExpertActivation | None = None,
 ) -> torch.Tensor:
     """Grouped GEMM on the contiguous layout: each sorted row times its expert's ``b[e]^T``.
 
@@ -437,9 +442,14 @@ def sorted_gemm(
         a_scale: fp32 ``[T, K/128]`` or ``[1, N, K/128]`` (a's rows), any strides.
         route_weights: ``[T, K]`` routing weights that multiply each row (weights on the input).
         bias: float ``[E, N_out]``. expected_m, active_groups, regime, config: as in :func:`masked_gemm`.
+        activation: the expert activation, applied in the epilogue (bf16/fp16/fp32 only): the output
+            is then ``[1, N, N_out / 2]`` of ``act(gate) * (up + up_offset)`` (gated; ``b`` holds gate and
+            up rows, ``bias`` too) or ``[1, N, N_out]`` of ``act(h)``, from the fp32 products: the GEMM1
+            product is never stored and the activation kernel does not run. ``config`` is then the
+            unfused GEMM's tile; a gated launch splits its columns between two accumulators.
 
     Returns:
-        ``[1, N, N_out]``.
+        ``[1, N, N_out]`` (``N_out / 2`` columns with a gated ``activation``).
     """
     fp8 = b_scale is not None
     name = "sorted_gemm"
@@ -460,7 +470,17 @@ def sorted_gemm(
         raise ValueError(f"{name}: route_weights must be [T, {rows.topk}], got {list(route_weights.shape)}")
     if route_weights is not None and not gather:
         raise ValueError(f"{name}: route_weights apply to the gathered GEMM (the first) only")
-    out = _out(name, out, (1, num_rows, n), torch.bfloat16 if fp8 else a.dtype, a.device)
+    epilogue, n_out = None, n
+    if activation is not None:
+        from moe_fx.lowering.triton.activation import epilogue_args
+
+        if fp8:
+            raise ValueError(f"{name}: the activation epilogue runs on bf16/fp16/fp32 GEMMs, not fp8")
+        if activation.gated and n % 2:
+            raise ValueError(f"{name}: a gated activation needs an even number of weight rows, got {n}")
+        epilogue = epilogue_args(activation, name)
+        n_out = n // 2 if activation.gated else n
+    out = _out(name, out, (1, num_rows, n_out), torch.bfloat16 if fp8 else a.dtype, a.device)
     check_offsets(name, a if a.dim() == 3 else a.unsqueeze(0), out)
     if _known_empty(num_rows, n):
         return out
@@ -469,14 +489,29 @@ def sorted_gemm(
     cfg = config or _gemm_config(kind, a, n, k, hints, "sorted")
     if fp8:
         _check_fp8_block_k(name, cfg)
+    if epilogue is not None and activation.gated:
+        cfg = _split_columns(cfg, activation.gate_up_layout)
     # group strides 0: row offsets come from the expert's start (the kernels' SORTED mode)
     a_strides = (0, *a.stride()) if gather else (0, *a.stride()[1:])
     as_strides = () if not fp8 else (0, *a_scale.stride()) if gather else (0, *a_scale.stride()[1:])
-    _launch_gemm(kind, a, a_scale, b, b_scale, rows.scratch, out, e, num_rows, n, k, cfg,
-                 _tile_bound(e, num_rows, n, cfg, num_rows), a_strides=a_strides, as_strides=as_strides,
+    _launch_gemm(kind, a, a_scale, b, b_scale, rows.scratch, out, e, num_rows, n_out, k, cfg,
+                 _tile_bound(e, num_rows, n_out, cfg, num_rows), a_strides=a_strides, as_strides=as_strides,
                  c_strides=(0, *out.stride()[1:]), bias=bias, sorted_rows=rows, gather=gather,
-                 route_weights=route_weights)
+                 route_weights=route_weights, epilogue=epilogue)
     return out
+
+
+def _split_columns(cfg: configs.TileConfig, gate_up_layout: str) -> configs.TileConfig:
+    """The tile of a gated epilogue launch from the unfused GEMM's (``cfg``, tuned for ``2I`` columns).
+
+    Halves: gate and up get an accumulator each of half the unfused tile's columns (the same registers,
+    the same weight bytes per k step, the same number of tiles). A swapped tile keeps its width: its
+    columns are the MMA's M, which wgmma needs at 64 or more (and its accumulators are small).
+    Interleaved: the unfused tile itself (its accumulator is split into gate and up columns).
+    """
+    if cfg.swap_ab or gate_up_layout == "interleaved":
+        return cfg
+    return replace(cfg, block_n=max(16, cfg.block_n // 2))
 
 
 def tune_masked_gemm(

@@ -1,0 +1,231 @@
+"""One MoE layer on one GPU: the sorted layout's GEMM1 with the activation in its epilogue vs the separate
+activation kernel (``moe_fx.lowering.masked_experts.pipeline.FUSE_ACTIVATION``), bf16, Triton.
+
+For each shape and token count T, ``torch.ops.moe_fx.experts(kernel_choice="triton")`` is captured in CUDA
+graphs twice (epilogue on / off: the switch is read when a call runs, so each capture launches its own
+kernels), over the same rotating routing sets, and the two are timed alternately in rounds (medians of
+``triton.testing.do_bench`` over replays). Each row also gives the floor ``max(bytes / copy rate, flops /
+matmul rate)`` with both limits measured in the same run, and the relative error of each variant against the
+fp32 reference on one T=64 set (and of the fused output against the unfused one at every T).
+
+    python bench/fused_activation.py [--shapes qwen3,mixtral,gpt_oss] [--tokens 1,16,256,1024,4096] [--rounds 3]
+    python bench/fused_activation.py --smoke   # CPU, Triton interpreter, tiny shapes: checks the script end to end
+
+Writes ``fused_activation_<date>[_tag].{md,json}`` to ``--out`` (default bench/results; smoke: a temp folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_layer import GPT_OSS_ACT, SHAPES, bench_us, machine_meta, measure_limits, row_metrics  # noqa: E402
+
+SETS = 3
+#: --smoke: tiny layers of the same forms (E, K, H, I as in SHAPES), run on CPU under the interpreter
+SMOKE_SHAPES = {"qwen3": ("qwen3_moe", 4, 2, 128, 64), "gpt_oss": ("gpt_oss", 4, 2, 128, 72)}
+
+
+def layer(shape: str, dims: tuple, device: str, seed: int = 0) -> tuple[dict, dict]:
+    """(weights, op keyword arguments) of one bf16 layer (GPT-OSS: biases, interleaved clamped SwiGLU)."""
+    _, e, _, h, i = dims
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = {"w13": torch.randn(e, 2 * i, h, device=device, generator=g, dtype=torch.bfloat16) / h**0.5,
+         "w2": torch.randn(e, h, i, device=device, generator=g, dtype=torch.bfloat16) / i**0.5}
+    kw: dict = {"kernel_choice": "triton"}
+    if shape == "gpt_oss":
+        kw.update(GPT_OSS_ACT)
+        kw["w13_bias"] = 0.1 * torch.randn(e, 2 * i, device=device, generator=g, dtype=torch.bfloat16)
+        kw["w2_bias"] = 0.1 * torch.randn(e, h, device=device, generator=g, dtype=torch.bfloat16)
+    return w, kw
+
+
+def routing(t: int, e: int, k: int, h: int, n: int, device: str, seed: int = 0) -> list[tuple]:
+    """``n`` (hidden, ids, weights) sets: top-k of random scores, renormalised softmax weights."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for _ in range(n):
+        hidden = torch.randn(t, h, device=device, generator=g, dtype=torch.bfloat16)
+        w, ids = torch.randn(t, e, device=device, generator=g).softmax(-1).topk(k, dim=-1)
+        out.append((hidden, ids, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)))
+    return out
+
+
+def variant(fused: bool, w: dict, kw: dict):
+    """``fn(hidden, ids, weights)``: the op with the epilogue on or off while it runs (and while captured)."""
+    from moe_fx.lowering.masked_experts import pipeline
+
+    def fn(x, ids, rw):
+        saved = pipeline.FUSE_ACTIVATION
+        pipeline.FUSE_ACTIVATION = fused
+        try:
+            return torch.ops.moe_fx.experts(x, ids, rw, w["w13"], w["w2"], **kw)
+        finally:
+            pipeline.FUSE_ACTIVATION = saved
+
+    return fn
+
+
+class _Call:
+    """A plain call standing in for a CUDA graph (--smoke, on CPU)."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def replay(self):
+        return self.fn(*self.args)
+
+
+def graphs_of(fn, sets) -> tuple[list, list]:
+    """CUDA graphs of ``fn`` on each set (warmed up outside the capture) and their outputs (CPU: plain calls)."""
+    if sets[0][0].device.type != "cuda":
+        return [_Call(fn, s) for s in sets], [fn(*s) for s in sets]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in sets:
+            fn(*s)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graphs, outs = [], []
+    for s in sets:
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            outs.append(fn(*s))
+        graphs.append(gr)
+    return graphs, outs
+
+
+def replay_us(graphs: list) -> float:
+    """Median µs of one replay, the graphs replayed in rotation (CPU: the mean of one pass over them)."""
+    state = {"i": 0}
+
+    def step():
+        graphs[state["i"] % len(graphs)].replay()
+        state["i"] += 1
+
+    if isinstance(graphs[0], _Call):
+        t0 = time.perf_counter()
+        for _ in graphs:
+            step()
+        return (time.perf_counter() - t0) / len(graphs) * 1e6
+    return bench_us(step)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius error of ``a`` against ``b``, in fp32."""
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def reference_errors(dims: tuple, w: dict, kw: dict, device: str) -> dict[str, float]:
+    """Each variant's relative error against the fp32 reference (:func:`moe_fx.ops.experts_reference`)
+    on one T=64 routing set."""
+    from moe_fx.ops import experts_reference
+
+    _, e, k, h, _ = dims
+    x, ids, rw = routing(64, e, k, h, 1, device, seed=123)[0]
+    ref = experts_reference(x, ids, rw, w["w13"], w["w2"], **kw)
+    return {name: rel(variant(fused, w, kw)(x, ids, rw), ref) for name, fused in (("fused", True), ("unfused", False))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the comparison (see the module docstring); ``argv`` as on the command line."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="qwen3,mixtral,gpt_oss")
+    ap.add_argument("--tokens", default=None, help="comma list of T (default 1,16,256,1024,4096; smoke 1,8)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per cell")
+    ap.add_argument("--out", default=None, help="results folder (default bench/results; smoke: a temp folder)")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny qwen3/gpt_oss forms")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        shapes, device, limits = {n: SMOKE_SHAPES[n] for n in ("qwen3", "gpt_oss")}, "cpu", None
+        tokens, args.rounds = args.tokens or "1,8", 1
+        out = args.out or tempfile.mkdtemp(prefix="fused_activation_smoke_")
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("bench/fused_activation.py needs a CUDA GPU (or --smoke)")
+        shapes, device = {n: SHAPES[n] for n in args.shapes.split(",")}, "cuda"
+        tokens = args.tokens or "1,16,256,1024,4096"
+        out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    import moe_fx  # noqa: F401  (registers the ops)
+
+    meta = machine_meta()
+    meta["limits"] = measure_limits() if device == "cuda" else limits
+    meta["smoke"] = args.smoke
+    print("meta", json.dumps(meta), flush=True)
+    rows: list[dict] = []
+    stem = f"fused_activation_{datetime.date.today().isoformat()}" + (f"_{args.tag}" if args.tag else "")
+    for shape, dims in shapes.items():
+        _, e, k, h, i = dims
+        w, kw = layer(shape, dims, device)
+        errs = reference_errors(dims, w, kw, device)
+        for t in (int(x) for x in tokens.split(",")):
+            sets = routing(t, e, k, h, SETS, device, seed=t)
+            g_f, out_f = graphs_of(variant(True, w, kw), sets)
+            g_u, out_u = graphs_of(variant(False, w, kw), sets)
+            times: dict[str, list[float]] = {"fused": [], "unfused": []}
+            for r in range(args.rounds):
+                order = (("fused", g_f), ("unfused", g_u)) if r % 2 == 0 else (("unfused", g_u), ("fused", g_f))
+                for name, gr in order:
+                    times[name].append(replay_us(gr))
+            fused_us, unfused_us = statistics.median(times["fused"]), statistics.median(times["unfused"])
+            row = {"shape": shape, "T": t, "fused_us": fused_us, "unfused_us": unfused_us,
+                   "speedup": unfused_us / fused_us, "fused_vs_unfused_err": max(rel(a, b) for a, b in zip(out_f, out_u)),
+                   "ref_err_fused": errs["fused"], "ref_err_unfused": errs["unfused"],
+                   "floor_us": row_metrics(fused_us, sets, e, k, h, i, False, meta["limits"])["floor_us"]
+                   if meta["limits"] else None}
+            rows.append(row)
+            print(f"{shape:8s} T={t:5d} fused {fused_us:8.1f} µs  unfused {unfused_us:8.1f} µs  "
+                  f"x{row['speedup']:.3f}  err {row['fused_vs_unfused_err']:.1e}", flush=True)
+            del g_f, g_u, out_f, out_u
+            write(out, stem, meta, rows)
+        del w
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    print("done ->", os.path.join(out, stem + ".md"), flush=True)
+
+
+def write(out: str, stem: str, meta: dict, rows: list[dict]) -> None:
+    """The results as JSON and markdown (machine, versions, date, command; one row per shape and T)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, stem + ".json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    lim = meta["limits"]
+    limits = (f"limits measured in the same run: copy {lim['copy_tbs']:.2f} TB/s, bf16 matmul "
+              f"{lim['bf16_tflops']:.0f} TFLOP/s" if lim else "smoke run on CPU (tiny shapes; times are not GPU times)")
+    lines = [
+        "# GEMM1 with the activation in its epilogue vs the separate activation kernel (one layer, bf16, Triton)",
+        "",
+        f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · {limits}",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        "CUDA-graph replays of `torch.ops.moe_fx.experts(kernel_choice='triton')` (sorted layout), the two variants "
+        "timed alternately; µs, lower is better. Speed-up = unfused / fused. Floor = max(bytes / copy rate, "
+        "flops / matmul rate). Errors: relative Frobenius, against the fp32 reference at T=64, and fused "
+        "against unfused at the row's T.",
+        "",
+        "| shape | T | fused µs | unfused µs | speed-up | floor µs | fused floor% | err fused / unfused vs ref | fused vs unfused |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        floor = (f"{r['floor_us']:.1f} | {100 * r['floor_us'] / r['fused_us']:.0f}%" if r["floor_us"] else "— | —")
+        lines.append(f"| {r['shape']} | {r['T']} | {r['fused_us']:.1f} | {r['unfused_us']:.1f} | {r['speedup']:.3f} | "
+                     f"{floor} | "
+                     f"{r['ref_err_fused']:.1e} / {r['ref_err_unfused']:.1e} | {r['fused_vs_unfused_err']:.1e} |")
+    with open(os.path.join(out, stem + ".md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""GEMM1 with the expert activation in its epilogue (sorted layout, Triton interpreter, tiny shapes).
+
+Each variant is checked against ``ExpertActivation.apply`` of the unfused product in fp32, outputs
+poisoned with NaN so rows past the sorted total (never written) show; the whole op is then checked
+against the torch reference with the epilogue on and off (the pipeline's ``FUSE_ACTIVATION``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _triton_util import rel_err
+
+from moe_fx.lowering.experts import plan_experts, run_experts
+from moe_fx.lowering.masked_experts import pipeline
+from moe_fx.lowering.quant import quantize_fp8_blockwise
+from moe_fx.lowering.triton.configs import TileConfig
+from moe_fx.lowering.triton.grouped_gemm import sorted_gemm
+from moe_fx.lowering.triton.sort import sort_by_expert
+from moe_fx.ops import ExpertActivation
+from moe_fx.ops.experts import bind_experts, reference_of
+
+SPECS = {
+    "silu": ExpertActivation(),
+    "gpt_oss": ExpertActivation("silu", True, "interleaved", 1.702, 0.8, 1.0),  # a limit the values cross
+    "gelu_erf": ExpertActivation("gelu"),
+    "relu2_not_gated": ExpertActivation("relu2", gated=False),
+    "gelu_tanh_clamped_not_gated": ExpertActivation("gelu_tanh", gated=False, limit=0.5),
+}
+#: (tile, why): the CPU default, K steps that leave a tail (no EVEN_K), swapped tiles, device descriptors
+TILES = {
+    "default": None,
+    "k_tail": TileConfig(16, 32, 64, 1, 4, 1, 1),
+    "swap_ab": TileConfig(16, 64, 128, 1, 4, 1, 1, swap_ab=True),
+    "tma": TileConfig(16, 64, 128, 1, 4, 1, 1, tma=True),
+}
+
+
+@pytest.mark.parametrize("tile", list(TILES))
+@pytest.mark.parametrize("form", list(SPECS))
+def test_epilogue_is_the_activation_of_the_product(form, tile):
+    spec = SPECS[form]
+    gen = torch.Generator().manual_seed(len(form) * 10 + len(tile))
+    t, k, e, h, i = 7, 3, 4, 160, 40  # i: a column tile's tail (40 of 64); h = 160: a K tail for 64-wide steps
+    ids = torch.randint(0, e, (t, k), generator=gen)
+    ids[torch.rand(t, k, generator=gen) < 0.2] = -1
+    rows = sort_by_expert(ids, e)
+    n1 = spec.columns(i)
+    x = torch.randn(t, h, generator=gen)
+    w13 = torch.randn(e, n1, h, generator=gen) / h**0.5
+    b13 = torch.randn(e, n1, generator=gen) * 0.3
+    rw = torch.rand(t, k, generator=gen) + 0.5
+    cfg = TILES[tile]
+    out = torch.full((1, t * k, i), float("nan"))
+    sorted_gemm(x, w13, rows, out, gather=True, route_weights=rw, bias=b13, activation=spec, config=cfg)
+    product = sorted_gemm(x, w13, rows, gather=True, route_weights=rw, bias=b13)  # unfused, fp32
+    total = rows.total.item()
+    want = spec.apply(product[0, :total])
+    torch.testing.assert_close(out[0, :total], want, rtol=1e-4, atol=1e-4)
+    assert torch.isnan(out[0, total:]).all()  # rows past the total are never written
+
+
+def test_epilogue_refuses_what_it_cannot_compute():
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 2, (3, 2), generator=gen)
+    rows = sort_by_expert(ids, 2)
+    x = torch.randn(3, 256, generator=gen).bfloat16()
+    with pytest.raises(ValueError, match="even number"):
+        sorted_gemm(x, torch.randn(2, 7, 256).bfloat16(), rows, gather=True, activation=ExpertActivation())
+    wq, ws = quantize_fp8_blockwise(torch.randn(2, 256, 256))
+    from moe_fx.lowering.triton.sort import quantize_rows
+
+    xq, xs = quantize_rows(x)
+    with pytest.raises(ValueError, match="not fp8"):
+        sorted_gemm(xq, wq, rows, a_scale=xs, b_scale=ws, gather=True, activation=ExpertActivation())
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("form", ["gpt_oss", "relu2_not_gated"])
+def test_op_on_the_sorted_layout_with_and_without_the_epilogue(form, fused, monkeypatch):
+    monkeypatch.setattr(pipeline, "FUSE_ACTIVATION", fused)
+    spec = SPECS[form]
+    gen = torch.Generator().manual_seed(7)
+    t, k, e, h, i = 6, 3, 4, 136, 72
+    hidden = torch.randn(t, h, generator=gen).bfloat16()
+    ids = torch.randint(0, e, (t, k), generator=gen)
+    ids[0, 1] = -1
+    w = torch.softmax(torch.randn(t, k, generator=gen), -1)
+    w13 = (torch.randn(e, spec.columns(i), h, generator=gen) / h**0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, generator=gen) / i**0.5).bfloat16()
+    b13 = (torch.randn(e, spec.columns(i), generator=gen) * 0.1).bfloat16()
+    a = bind_experts(hidden, ids, w, w13, w2, spec.name, True, kernel_choice="triton", w13_bias=b13,
+                     gated=spec.gated, gate_up_layout=spec.gate_up_layout, alpha=spec.alpha, limit=spec.limit,
+                     up_offset=spec.up_offset)
+    plan = plan_experts(a, layout="local_sorted")
+    out = run_experts(a, plan)
+    assert rel_err(out, reference_of(a)) < 4e-2, rel_err(out, reference_of(a))
