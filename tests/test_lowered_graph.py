@@ -245,3 +245,22 @@ def test_dynamic_graph_tiles_are_the_regimes_not_the_traced_size(sm90, monkeypat
     for node in _launches(gm):  # descriptors made in the kernel are no write of the weights or tokens
         if "gemm" in _kernel_name(node):
             assert set(node.kwargs["tensors_to_clone"]) == {"c_ptr"}, node.kwargs["tensors_to_clone"]
+
+
+def test_activation_epilogue_where_it_measured_faster(sm90):
+    """Gate/up halves take GEMM1's activation epilogue up to 64 rows per expert and the separate kernel at
+    prefill sizes (where the split tile measured slower); interleaved gate/up (GPT-OSS) take it at every size."""
+    prefill = ("expert_counts_kernel", "sort_slots_kernel", "masked_gemm_kernel", "activation_kernel",
+               "masked_gemm_kernel", "unpermute_kernel")
+    # T=2048, K=2, E=8: 512 rows per expert (the last regime)
+    gm = _trace(_experts, _inputs(FakeTensorMode(), t=2048))
+    assert tuple(_kernel_name(n) for n in _launches(gm)) == prefill
+
+    def gpt_oss(h, ids, w, w13, w2):
+        return (torch.ops.moe_fx.experts(h, ids, w, w13, w2, gate_up_layout="interleaved", alpha=1.702, limit=7.0,
+                                         up_offset=1.0),)
+
+    gm = _trace(gpt_oss, _inputs(FakeTensorMode(), t=2048))
+    assert tuple(_kernel_name(n) for n in _launches(gm)) == KERNELS
+    gemm1 = _launches(gm)[2].kwargs["kwargs"]
+    assert gemm1["ACT_FUSED"] and gemm1["INTERLEAVED"] and gemm1["HAS_LIMIT"]

@@ -75,7 +75,7 @@ def test_epilogue_refuses_what_it_cannot_compute():
 
 
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("form", ["gpt_oss", "relu2_not_gated"])
+@pytest.mark.parametrize("form", ["silu", "gpt_oss", "relu2_not_gated"])
 def test_op_on_the_sorted_layout_with_and_without_the_epilogue(form, fused, monkeypatch):
     monkeypatch.setattr(pipeline, "FUSE_ACTIVATION", fused)
     spec = SPECS[form]
@@ -94,3 +94,20 @@ def test_op_on_the_sorted_layout_with_and_without_the_epilogue(form, fused, monk
     plan = plan_experts(a, layout="local_sorted")
     out = run_experts(a, plan)
     assert rel_err(out, reference_of(a)) < 4e-2, rel_err(out, reference_of(a))
+
+
+def test_fuse_activation_is_the_measured_choice(monkeypatch):
+    from moe_fx.lowering.masked_experts.pipeline import ExpertWeights, fuse_activation
+    from moe_fx.lowering.problem import ROW_REGIMES, row_regime
+
+    bf16 = ExpertWeights(torch.empty(2, 8, 4, dtype=torch.bfloat16), torch.empty(2, 4, 4, dtype=torch.bfloat16))
+    fp8 = ExpertWeights(torch.empty(2, 8, 4, dtype=torch.float8_e4m3fn), torch.empty(2, 4, 4, dtype=torch.float8_e4m3fn),
+                        torch.empty(1, 1, 1), torch.empty(1, 1, 1))
+    halves, interleaved = SPECS["silu"], SPECS["gpt_oss"]
+    assert [fuse_activation(halves, bf16, r) for r in range(len(ROW_REGIMES) + 1)] == [True, True, True, False, False]
+    assert fuse_activation(halves, bf16, row_regime(64)) and not fuse_activation(halves, bf16, row_regime(65))
+    assert not fuse_activation(halves, bf16, None)  # unknown size: the separate kernel
+    assert all(fuse_activation(s, bf16, r) for s in (interleaved, SPECS["relu2_not_gated"]) for r in (0, 4, None))
+    assert not any(fuse_activation(s, fp8, 0) for s in SPECS.values())
+    monkeypatch.setattr(pipeline, "FUSE_ACTIVATION", False)
+    assert not fuse_activation(interleaved, bf16, 0)

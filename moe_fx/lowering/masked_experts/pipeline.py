@@ -27,12 +27,15 @@ from moe_fx.ops import ExpertActivation
 from moe_fx.ops.masked_experts import dequantize_activations
 from moe_fx.ops.recipe import FP8_DTYPE
 
-__all__ = ["FUSE_ACTIVATION", "ExpertWeights", "GemmHints", "MaskedGemms", "run_masked_experts", "run_sorted_experts"]
+__all__ = ["FUSE_ACTIVATION", "ExpertWeights", "GemmHints", "MaskedGemms", "fuse_activation", "run_masked_experts",
+           "run_sorted_experts"]
 
-#: The sorted layout applies the activation in GEMM1's epilogue (bf16/fp16/fp32 weights). Read when a
-#: call runs (so when a graph is compiled, for compiled code); benchmarks set it False to time the
-#: separate activation kernel beside it (bench/fused_activation.py).
+#: Whether the sorted layout may apply the activation in GEMM1's epilogue (where :func:`fuse_activation`
+#: says it wins). Read when a call runs (so when a graph is compiled, for compiled code); benchmarks set
+#: it False to time the separate activation kernel beside it (bench/fused_activation.py).
 FUSE_ACTIVATION = True
+#: Rows per expert up to which a gate/up-halves GEMM1 takes the epilogue (see :func:`fuse_activation`).
+FUSE_HALVES_MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,29 @@ def run_masked_experts(
     return y
 
 
+def fuse_activation(spec: ExpertActivation, weights: ExpertWeights, regime: int | None) -> bool:
+    """Whether the sorted layout's GEMM1 applies ``spec`` in its epilogue, as measured on the H200
+    (bench/results/fused_activation_2026-12-03.md, one layer, CUDA graphs, fused / unfused).
+
+    Interleaved gate/up (GPT-OSS) split the unfused tile's accumulator: 1.02-1.16x faster at every T.
+    Halves (Qwen3, Mixtral) keep two accumulators of half the tuned tile: 1.01-1.06x up to 64 rows per
+    expert, 0.95-0.98x at prefill sizes (Mixtral T >= 1024, Qwen3 T = 4096), where the separate kernel
+    stays. Not gated: the unfused tile and one accumulator, only the store and a launch saved. fp8
+    weights never: GEMM2 needs the activation quantised per 1x128 group, the activation kernel's job.
+    ``regime``: the call's rows-per-expert regime (None, unknown: halves keep the separate kernel).
+    """
+    from moe_fx.lowering.problem import regime_bounds
+
+    if not FUSE_ACTIVATION or weights.fp8:
+        return False
+    if not spec.gated or spec.gate_up_layout == "interleaved":
+        return True
+    if regime is None:
+        return False
+    hi = regime_bounds(regime)[1]
+    return hi is not None and hi <= FUSE_HALVES_MAX_ROWS
+
+
 def run_sorted_experts(
     hidden: torch.Tensor,
     rows: object,
@@ -199,13 +225,12 @@ def run_sorted_experts(
     elif hidden.dtype != weights.w13.dtype:
         x = hidden.to(weights.w13.dtype)
     # GEMM1's bias is per expert: added in its epilogue (after the routing weight, as (w x) W^T + b)
-    if FUSE_ACTIVATION and not weights.fp8:
+    if fuse_activation(spec, weights, hints.regime):
         # the activation in GEMM1's epilogue: the [N, 2I] product is never stored, one launch fewer
         a2 = gemms.sorted_gemm(x, None, weights.w13, None, rows, bias=weights.w13_bias, hints=hints,
                                gather=True, route_weights=route_weights, activation=spec)
         a2_scale = None
-    else:
-        # fp8: the activation quantises its output per 1x128 group for GEMM2, a kernel of its own
+    else:  # the separate activation kernel (fp8: it quantises its output per 1x128 group for GEMM2)
         gate_up = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias,
                                     hints=hints, gather=True, route_weights=route_weights)
         # the activation kernel sees the sorted rows [1, N, N1] as one group of all valid rows (the scratch's total)
