@@ -189,11 +189,16 @@ def test_explain_experts_on_bound_arguments():
 def test_explain_says_layout_and_kernel_per_regime():
     """explain's regimes line is the lowering's own plan for every regime (decide_experts_plan)."""
     why = _explain(4096, 1024)
-    assert why.regimes.startswith("rows per expert 1..4: triton, sorted layout")
+    assert why.regimes.startswith("rows per expert 1..4: triton, sorted layout, activation in GEMM1's epilogue")
     assert "5..: deepgemm, masked layout (local_sorted: the experts kernel reads the masked layout only)" in why.regimes
     no_dg = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "x", 132, "NVIDIA H200")
     why = _explain(2048, 768, e=128, caps=no_dg)
-    assert why.regimes == "rows per expert 1..: triton, sorted layout (local_permute: local_sorted preferred)"
+    # gate/up halves: the activation epilogue up to 64 rows per expert (where it measured faster)
+    assert why.regimes == ("rows per expert 1..64: triton, sorted layout, activation in GEMM1's epilogue "
+                           "(local_permute: local_sorted preferred); rows per expert 65..: triton, sorted layout "
+                           "(local_permute: local_sorted preferred)"), why.regimes
+    fp8 = _explain(2048, 768, e=128, caps=no_dg, fp8=True)
+    assert fp8.regimes == "rows per expert 1..: triton, sorted layout (local_permute: local_sorted preferred)"
 
 
 def test_kernel_names_are_the_ops_contract():

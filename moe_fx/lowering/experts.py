@@ -23,6 +23,7 @@ from moe_fx.lowering.masked_experts.pipeline import (
     ExpertWeights,
     GemmHints,
     empty_scales,
+    fuse_activation,
     run_masked_experts,
     run_sorted_experts,
 )
@@ -69,9 +70,19 @@ class ExpertsPlan:
             return self.experts.error
         return None if self.prepare is None else self.prepare.error
 
+    @property
+    def activation_epilogue(self) -> bool:
+        """GEMM1 applies the activation in its epilogue (sorted layout, where that measured faster:
+        :func:`~moe_fx.lowering.masked_experts.pipeline.fuse_activation`, which the run asks too)."""
+        return self.layout == "sorted" and fuse_activation(
+            self.problem.activation, self.problem.fp8_block is not None, self.problem.regime)
+
     def summary(self) -> str:
-        """One line: kernel and layout, e.g. ``"triton, sorted layout"``."""
-        return self.experts.kernel if self.reference else f"{self.experts.kernel}, {self.layout} layout"
+        """One line: kernel and layout, e.g. ``"triton, sorted layout, activation in GEMM1's epilogue"``."""
+        if self.reference:
+            return self.experts.kernel
+        return f"{self.experts.kernel}, {self.layout} layout" + (
+            ", activation in GEMM1's epilogue" if self.activation_epilogue else "")
 
     def raise_if_unrunnable(self, what: str) -> ExpertsPlan:
         """Itself, or ``RuntimeError`` when an explicit request cannot run (never a silent fallback)."""

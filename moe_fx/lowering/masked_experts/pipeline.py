@@ -168,7 +168,7 @@ def run_masked_experts(
     return y
 
 
-def fuse_activation(spec: ExpertActivation, weights: ExpertWeights, regime: int | None) -> bool:
+def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bool:
     """Whether the sorted layout's GEMM1 applies ``spec`` in its epilogue, as measured on the H200
     (bench/results/fused_activation_2026-12-03.md, one layer, CUDA graphs, fused / unfused).
 
@@ -177,11 +177,12 @@ def fuse_activation(spec: ExpertActivation, weights: ExpertWeights, regime: int 
     expert, 0.95-0.98x at prefill sizes (Mixtral T >= 1024, Qwen3 T = 4096), where the separate kernel
     stays. Not gated: the unfused tile and one accumulator, only the store and a launch saved. fp8
     weights never: GEMM2 needs the activation quantised per 1x128 group, the activation kernel's job.
-    ``regime``: the call's rows-per-expert regime (None, unknown: halves keep the separate kernel).
+    ``fp8``: fp8 weights. ``regime``: the call's rows-per-expert regime (None, unknown: halves keep the
+    separate kernel). The plan explain reports asks the same function (``ExpertsPlan.activation_epilogue``).
     """
     from moe_fx.lowering.problem import regime_bounds
 
-    if not FUSE_ACTIVATION or weights.fp8:
+    if not FUSE_ACTIVATION or fp8:
         return False
     if not spec.gated or spec.gate_up_layout == "interleaved":
         return True
@@ -225,7 +226,7 @@ def run_sorted_experts(
     elif hidden.dtype != weights.w13.dtype:
         x = hidden.to(weights.w13.dtype)
     # GEMM1's bias is per expert: added in its epilogue (after the routing weight, as (w x) W^T + b)
-    if fuse_activation(spec, weights, hints.regime):
+    if fuse_activation(spec, weights.fp8, hints.regime):
         # the activation in GEMM1's epilogue: the [N, 2I] product is never stored, one launch fewer
         a2 = gemms.sorted_gemm(x, None, weights.w13, None, rows, bias=weights.w13_bias, hints=hints,
                                gather=True, route_weights=route_weights, activation=spec)
