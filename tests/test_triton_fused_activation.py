@@ -109,3 +109,21 @@ def test_fuse_activation_is_the_measured_choice(monkeypatch):
     assert not any(fuse_activation(s, fp8, 0) for s in SPECS.values())
     monkeypatch.setattr(pipeline, "FUSE_ACTIVATION", False)
     assert not fuse_activation(interleaved, bf16, 0)
+
+
+def test_interleaved_epilogue_grid_covers_the_weight_rows(monkeypatch):
+    """An interleaved epilogue's tiles walk b's 2I rows: the persistent grid is sized for them, not for the I
+    output columns (a grid sized for half the tiles still computes every tile, with half the programs)."""
+    from moe_fx.lowering.triton import grouped_gemm
+
+    seen = []
+    real = grouped_gemm.num_programs
+    monkeypatch.setattr(grouped_gemm, "num_programs", lambda dev, cfg, bound: seen.append(bound) or real(dev, cfg, bound))
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.arange(4).reshape(4, 1) % 2
+    rows = sort_by_expert(ids, 2)
+    x = torch.randn(4, 64, generator=gen)
+    cfg = TileConfig(16, 32, 64, 1, 4, 1, 16)  # many programs per SM: the bound decides the grid
+    for spec, tiles_n in ((SPECS["gpt_oss"], 4), (SPECS["silu"], 4)):  # 2I = 128 rows, 32-row tiles
+        sorted_gemm(x, torch.randn(2, 128, 64, generator=gen), rows, gather=True, activation=spec, config=cfg)
+        assert seen[-1] == 2 * tiles_n, (spec, seen)  # 2 experts x 1 row tile x tiles_n

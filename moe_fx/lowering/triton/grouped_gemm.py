@@ -446,7 +446,7 @@ def sorted_gemm(
             is then ``[1, N, N_out / 2]`` of ``act(gate) * (up + up_offset)`` (gated; ``b`` holds gate and
             up rows, ``bias`` too) or ``[1, N, N_out]`` of ``act(h)``, from the fp32 products: the GEMM1
             product is never stored and the activation kernel does not run. ``config`` is then the
-            unfused GEMM's tile; a gated launch splits its columns between two accumulators.
+            unfused GEMM's tile (:func:`_split_columns` makes the launch's from it).
 
     Returns:
         ``[1, N, N_out]`` (``N_out / 2`` columns with a gated ``activation``).
@@ -494,8 +494,10 @@ def sorted_gemm(
     # group strides 0: row offsets come from the expert's start (the kernels' SORTED mode)
     a_strides = (0, *a.stride()) if gather else (0, *a.stride()[1:])
     as_strides = () if not fp8 else (0, *a_scale.stride()) if gather else (0, *a_scale.stride()[1:])
+    # the grid's tile columns: interleaved epilogue tiles walk b's rows (2 per output column)
+    tile_cols = n if epilogue is not None and epilogue["INTERLEAVED"] else n_out
     _launch_gemm(kind, a, a_scale, b, b_scale, rows.scratch, out, e, num_rows, n_out, k, cfg,
-                 _tile_bound(e, num_rows, n_out, cfg, num_rows), a_strides=a_strides, as_strides=as_strides,
+                 _tile_bound(e, num_rows, tile_cols, cfg, num_rows), a_strides=a_strides, as_strides=as_strides,
                  c_strides=(0, *out.stride()[1:]), bias=bias, sorted_rows=rows, gather=gather,
                  route_weights=route_weights, epilogue=epilogue)
     return out
