@@ -7,7 +7,8 @@ import torch
 from _triton_util import devices
 
 from moe_fx.lowering.quant import quantize_fp8_per_token_group
-from moe_fx.lowering.triton.activation import ACT_CODES, expert_activation
+from moe_fx.lowering.triton.act_args import ACT_CODES
+from moe_fx.lowering.triton.activation import expert_activation
 from moe_fx.ops import ACTIVATIONS, ExpertActivation
 
 SHAPES = {"cpu": [(3, 10, 72)], "cuda": [(60, 64, 1408), (32, 512, 2048), (8, 3, 14336)]}

@@ -13,28 +13,16 @@ from __future__ import annotations
 import torch
 
 from moe_fx.lowering.triton._loader import launch
+from moe_fx.lowering.triton.act_args import epilogue_args
 from moe_fx.lowering.triton.configs import TileConfig
 from moe_fx.lowering.triton.grouped_gemm import _check_masked, _known_empty, _out, _pow2, check_offsets, num_programs
 from moe_fx.ops import ExpertActivation
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["ACT_CODES", "epilogue_args", "expert_activation"]
+__all__ = ["expert_activation"]
 
-#: Activation names (those of :data:`moe_fx.ops.ACTIVATIONS`) to the kernel's code.
-ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4}
 #: Rows per tile of the activation kernel (it streams; the row tile only bounds the padding visited).
 _BLOCK_M = 16
-
-
-def epilogue_args(spec: ExpertActivation, name: str = "expert_activation") -> dict[str, object]:
-    """The kernel arguments that make a GEMM apply ``spec`` in its epilogue (``masked_gemm_kernel``'s
-    ACT_FUSED); the activation kernel takes the same codes. Raises ``ValueError`` for a spec no kernel runs."""
-    bad = spec.problems()
-    if bad or spec.name not in ACT_CODES:
-        raise ValueError(f"{name}: {'; '.join(bad) or f'no kernel for activation {spec.name!r}'}")
-    return dict(ACT_FUSED=True, ACT=ACT_CODES[spec.name], GATED=spec.gated,
-                INTERLEAVED=spec.gate_up_layout == "interleaved", HAS_LIMIT=spec.limit is not None,
-                alpha=float(spec.alpha), limit=float(spec.limit or 0.0), up_offset=float(spec.up_offset))
 
 
 def expert_activation(

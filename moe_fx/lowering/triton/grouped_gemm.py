@@ -14,6 +14,7 @@ import torch
 
 from moe_fx.lowering.triton import configs
 from moe_fx.lowering.triton._loader import is_traced, launch
+from moe_fx.lowering.triton.act_args import epilogue_args
 from moe_fx.ops import ExpertActivation
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
@@ -243,7 +244,7 @@ def _launch_gemm(
 ) -> None:
     """One launch of the masked / sorted GEMM kernel of ``kind`` (the layouts differ only in row offsets).
 
-    ``epilogue``: the activation's kernel arguments (:func:`moe_fx.lowering.triton.activation.epilogue_args`)
+    ``epilogue``: the activation's kernel arguments (:func:`moe_fx.lowering.triton.act_args.epilogue_args`)
     when GEMM1 applies it (bf16 kinds only)."""
     nprog = num_programs(a.device, cfg, tile_bound)
     device_tma = sorted_rows is not None and cfg.tma and _device_tma_ok(a, b, gather)
@@ -472,8 +473,6 @@ def sorted_gemm(
         raise ValueError(f"{name}: route_weights apply to the gathered GEMM (the first) only")
     epilogue, n_out = None, n
     if activation is not None:
-        from moe_fx.lowering.triton.activation import epilogue_args
-
         if fp8:
             raise ValueError(f"{name}: the activation epilogue runs on bf16/fp16/fp32 GEMMs, not fp8")
         if activation.gated and n % 2:
