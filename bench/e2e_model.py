@@ -62,7 +62,7 @@ and once more for T = 1 (Dynamo specialises sizes 0 and 1); ``--dynamic false`` 
 to its end (at full depth its two compiles take minutes). ``--specialize-float`` sets
 ``torch._dynamo.config.specialize_float = True`` for both sides: with ``dynamic=True`` Dynamo otherwise
 makes the models' float attributes (RMSNorm eps, rotary scaling) graph inputs, AOTAutograd cannot turn
-all of them into tensors and the whole compile restarts once (``restarts`` in the rows; ~25-35% of a
+all of them into tensors and the whole compile restarts once (``restarts`` in the rows; 13-24% of a
 48-layer compile on CPU, bench/results/compile_time_2026-12-03.md).
 
 Targets of issue 10 are printed per row: default mode >= 1.0x everywhere and >= 1.3x at T >= 1024;
@@ -1053,7 +1053,9 @@ def compile_table(fw: list[dict], gen: list[dict]) -> list[str]:
         "Dynamo tracing + the backend + one run; split from `torch._dynamo.utils.compile_times()`: tracing = "
         "Dynamo minus the backend, passes = the moe_fx passes (`moe_fx_passes`), Inductor = the backend minus "
         "the passes; a restart = Dynamo traced the frame again and handed its graph to the backend again. Only "
-        "rows where something compiled (a new graph or shape).",
+        "rows where something compiled (a new graph or shape). Plain compiles first in the process and pays "
+        "its one-time costs (Inductor's imports, cache keys, compiler checks: seconds), so a small model's "
+        "ratio favours moe_fx; at depth the per-layer work dominates.",
         ["model", "weights", "layers", "mode", "DeepGEMM", "T", "plain first call s", "moe_fx first call s",
          "moe_fx / plain", "plain tracing / Inductor s", "moe_fx tracing / passes / Inductor s",
          "backend calls (restarts) plain / moe_fx"],
