@@ -34,6 +34,11 @@ thermal drift hit both; numbers are medians):
     this is the time the host needs to enqueue one forward; a host sync inside the forward shows up here);
   - ``gpu``: torch.profiler, the sum of the durations of all GPU activities (kernels, memcpy, memset)
     over ``--prof-iters`` forwards, divided by their number; ``kernels``: GPU activities per forward.
+  and ``first_call_s``, the wall seconds of the row's first call, with ``compile``: what Dynamo compiled
+  during it (from ``torch._dynamo.utils.compile_times()``: ``tracing_s`` Dynamo's own part, ``passes_s``
+  the moe_fx passes, ``inductor_s`` Inductor, ``backend_calls``, ``restarts``; all zero when a compiled
+  graph fitted). At full depth the first compile takes minutes; timestamped progress lines say when each
+  starts and ends.
 * **layer host**: the host time (and wall time) of ONE decoder layer, moe_fx minus plain, in the default
   mode at ``--layer-host-tokens``: models of ``--layers`` and ``2 * --layers`` layers are timed in the
   same rounds, ``per layer = (t(2L) - t(L)) / L``. Attention is compiled by Inductor in both, so the
@@ -44,7 +49,7 @@ thermal drift hit both; numbers are medians):
   ``generation_config.disable_compile = True`` (transformers' documented recipe; the default mode only:
   the CUDA-graph variant is bench/generate_cudagraphs.py, which isolates its segfault). Reported: new
   tokens/s of whole calls, and decode tokens/s from ``(t(N new) - t(1 new))``, for eager, plain and
-  moe_fx; and whether the greedy tokens equal eager's.
+  moe_fx; whether the greedy tokens equal eager's; each side's warm-up seconds and what it compiled.
 
 ``--no-deepgemm`` sets ``MOE_FX_DISABLE_DEEPGEMM=1`` before moe_fx is imported (moe_fx then runs its
 Triton kernels); a run without it uses DeepGEMM where ``deep_gemm`` imports and the shapes fit. Merge
@@ -53,7 +58,12 @@ the two runs (and runs split over device calls) with ``--merge A.json B.json ...
 Compilation: ``--dynamic true`` (default) compiles each (model, backend, mode) once for every T >= 2
 and once more for T = 1 (Dynamo specialises sizes 0 and 1); ``--dynamic false`` compiles per T
 (closer to what a fixed-shape server sees, ~5x the compile time). Compile time counts against
-``--budget-s``: a cell that would start after the budget is recorded as skipped.
+``--budget-s``: a cell that would start after the budget is recorded as skipped; a cell that started runs
+to its end (at full depth its two compiles take minutes). ``--specialize-float`` sets
+``torch._dynamo.config.specialize_float = True`` for both sides: with ``dynamic=True`` Dynamo otherwise
+makes the models' float attributes (RMSNorm eps, rotary scaling) graph inputs, AOTAutograd cannot turn
+all of them into tensors and the whole compile restarts once (``restarts`` in the rows; 13-24% of a
+48-layer compile on CPU, bench/results/compile_time_2026-12-03.md).
 
 Targets of issue 10 are printed per row: default mode >= 1.0x everywhere and >= 1.3x at T >= 1024;
 reduce-overhead >= 1.5x at T >= 1024; generate decode >= 1.2x; one MoE layer's host time <= 40 µs above
@@ -89,6 +99,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # bench/moe_layer.py's helpers
 
 from moe_layer import log, machine_meta  # noqa: E402
+from pass_time import compile_metrics, compile_split  # noqa: E402
 
 # What is measured where (the issue's targets).
 TARGET_DEFAULT = 1.0
@@ -348,17 +359,49 @@ def forward_target(mode: str, t: int) -> float | None:
     return None
 
 
-def measure_forward(calls: dict[str, Callable], s: Settings, reference: Callable[[], Any] | None = None) -> dict:
-    """Warm up (compiles), time alternately, profile: the per-backend numbers of one forward row; with
-    ``reference`` (the eager model's forward on the same tokens), each backend's ``logits_err`` too."""
+def progress(text: str) -> None:
+    """A timestamped progress line (compiles at full depth take minutes: the log says where the time goes)."""
+    log(f"[{datetime.datetime.now():%H:%M:%S}] {text}")
+
+
+def compiling_call(fn: Callable[[], Any], label: str) -> dict[str, Any]:
+    """Call ``fn`` once (synchronised), logging its start and end: ``{"first_call_s": wall seconds, "compile":
+    what Dynamo compiled during the call}`` (:func:`pass_time.compile_split`: tracing, moe_fx passes, Inductor;
+    zeros when the call found a compiled graph)."""
+    progress(f"{label}: first call (compiles if no graph fits yet)")
+    before = compile_metrics()
+    synchronize()
+    start = time.perf_counter()
+    fn()
+    synchronize()
+    first = time.perf_counter() - start
+    split = compile_split(before, compile_metrics())
+    if split["backend_calls"]:
+        passes = f", moe_fx passes {split['passes_s']:.1f} s" if split["passes_s"] else ""
+        restarts = f" ({split['restarts']} Dynamo restart(s): traced again)" if split["restarts"] else ""
+        progress(f"{label}: compiled, first call {first:.1f} s: Dynamo tracing {split['tracing_s']:.1f} s{passes}, "
+                 f"Inductor {split['inductor_s']:.1f} s, {split['backend_calls']} backend call(s){restarts}")
+    else:
+        progress(f"{label}: first call {first:.2f} s, nothing compiled")
+    return {"first_call_s": first, "compile": split}
+
+
+def measure_forward(calls: dict[str, Callable], s: Settings, reference: Callable[[], Any] | None = None,
+                    label: str = "forward") -> dict:
+    """Warm up (compiles; the first call of each backend timed by :func:`compiling_call`), time alternately,
+    profile: the per-backend numbers of one forward row; with ``reference`` (the eager model's forward on the
+    same tokens), each backend's ``logits_err`` too."""
     import torch
 
     with torch.no_grad():
+        first = {name: compiling_call(fn, f"{label} {name}") for name, fn in calls.items()}
         for fn in calls.values():
-            for _ in range(s.warmup):
+            for _ in range(s.warmup - 1):
                 fn()
         synchronize()
         timed = time_alternating(calls, s.rounds, s.per_round)
+        for name in calls:
+            timed[name].update(first[name])
         for name, fn in calls.items():
             timed[name]["gpu_us"], timed[name]["kernels"] = gpu_time_per_call(fn, s.prof_iters)
         if reference is not None:
@@ -392,10 +435,10 @@ def run_cell(row: dict, measure: Callable[[], dict], budget: Budget, errors: tup
 
 
 def forward_row(calls: dict[str, Callable], mode: str, t: int, s: Settings,
-                reference: Callable[[], Any] | None = None) -> dict:
-    """The numbers of one forward row: per-backend times (and logit errors against ``reference``), speed-up
-    and the issue's target for it."""
-    row: dict[str, Any] = measure_forward(calls, s, reference)
+                reference: Callable[[], Any] | None = None, label: str = "forward") -> dict:
+    """The numbers of one forward row: per-backend times (and logit errors against ``reference``), first-call
+    and compile seconds, speed-up and the issue's target for it."""
+    row: dict[str, Any] = measure_forward(calls, s, reference, label)
     row["speedup"] = row["plain"]["wall_us"] / row["moe_fx"]["wall_us"]
     row["target"] = forward_target(mode, t)
     row["ok"] = None if row["target"] is None else row["speedup"] >= row["target"]
@@ -499,10 +542,16 @@ def generate_row(model_name: str, models: dict[str, Any], s: Settings) -> dict:
         )
 
     with torch.no_grad():
-        tokens = {}
+        tokens, warm = {}, {}
         for name in models:  # warm-up: compiles prefill and decode
+            progress(f"generate {model_name} {name}: warm-up (compiles prefill and decode)")
+            before, start = compile_metrics(), time.perf_counter()
             for new in (1, s.gen_new):
                 out = run(name, new)
+            synchronize()
+            warm[name] = {"warmup_s": time.perf_counter() - start, "compile": compile_split(before, compile_metrics())}
+            progress(f"generate {model_name} {name}: warm-up {warm[name]['warmup_s']:.1f} s, "
+                     f"{warm[name]['compile']['backend_calls']} backend call(s)")
             tokens[name] = out[:, s.gen_prompt:].cpu()
         synchronize()
         for name in models:
@@ -530,6 +579,7 @@ def generate_row(model_name: str, models: dict[str, Any], s: Settings) -> dict:
             "new_tok_s": s.gen_batch * s.gen_new / full,
             "decode_tok_s": decode_rate(s.gen_batch, s.gen_new, full, one),
             "same_tokens_as_eager": float((tokens[name] == tokens["eager"]).float().mean()),
+            **warm[name],
         }
     plain, mine = row["plain"]["decode_tok_s"], row["moe_fx"]["decode_tok_s"]
     row["speedup"] = mine / plain if plain and mine else None
@@ -565,8 +615,9 @@ def deepgemm_state(disabled: bool) -> str:
     return "importable"
 
 
-def explain_kernels(model, input_ids, weights: str = "bf16") -> str:
-    """moe_fx.explain()'s summary for ``model``: matched regions and the kernels they run."""
+def explain_kernels(model, input_ids, weights: str = "bf16") -> tuple[str, float]:
+    """moe_fx.explain()'s summary for ``model`` (matched regions and the kernels they run) and the seconds its
+    passes took (explain traces with Dynamo and runs the passes, no Inductor)."""
     import moe_fx
 
     config = moe_fx.MoEConfig(quantize="fp8") if weights == "quantize_fp8" else None
@@ -574,9 +625,10 @@ def explain_kernels(model, input_ids, weights: str = "bf16") -> str:
     kernels = sorted({str(r.kernel) for r in report.matched})
     reasons = sorted({f"{k}: {v}" for r in report.matched for k, v in r.kernel_reasons.items()})
     fp8 = sum(bool(r.fp8) for r in report.matched)
-    return f"{len(report.matched)}/{len(report.regions)} regions rewritten ({fp8} with fp8 weights), kernel(s) {kernels}" + (
+    text = f"{len(report.matched)}/{len(report.regions)} regions rewritten ({fp8} with fp8 weights), kernel(s) {kernels}" + (
         f"; not taken: {reasons[:3]}" if reasons else ""
     )
+    return text, report.pass_ms / 1e3
 
 
 def fp8_checkpoint_of(base, share: bool):
@@ -696,6 +748,8 @@ def run_benchmark(args: argparse.Namespace) -> None:
     for mode in modes:
         if mode not in ("default", "reduce-overhead"):
             raise SystemExit(f"unknown mode {mode!r}: default or reduce-overhead")
+    if args.specialize_float:  # floats become constants: no restart of the whole compile (see the docstring)
+        torch._dynamo.config.specialize_float = True
     cache_limit = 256
     for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(torch._dynamo.config, knob):
@@ -709,6 +763,7 @@ def run_benchmark(args: argparse.Namespace) -> None:
         "layers": "full" if settings.layers is None else settings.layers,
         "vocab": settings.vocab,
         "dynamic": settings.dynamic,
+        "specialize_float": bool(args.specialize_float),
         "deepgemm": dg,
         "timing": (
             f"{settings.rounds} rounds x {settings.per_round} calls per backend, alternating; "
@@ -720,6 +775,7 @@ def run_benchmark(args: argparse.Namespace) -> None:
         "share_weights": settings.share_weights,
         "plain_model": {},
         "explain": {},
+        "explain_s": {},
         **({"shared_weights_changed": {}} if settings.share_weights else {}),
     }
     log("meta", json.dumps({k: v for k, v in meta.items() if k != "models"}))
@@ -754,11 +810,16 @@ def run_benchmark(args: argparse.Namespace) -> None:
             return tensor_copy(model, settings.share_weights)
 
         before = weights_fingerprint(base_model)
+        progress(f"explain {model_name}: Dynamo trace + moe_fx passes (no Inductor)")
+        start = time.perf_counter()
         try:
-            meta["explain"][model_name] = explain_kernels(side(moe_src), ids[tokens[-1]], settings.weights)
+            meta["explain"][model_name], passes_s = explain_kernels(side(moe_src), ids[tokens[-1]], settings.weights)
+            meta["explain_s"][model_name] = {"wall_s": time.perf_counter() - start, "passes_s": passes_s}
+            progress(f"explain {model_name}: {meta['explain_s'][model_name]['wall_s']:.1f} s "
+                     f"(passes {passes_s:.1f} s): {meta['explain'][model_name]}")
         except errors as err:
             meta["explain"][model_name] = error_text(err)
-        log("explain", model_name, meta["explain"][model_name])
+            progress(f"explain {model_name}: {meta['explain'][model_name]}")
         compiled: dict[tuple[str, str], Callable] = {}
         for mode in modes:
             for b in BACKENDS:
@@ -770,7 +831,8 @@ def run_benchmark(args: argparse.Namespace) -> None:
                 eager = forward_call(base_model, ids[t], "default")
                 finish(run_cell(
                     {"kind": "forward", **tag, "mode": mode, "T": t, "layers": layers},
-                    lambda: forward_row(calls, mode, t, settings, reference=eager), budget, errors,
+                    lambda: forward_row(calls, mode, t, settings, reference=eager,
+                                        label=f"{model_name} {mode} T={t}"), budget, errors,
                     skip="needs CUDA" if mode == "reduce-overhead" and settings.device != "cuda" else None,
                 ))
         if not args.no_layer_host:
@@ -861,7 +923,7 @@ def summary_line(row: dict) -> str:
         p, m = row["plain"], row["moe_fx"]
         return (f"{head}  wall {p['wall_us']:.0f} / {m['wall_us']:.0f} µs  x{row['speedup']:.2f} "
                 f"(target {fmt(row['target'], 2)}: {verdict(row)})  gpu {fmt(p['gpu_us'], 0)} / {fmt(m['gpu_us'], 0)}  "
-                f"host {p['host_us']:.0f} / {m['host_us']:.0f}")
+                f"host {p['host_us']:.0f} / {m['host_us']:.0f}  first call {fmt(p.get('first_call_s'))} / {fmt(m.get('first_call_s'))} s")
     if row["kind"] == "layer_host":
         return (f"{head}  host/layer plain {row['plain']['host_per_layer_us']:.1f} moe_fx "
                 f"{row['moe_fx']['host_per_layer_us']:.1f}  delta {row['delta_host_us']:+.1f} µs ({verdict(row)})")
@@ -898,7 +960,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"Command: `{meta.get('command', '?')}`" + (f" (merged: {', '.join(runs)}; commands per run in the JSON)" if runs else ""),
         "",
         f"{meta.get('layers')} decoder layers, {meta.get('dtype')}, random weights, vocabulary reduced to {meta.get('vocab')}, "
-        f"experts implementation `{meta.get('experts_implementation')}`, sdpa attention, dynamic={meta.get('dynamic')}; "
+        f"experts implementation `{meta.get('experts_implementation')}`, sdpa attention, dynamic={meta.get('dynamic')}"
+        f"{', specialize_float' if meta.get('specialize_float') else ''}; "
         f"timing: {meta.get('timing')}. DeepGEMM: {meta.get('deepgemm')}.",
         "",
         "wall = one forward from an idle synchronised GPU to the sync after it; host = the same call until it returns "
@@ -918,7 +981,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     for name, changed in meta.get("shared_weights_changed", {}).items():
         lines.append(f"- shared tensors changed during the run, {name}: {changed or 'none'}")
     for name, text in meta.get("explain", {}).items():
-        lines.append(f"- moe_fx.explain, {name}: {text}")
+        took = meta.get("explain_s", {}).get(name)
+        lines.append(f"- moe_fx.explain, {name}: {text}" + (
+            f" (explain took {took['wall_s']:.1f} s, its passes {took['passes_s']:.1f} s)" if took else ""))
     lines += md_table(
         "Forward", "",
         ["model", "weights", "layers", "mode", "DeepGEMM", "T", "plain wall µs", "moe_fx wall µs", "speed-up", "target",
@@ -936,6 +1001,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         ],
         sort_key=lambda r: (r["model"], r.get("weights", "bf16"), r["mode"], r["deepgemm"], r["T"]),
     )
+    lines += compile_table(fw, gen)
     lines += md_table(
         "Host time of one MoE decoder layer (default mode)",
         "Per layer = (time of a model with 2L layers - time with L layers) / L, timed alternately; delta = moe_fx - "
@@ -967,6 +1033,42 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         sort_key=lambda r: (r["model"], r.get("weights", "bf16"), r["deepgemm"]),
     )
     return "\n".join(lines) + "\n"
+
+
+def compile_table(fw: list[dict], gen: list[dict]) -> list[str]:
+    """The markdown section of compile times: the forward rows whose first call compiled on either side, and
+    the generate rows' warm-ups (rows of runs before these fields were recorded are left out)."""
+    timed = [r for r in fw if "error" not in r and "compile" in r["plain"] and
+             (r["plain"]["compile"]["backend_calls"] or r["moe_fx"]["compile"]["backend_calls"])]
+    timed += [r for r in gen if "error" not in r and "compile" in r["plain"]]
+    if not timed:
+        return []
+
+    def first(r: dict, b: str) -> float:
+        return r[b]["first_call_s"] if r["kind"] == "forward" else r[b]["warmup_s"]
+
+    return md_table(
+        "Compile time",
+        "first call = the wall seconds of the row's first call (forward) or of its warm-up generate() calls: "
+        "Dynamo tracing + the backend + one run; split from `torch._dynamo.utils.compile_times()`: tracing = "
+        "Dynamo minus the backend, passes = the moe_fx passes (`moe_fx_passes`), Inductor = the backend minus "
+        "the passes; a restart = Dynamo traced the frame again and handed its graph to the backend again. Only "
+        "rows where something compiled (a new graph or shape). Plain compiles first in the process and pays "
+        "its one-time costs (Inductor's imports, cache keys, compiler checks: seconds), so a small model's "
+        "ratio favours moe_fx; at depth the per-layer work dominates.",
+        ["model", "weights", "layers", "mode", "DeepGEMM", "T", "plain first call s", "moe_fx first call s",
+         "moe_fx / plain", "plain tracing / Inductor s", "moe_fx tracing / passes / Inductor s",
+         "backend calls (restarts) plain / moe_fx"],
+        timed, lambda r: [r["model"], r.get("weights", "bf16"), str(r.get("layers", "?")), r["mode"], r["deepgemm"],
+                          str(r["T"]) if r["kind"] == "forward" else "generate"],
+        lambda r: [
+            f"{first(r, 'plain'):.1f}", f"{first(r, 'moe_fx'):.1f}", f"{first(r, 'moe_fx') / first(r, 'plain'):.2f}x",
+            f"{r['plain']['compile']['tracing_s']:.1f} / {r['plain']['compile']['inductor_s']:.1f}",
+            " / ".join(f"{r['moe_fx']['compile'][k]:.1f}" for k in ("tracing_s", "passes_s", "inductor_s")),
+            " / ".join(f"{r[b]['compile']['backend_calls']} ({r[b]['compile']['restarts']})" for b in BACKENDS),
+        ],
+        sort_key=lambda r: (r["model"], r.get("weights", "bf16"), r["mode"], r["deepgemm"], r["kind"], r.get("T", 0)),
+    )
 
 
 def target_summary(rows: list[dict]) -> str:
@@ -1092,6 +1194,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-deepgemm", action="store_true", help="set MOE_FX_DISABLE_DEEPGEMM=1 (moe_fx runs Triton)")
     ap.add_argument("--dynamic", choices=["true", "false"], default="true",
                     help="torch.compile(dynamic=...) for both backends (default true: one compile for all T >= 2)")
+    ap.add_argument("--specialize-float", action="store_true",
+                    help="torch._dynamo.config.specialize_float = True for both sides (no restart of a dynamic compile)")
     ap.add_argument("--layers", default="2",
                     help="decoder layers per model, or 'full' for the released depth (implies --share-weights)")
     ap.add_argument("--weights", choices=sorted(WEIGHTS), default="bf16",

@@ -6,6 +6,13 @@
 mode's pass time minus ``"never"``'s (the structural reading is in both). Each mode runs in a fresh process with
 Inductor's caches off, so that no mode compiles faster for coming second. Writes
 bench/results/pass_time_<date>.md.
+
+``python bench/pass_time.py --split [--layers 8,48] [--repeats 2]``: where the first call's time goes, plain
+``torch.compile`` against ``backend="moe_fx"`` (``dynamic=True``, the default mode, bench/e2e_model.py's forward),
+each run in a fresh process with a fresh ``TORCHINDUCTOR_CACHE_DIR``: Dynamo's tracing, the moe_fx passes and
+Inductor (AOT + lowering + code generation + C++/Triton builds), from ``torch._dynamo.utils.compile_times()``
+(:func:`compile_split`); ``--specialize-float`` with ``torch._dynamo.config.specialize_float = True``. Writes
+bench/results/compile_time_<date>.md.
 """
 
 from __future__ import annotations
@@ -17,12 +24,47 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 MODES = ("auto", "always", "never")
+SPLIT_BACKENDS = ("plain", "moe_fx")
+#: Dynamo's timer names (torch._dynamo.utils.compilation_time_metrics) that compile_split reads, and the moe_fx
+#: backend's own (moe_fx.backend.PASSES_TIMER).
+_DYNAMO_COMPILE, _BACKEND_COMPILE, _PASSES = "_compile.compile_inner", "OutputGraph.call_user_compiler", "moe_fx_passes"
+
+
+def compile_metrics() -> dict[str, list[float]]:
+    """A copy of Dynamo's per-timer compile times so far in this process (``compile_times()``'s data)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {key: list(values) for key, values in compilation_time_metrics.items()}
+
+
+def compile_split(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, float | int]:
+    """What Dynamo compiled between two :func:`compile_metrics` snapshots, in seconds summed over its graphs.
+
+    ``dynamo_s``: whole Dynamo compiles (tracing, guards, the backend); ``backend_s``: the backend's part
+    (plain: Inductor; moe_fx: its passes, then Inductor); ``passes_s``: the moe_fx passes (0 for plain);
+    ``inductor_s`` = backend - passes; ``tracing_s`` = dynamo - backend (bytecode tracing, guards, restarts);
+    ``backend_calls``: graphs handed to the backend; ``restarts``: Dynamo analyses started again (each
+    traces the frame once more and hands its graph to the backend once more: with ``dynamic=True``, a
+    float attribute AOTAutograd cannot turn into a tensor restarts the whole compile to specialise it).
+    All zero when nothing compiled.
+    """
+
+    def new(key: str) -> list[float]:
+        return after.get(key, [])[len(before.get(key, [])):]
+
+    dynamo, backend, passes = sum(new(_DYNAMO_COMPILE)), sum(new(_BACKEND_COMPILE)), sum(new(_PASSES))
+    attempts = sum(len(new(key)) for key in after if key.startswith("compile_attempt_"))
+    return {"dynamo_s": dynamo, "backend_s": backend, "passes_s": passes, "inductor_s": backend - passes,
+            "tracing_s": dynamo - backend, "backend_calls": len(new(_BACKEND_COMPILE)),
+            "restarts": max(0, attempts - len(new(_DYNAMO_COMPILE)))}
 
 
 def measure(layers: int, verify: str) -> dict[str, float]:
@@ -56,6 +98,104 @@ def measure(layers: int, verify: str) -> dict[str, float]:
     return {"passes": spent["passes"], "total": total, "matched": spent["matched"]}
 
 
+#: Inner timers shown beside the split (where Inductor's time goes): AOT + Inductor, its code generation,
+#: the C++ / Triton builds it waits for, loading the generated module.
+INNER_TIMERS = ("create_aot_dispatcher_function", "GraphLowering.codegen", "compile_file", "async_compile.wait",
+                "PyCodeCache.load_by_key_path", "bytecode_tracing", "build_guards")
+
+
+def measure_split(layers: int, backend: str, specialize_float: bool = False) -> dict[str, Any]:
+    """The first call's seconds and their :func:`compile_split` for ``backend`` (``plain`` or ``moe_fx``) on a
+    ``layers``-layer tiny Qwen3-MoE, ``torch.compile(dynamic=True)``, the forward bench/e2e_model.py times;
+    ``specialize_float`` sets ``torch._dynamo.config.specialize_float`` (float attributes become constants)."""
+    import moe_fx  # noqa: F401  (registers backend="moe_fx" in a source checkout)
+    from moe_fx.testing.models import tiny_hf_model
+
+    if backend not in SPLIT_BACKENDS:
+        raise ValueError(f"backend must be one of {SPLIT_BACKENDS}, got {backend!r}")
+    torch._dynamo.config.specialize_float = specialize_float
+    model = tiny_hf_model("qwen3_moe", num_layers=layers)
+    ids = torch.randint(0, 128, (1, 16))
+    kwargs = {"backend": "moe_fx"} if backend == "moe_fx" else {}
+    compiled = torch.compile(model, dynamic=True, **kwargs)
+    before = compile_metrics()
+    start = time.perf_counter()
+    with torch.no_grad():
+        compiled(input_ids=ids, use_cache=False, logits_to_keep=1)
+    first = time.perf_counter() - start
+    after = compile_metrics()
+    inner = {key: sum(after.get(key, [])[len(before.get(key, [])):]) for key in INNER_TIMERS}
+    return {"first_call_s": first, **compile_split(before, after), "inner": inner}
+
+
+def _split_in_fresh_process(layers: int, backend: str, specialize_float: bool) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="moe_fx_inductor_cache_") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+        flags = ["--specialize-float"] if specialize_float else []
+        out = subprocess.run([sys.executable, __file__, "--layers", str(layers), "--one-split", backend, *flags],
+                             env=env, check=True, capture_output=True, text=True, timeout=3600)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def split_report(layer_counts: list[int], repeats: int, tag: str, specialize_float: bool = False) -> Path:
+    """Run :func:`measure_split` for both backends at each depth, ``repeats`` times (alternating, fresh processes),
+    and write the median of each figure to bench/results/compile_time_<date><tag>.md."""
+    import statistics
+
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for layers in layer_counts:
+        for r in range(repeats):
+            for backend in (SPLIT_BACKENDS if r % 2 == 0 else SPLIT_BACKENDS[::-1]):
+                m = _split_in_fresh_process(layers, backend, specialize_float)
+                runs.setdefault((layers, backend), []).append(m)
+                print(f"{datetime.datetime.now():%H:%M:%S} layers={layers} {backend}: first call {m['first_call_s']:.1f} s, "
+                      f"tracing {m['tracing_s']:.1f}, passes {m['passes_s']:.2f}, inductor {m['inductor_s']:.1f}, "
+                      f"backend calls {m['backend_calls']}, restarts {m['restarts']}", flush=True)
+
+    def med(layers: int, backend: str, key: str, inner: bool = False) -> float:
+        return statistics.median((m["inner"] if inner else m)[key] for m in runs[(layers, backend)])
+
+    lines = [
+        f"# Compile time: plain torch.compile vs backend=\"moe_fx\", tiny Qwen3-MoE (CPU, fp32, T=16, dynamic=True"
+        f"{', specialize_float' if specialize_float else ''})",
+        "",
+        f"{datetime.datetime.now().isoformat(timespec='seconds')} · {platform.processor() or platform.machine()} "
+        f"({os.cpu_count()} CPUs, {torch.get_num_threads()} threads) · torch {torch.__version__} · python "
+        f"{platform.python_version()} · `python bench/pass_time.py --split --layers "
+        f"{','.join(map(str, layer_counts))} --repeats {repeats}{' --specialize-float' if specialize_float else ''}` · each run in a fresh process with a fresh "
+        "TORCHINDUCTOR_CACHE_DIR; medians of the runs; CPU: compare ratios only",
+        "",
+        "first call = the wall time of the first compiled forward (Dynamo + backend + one run); tracing = Dynamo's "
+        "compile minus the backend's (bytecode tracing, guards, restarts); passes = moe_fx's passes "
+        "(`moe_fx_passes` in `torch._dynamo.utils.compile_times()`); Inductor = the backend minus the passes.",
+        "",
+        "| layers | backend | first call (s) | tracing (s) | moe_fx passes (s) | Inductor (s) | backend calls | "
+        "restarts | first call / plain's |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for layers in layer_counts:
+        for backend in SPLIT_BACKENDS:
+            ratio = med(layers, backend, "first_call_s") / med(layers, "plain", "first_call_s")
+            lines.append(f"| {layers} | {backend} | {med(layers, backend, 'first_call_s'):.1f} | "
+                         f"{med(layers, backend, 'tracing_s'):.1f} | {med(layers, backend, 'passes_s'):.2f} | "
+                         f"{med(layers, backend, 'inductor_s'):.1f} | {med(layers, backend, 'backend_calls'):.0f} | "
+                         f"{med(layers, backend, 'restarts'):.0f} | {ratio:.2f} |")
+    lines += ["", "Inside Inductor and Dynamo (s, medians; nested timers: a row includes the rows it calls):", "",
+              "| layers | backend | " + " | ".join(INNER_TIMERS) + " |", "|---|---|" + "---|" * len(INNER_TIMERS)]
+    for layers in layer_counts:
+        for backend in SPLIT_BACKENDS:
+            lines.append(f"| {layers} | {backend} | " + " | ".join(f"{med(layers, backend, k, inner=True):.1f}"
+                                                               for k in INNER_TIMERS) + " |")
+    lines += ["", "All runs (first call s): " + "; ".join(
+        f"{layers} layers {backend}: " + ", ".join(f"{m['first_call_s']:.1f}" for m in ms)
+        for (layers, backend), ms in runs.items())]
+    out = Path(__file__).parent / "results" / f"compile_time_{datetime.date.today()}{tag}.md"
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {out}")
+    return out
+
+
 def _in_fresh_process(layers: int, verify: str) -> dict[str, float]:
     env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
     out = subprocess.run([sys.executable, __file__, "--layers", str(layers), "--one", verify], env=env, check=True,
@@ -65,10 +205,22 @@ def _in_fresh_process(layers: int, verify: str) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--layers", default="48", help="decoder layers (--split: a comma list)")
     parser.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)  # one mode, in this process
+    parser.add_argument("--split", action="store_true", help="plain vs moe_fx compile time, split by phase")
+    parser.add_argument("--repeats", type=int, default=1, help="--split: runs per (layers, backend)")
+    parser.add_argument("--one-split", choices=SPLIT_BACKENDS, help=argparse.SUPPRESS)  # one run, in this process
+    parser.add_argument("--specialize-float", action="store_true",
+                        help="--split: torch._dynamo.config.specialize_float = True (no restart of the compile)")
     parser.add_argument("--tag", default="", help="suffix of the results file name")
     args = parser.parse_args()
+    if args.split:
+        split_report([int(n) for n in args.layers.split(",")], args.repeats, args.tag, args.specialize_float)
+        return
+    args.layers = int(args.layers)
+    if args.one_split:
+        print(json.dumps(measure_split(args.layers, args.one_split, args.specialize_float)))
+        return
     if args.one:
         print(json.dumps(measure(args.layers, args.one)))
         return

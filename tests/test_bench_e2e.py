@@ -23,9 +23,10 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(120)
 def test_e2e_model_smoke_writes_results(tmp_path):
     """A tiny one-layer model, one T, default mode, static shapes: two Inductor compiles on CPU (~35 s of
-    CPU time, most of it Inductor's C++ builds). Checks the forward row of both backends, the markdown
-    tables, and ``--merge`` of the JSON. The layer-host and generate cells (four more compiles) are left to
-    a manual ``python bench/e2e_model.py --smoke`` run to keep this test short."""
+    CPU time, most of it Inductor's C++ builds). Checks the forward row of both backends (times, first-call
+    and compile seconds), the markdown tables, the progress lines, and ``--merge`` of the JSON. The layer-host
+    and generate cells (four more compiles) are left to a manual ``python bench/e2e_model.py --smoke`` run to
+    keep this test short."""
     out = tmp_path / "res"
     proc = _run(["--smoke", "--cpu", "--tokens", "8", "--layers", "1", "--dynamic", "false", "--no-layer-host",
                  "--no-generate", "--no-plot", "--out", str(out), "--tag", "t"], timeout=100)
@@ -43,10 +44,20 @@ def test_e2e_model_smoke_writes_results(tmp_path):
     for backend in ("plain", "moe_fx"):
         assert row[backend]["wall_us"] > 0 and row[backend]["host_us"] > 0
         assert row[backend]["gpu_us"] is None  # no CUDA: no profiler numbers
+        # the row's first call compiled (static shapes, a new T): its seconds, split by phase
+        split = row[backend]["compile"]
+        assert split["backend_calls"] >= 1 and split["restarts"] >= 0, split
+        for key in ("dynamo_s", "backend_s", "tracing_s", "inductor_s"):
+            assert split[key] > 0, (backend, key, split)
+        assert row[backend]["first_call_s"] >= split["dynamo_s"] > split["backend_s"], (backend, row[backend])
+    assert row["plain"]["compile"]["passes_s"] == 0 < row["moe_fx"]["compile"]["passes_s"]
+    assert meta["explain_s"]["qwen3"]["wall_s"] > meta["explain_s"]["qwen3"]["passes_s"] > 0
     assert row["speedup"] == pytest.approx(row["plain"]["wall_us"] / row["moe_fx"]["wall_us"])
     assert row["target"] == 1.0 and isinstance(row["ok"], bool)
     md = js.with_suffix(".md").read_text()
     assert "| qwen3 | bf16 | 1 | default | " in md and "## Host time of one MoE decoder layer" in md and "## generate()" in md
+    assert "## Compile time" in md and f"| {row['plain']['first_call_s']:.1f} | {row['moe_fx']['first_call_s']:.1f} |" in md
+    assert "qwen3 default T=8 moe_fx: compiled, first call " in proc.stdout, proc.stdout[-2000:]  # the timestamped progress line
 
     sys.path.insert(0, str(SCRIPT.parent))
     import e2e_model
