@@ -264,3 +264,30 @@ def test_activation_epilogue_where_it_measured_faster(sm90):
     assert tuple(_kernel_name(n) for n in _launches(gm)) == KERNELS
     gemm1 = _launches(gm)[2].kwargs["kwargs"]
     assert gemm1["ACT_FUSED"] and gemm1["INTERLEAVED"] and gemm1["HAS_LIMIT"]
+
+
+def _allocated(gm) -> dict[str, int]:
+    """Bytes of every buffer the lowered graph allocates, by role: ``rows`` (the per-slot activations, 3-D),
+    ``index`` (sort outputs and scratch) and ``out`` (the op's [T, H] result)."""
+    out = {"rows": 0, "index": 0, "out": 0}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in (torch.ops.aten.empty.memory_format, torch.ops.aten.zeros.default):
+            continue
+        v = n.meta["val"]
+        size = v.numel() * v.element_size()
+        out["rows" if v.dim() == 3 else "out" if v.dim() == 2 else "index"] += size
+    return out
+
+
+@pytest.mark.parametrize("t", [1024, 16384])
+def test_transient_memory_is_the_contiguous_layouts_bound(sm90, t):
+    """One Qwen3-30B-A3B layer (E=128, K=8, H=2048, I=768): the sorted layout allocates T*K rows of
+    GEMM1's product, the activation and GEMM2's output, no more (the contiguous layout's bound, issue 16);
+    with the activation in GEMM1's epilogue (64 rows per expert at T=1024) GEMM1's product is not stored."""
+    e, k, h, i = 128, 8, 2048, 768
+    gm = _trace(_experts, _inputs(FakeTensorMode(), t=t, h=h, i=i, e=e, k=k))
+    slots = t * k
+    epilogue = t * k // e <= 64
+    got = _allocated(gm)
+    assert got["rows"] == slots * ((0 if epilogue else 2 * i) + i + h) * 2, got
+    assert got["index"] == slots * (4 + 8) + (2 * e + 1) * 4 and got["out"] == t * h * 2, got
