@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_layer import GPT_OSS_ACT, SHAPES, bench_us, machine_meta, measure_limits, row_metrics  # noqa: E402
+from moe_layer import GPT_OSS_ACT, SHAPES, bench_us, machine_meta, measure_limits, row_metrics
 
 SETS = 3
 #: --smoke: tiny layers of the same forms (E, K, H, I as in SHAPES), run on CPU under the interpreter
@@ -210,10 +210,10 @@ def write(out: str, stem: str, meta: dict, rows: list[dict]) -> None:
         "",
         f"Command: `{meta['command']}`",
         "",
-        "CUDA-graph replays of `torch.ops.moe_fx.experts(kernel_choice='triton')` (sorted layout), the two variants "
-        "timed alternately; µs, lower is better. Speed-up = unfused / fused. Floor = max(bytes / copy rate, "
-        "flops / matmul rate). Errors: relative Frobenius, against the fp32 reference at T=64, and fused "
-        "against unfused at the row's T.",
+        ("CUDA-graph replays of `torch.ops.moe_fx.experts(kernel_choice='triton')` (sorted layout), the two variants "
+         "timed alternately; µs, lower is better. Speed-up = unfused / fused. Floor = max(bytes / copy rate, "
+         "flops / matmul rate). Errors: relative Frobenius, against the fp32 reference at T=64, and fused "
+         "against unfused at the row's T."),
         "",
         "| shape | T | fused µs | unfused µs | speed-up | floor µs | fused floor% | err fused / unfused vs ref | fused vs unfused |",
         "|---|---|---|---|---|---|---|---|---|",

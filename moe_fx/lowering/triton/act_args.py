@@ -21,6 +21,6 @@ def epilogue_args(spec: ExpertActivation, name: str = "expert_activation") -> di
     bad = spec.problems()
     if bad or spec.name not in ACT_CODES:
         raise ValueError(f"{name}: {'; '.join(bad) or f'no kernel for activation {spec.name!r}'}")
-    return dict(ACT_FUSED=True, ACT=ACT_CODES[spec.name], GATED=spec.gated,
-                INTERLEAVED=spec.gate_up_layout == "interleaved", HAS_LIMIT=spec.limit is not None,
-                alpha=float(spec.alpha), limit=float(spec.limit or 0.0), up_offset=float(spec.up_offset))
+    return {"ACT_FUSED": True, "ACT": ACT_CODES[spec.name], "GATED": spec.gated,
+            "INTERLEAVED": spec.gate_up_layout == "interleaved", "HAS_LIMIT": spec.limit is not None,
+            "alpha": float(spec.alpha), "limit": float(spec.limit or 0.0), "up_offset": float(spec.up_offset)}
