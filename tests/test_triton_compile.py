@@ -227,6 +227,7 @@ def test_sorted_gemm_swap_and_device_descriptors_compile(fp8, swap_ab, device_tm
         ("gpt_oss", 128, 256, 64, 8, 3, True, False),  # interleaved rows: the unfused tile, split; bias, clamp
         ("gpt_oss", 64, 128, 64, 4, 4, False, False),  # the same through pointers
         ("silu", 16, 64, 128, 4, 4, False, True),     # decode: swapped tile (wgmma on the weight rows)
+        ("gpt_oss", 16, 64, 128, 4, 4, False, True),  # GPT-OSS decode: swapped, then split into gate/up
         ("relu2", 128, 256, 64, 8, 3, True, False),   # not gated: one accumulator, the unfused tile
     ],
 )
