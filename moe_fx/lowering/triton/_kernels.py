@@ -198,6 +198,8 @@ def masked_gemm_kernel(
             else:
                 a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[E, M, K], strides=[s_ag, s_am, 1],
                                                   block_shape=[1, BLOCK_M, BLOCK_K])
+    # gate/up halves in the epilogue: a second accumulator over the up rows, N below the gate's
+    HALVES: tl.constexpr = ACT_FUSED and GATED and not INTERLEAVED
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
@@ -229,13 +231,13 @@ def masked_gemm_kernel(
             a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
         if not TMA:
             b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
-            if ACT_FUSED and GATED and not INTERLEAVED:  # the up rows, N below the gate's
+            if HALVES:
                 u_ptrs = b_ptrs + N * s_bn
         if SWAP_AB:  # acc^T = b^T a^T: the weight tile is the MMA's M (wgmma needs 64+), the few rows its N
             acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
         else:
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        if ACT_FUSED and GATED and not INTERLEAVED:  # the up accumulator (acc + 0.0: a new tensor of its shape)
+        if HALVES:  # the up accumulator (acc + 0.0: a new tensor of its shape)
             acc_u = acc + 0.0
         for k0 in range(0, K, BLOCK_K):
             if TMA and not GATHER_A:
@@ -246,21 +248,21 @@ def masked_gemm_kernel(
                 a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
             if TMA:
                 b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-                if ACT_FUSED and GATED and not INTERLEAVED:
+                if HALVES:
                     u = b_ptr.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
             elif EVEN_K:
                 b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-                if ACT_FUSED and GATED and not INTERLEAVED:
+                if HALVES:
                     u = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
             else:
                 b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
-                if ACT_FUSED and GATED and not INTERLEAVED:
+                if HALVES:
                     u = tl.load(u_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
             if UPCAST:  # the CPU interpreter's dot mis-reads bf16 / fp8 operands; fp32 is exact there
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = _mma(acc, a, b, SWAP_AB, IEEE or UPCAST)
-            if ACT_FUSED and GATED and not INTERLEAVED:
+            if HALVES:
                 if UPCAST:
                     u = u.to(tl.float32)
                 acc_u = _mma(acc_u, a, u, SWAP_AB, IEEE or UPCAST)
@@ -268,27 +270,27 @@ def masked_gemm_kernel(
                 a_ptrs += BLOCK_K * s_ak
             if not TMA:
                 b_ptrs += BLOCK_K * s_bk
-                if ACT_FUSED and GATED and not INTERLEAVED:
+                if HALVES:
                     u_ptrs += BLOCK_K * s_bk
         if SWAP_AB:
             acc = tl.trans(acc)
-            if ACT_FUSED and GATED and not INTERLEAVED:
+            if HALVES:
                 acc_u = tl.trans(acc_u)
         if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)
             rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0).to(tl.float32)
             acc = acc * rw[:, None]
-            if ACT_FUSED and GATED and not INTERLEAVED:
+            if HALVES:
                 acc_u = acc_u * rw[:, None]
         if HAS_BIAS:  # bias [G, rows of b], contiguous along them
             acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            if ACT_FUSED and GATED and not INTERLEAVED:
+            if HALVES:
                 acc_u += tl.load(bias_ptr + e64 * s_biasg + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if ACT_FUSED and GATED and INTERLEAVED:  # columns (2j, 2j + 1) of the tile: (gate, up) of output column j
             g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
             acc = _act_epilogue(g, u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
             offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             mask_n = offs_n < N
-        elif ACT_FUSED and GATED:
+        elif HALVES:
             acc = _act_epilogue(acc, acc_u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
         elif ACT_FUSED:
             acc = _act_epilogue(acc, acc, alpha, limit, up_offset, ACT, False, HAS_LIMIT, UPCAST)
