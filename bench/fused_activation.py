@@ -28,7 +28,16 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_layer import GPT_OSS_ACT, SHAPES, bench_us, machine_meta, measure_limits, row_metrics
+from moe_layer import (
+    GPT_OSS_ACT,
+    SHAPES,
+    capture_graphs,
+    machine_meta,
+    measure_limits,
+    replay_us,
+    routing_sets,
+    row_metrics,
+)
 
 SETS = 3
 #: --smoke: tiny layers of the same forms (E, K, H, I as in SHAPES), run on CPU under the interpreter
@@ -47,17 +56,6 @@ def layer(shape: str, dims: tuple, device: str, seed: int = 0) -> tuple[dict, di
         kw["w13_bias"] = 0.1 * torch.randn(e, 2 * i, device=device, generator=g, dtype=torch.bfloat16)
         kw["w2_bias"] = 0.1 * torch.randn(e, h, device=device, generator=g, dtype=torch.bfloat16)
     return w, kw
-
-
-def routing(t: int, e: int, k: int, h: int, n: int, device: str, seed: int = 0) -> list[tuple]:
-    """``n`` (hidden, ids, weights) sets: top-k of random scores, renormalised softmax weights."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    out = []
-    for _ in range(n):
-        hidden = torch.randn(t, h, device=device, generator=g, dtype=torch.bfloat16)
-        w, ids = torch.randn(t, e, device=device, generator=g).softmax(-1).topk(k, dim=-1)
-        out.append((hidden, ids, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)))
-    return out
 
 
 def variant(fused: bool, w: dict, kw: dict):
@@ -86,39 +84,20 @@ class _Call:
 
 
 def graphs_of(fn, sets) -> tuple[list, list]:
-    """CUDA graphs of ``fn`` on each set (warmed up outside the capture) and their outputs (CPU: plain calls)."""
-    if sets[0][0].device.type != "cuda":
-        return [_Call(fn, s) for s in sets], [fn(*s) for s in sets]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for s in sets:
-            fn(*s)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graphs, outs = [], []
-    for s in sets:
-        gr = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gr):
-            outs.append(fn(*s))
-        graphs.append(gr)
-    return graphs, outs
+    """CUDA graphs of ``fn`` on each set and their outputs (:func:`moe_layer.capture_graphs`); CPU: plain calls."""
+    if sets[0][0].device.type == "cuda":
+        return capture_graphs(fn, sets)
+    return [_Call(fn, s) for s in sets], [fn(*s) for s in sets]
 
 
-def replay_us(graphs: list) -> float:
-    """Median µs of one replay, the graphs replayed in rotation (CPU: the mean of one pass over them)."""
-    state = {"i": 0}
-
-    def step():
-        graphs[state["i"] % len(graphs)].replay()
-        state["i"] += 1
-
-    if isinstance(graphs[0], _Call):
-        t0 = time.perf_counter()
-        for _ in graphs:
-            step()
-        return (time.perf_counter() - t0) / len(graphs) * 1e6
-    return bench_us(step)
+def time_us(graphs: list) -> float:
+    """Median µs of one replay, in rotation (:func:`moe_layer.replay_us`); CPU: the mean of one pass over them."""
+    if not isinstance(graphs[0], _Call):
+        return replay_us(graphs)
+    t0 = time.perf_counter()
+    for gr in graphs:
+        gr.replay()
+    return (time.perf_counter() - t0) / len(graphs) * 1e6
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -132,7 +111,7 @@ def reference_errors(dims: tuple, w: dict, kw: dict, device: str) -> dict[str, f
     from moe_fx.ops import experts_reference
 
     _, e, k, h, _ = dims
-    x, ids, rw = routing(64, e, k, h, 1, device, seed=123)[0]
+    x, ids, rw = routing_sets(64, e, k, h, 1, seed=123, device=device)[0]
     ref = experts_reference(x, ids, rw, w["w13"], w["w2"], **kw)
     return {name: rel(variant(fused, w, kw)(x, ids, rw), ref) for name, fused in (("fused", True), ("unfused", False))}
 
@@ -170,14 +149,14 @@ def main(argv: list[str] | None = None) -> None:
         w, kw = layer(shape, dims, device)
         errs = reference_errors(dims, w, kw, device)
         for t in (int(x) for x in tokens.split(",")):
-            sets = routing(t, e, k, h, SETS, device, seed=t)
+            sets = routing_sets(t, e, k, h, SETS, seed=t, device=device)
             g_f, out_f = graphs_of(variant(True, w, kw), sets)
             g_u, out_u = graphs_of(variant(False, w, kw), sets)
             times: dict[str, list[float]] = {"fused": [], "unfused": []}
             for r in range(args.rounds):
                 order = (("fused", g_f), ("unfused", g_u)) if r % 2 == 0 else (("unfused", g_u), ("fused", g_f))
                 for name, gr in order:
-                    times[name].append(replay_us(gr))
+                    times[name].append(time_us(gr))
             fused_us, unfused_us = statistics.median(times["fused"]), statistics.median(times["unfused"])
             row = {"shape": shape, "T": t, "fused_us": fused_us, "unfused_us": unfused_us,
                    "speedup": unfused_us / fused_us, "fused_vs_unfused_err": max(rel(a, b) for a, b in zip(out_f, out_u)),

@@ -147,13 +147,13 @@ def hf_experts_module(family: str, e: int, k: int, h: int, i: int, impl: str, we
     return mod.eval()
 
 
-def routing_sets(t: int, e: int, k: int, h: int, n: int, seed: int = 0):
+def routing_sets(t: int, e: int, k: int, h: int, n: int, seed: int = 0, device: str = "cuda"):
     """``n`` independent (hidden, ids, weights) sets; uniform top-k of random scores, softmax weights."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     out = []
     for _ in range(n):
-        hidden = torch.randn(t, h, device="cuda", generator=g, dtype=torch.bfloat16)
-        scores = torch.randn(t, e, device="cuda", generator=g)
+        hidden = torch.randn(t, h, device=device, generator=g, dtype=torch.bfloat16)
+        scores = torch.randn(t, e, device=device, generator=g)
         w, ids = scores.softmax(-1).topk(k, dim=-1)
         out.append((hidden, ids, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)))
     return out
@@ -171,9 +171,10 @@ def time_rotating(fn, sets) -> float:
     return bench_us(step)
 
 
-def time_graph(fn, sets) -> float:
-    """Median µs of CUDA-graph replays, one graph per input set, replayed in rotation."""
-    graphs = []
+def capture_graphs(fn, sets) -> tuple[list, list]:
+    """CUDA graphs of ``fn`` on each input set (warmed up outside the capture, one memory pool) and the
+    outputs each graph writes."""
+    graphs, outs = [], []
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -185,16 +186,25 @@ def time_graph(fn, sets) -> float:
     for s in sets:
         gr = torch.cuda.CUDAGraph()
         with torch.cuda.graph(gr, pool=pool):
-            fn(*s)
+            outs.append(fn(*s))
         graphs.append(gr)
+    return graphs, outs
+
+
+def replay_us(graphs: list) -> float:
+    """Median µs of one replay, the graphs replayed in rotation."""
     state = {"i": 0}
 
     def step():
         graphs[state["i"] % len(graphs)].replay()
         state["i"] += 1
 
-    us = bench_us(step)
-    return us
+    return bench_us(step)
+
+
+def time_graph(fn, sets) -> float:
+    """Median µs of CUDA-graph replays, one graph per input set, replayed in rotation."""
+    return replay_us(capture_graphs(fn, sets)[0])
 
 
 def row_metrics(us: float, sets, e: int, k: int, h: int, i: int, fp8: bool, limits: dict) -> dict:
