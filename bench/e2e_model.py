@@ -542,17 +542,16 @@ def generate_row(model_name: str, models: dict[str, Any], s: Settings) -> dict:
         )
 
     with torch.no_grad():
-        tokens, warm = {}, {}
+        tokens, warm, outs = {}, {}, {}
         for name in models:  # warm-up: compiles prefill and decode
-            progress(f"generate {model_name} {name}: warm-up (compiles prefill and decode)")
-            before, start = compile_metrics(), time.perf_counter()
-            for new in (1, s.gen_new):
-                out = run(name, new)
-            synchronize()
-            warm[name] = {"warmup_s": time.perf_counter() - start, "compile": compile_split(before, compile_metrics())}
-            progress(f"generate {model_name} {name}: warm-up {warm[name]['warmup_s']:.1f} s, "
-                     f"{warm[name]['compile']['backend_calls']} backend call(s)")
-            tokens[name] = out[:, s.gen_prompt:].cpu()
+
+            def warm_up(name: str = name) -> None:
+                for new in (1, s.gen_new):
+                    outs[name] = run(name, new)
+
+            first = compiling_call(warm_up, f"generate {model_name} {name} warm-up (prefill and decode)")
+            warm[name] = {"warmup_s": first["first_call_s"], "compile": first["compile"]}
+            tokens[name] = outs[name][:, s.gen_prompt:].cpu()
         synchronize()
         for name in models:
             runs[name] = {"full": [], "one": []}
