@@ -37,18 +37,21 @@ def _layer(t, e=16, k=4, h=256, i=384, dtype=torch.bfloat16, seed=0):
     return hidden, ids, w, w13, w2
 
 
-def test_compiled_op_is_kernel_launches_in_inductor_code():
-    hidden, ids, w, w13, w2 = _layer(64)
+@pytest.mark.parametrize("t", [64, 512])
+def test_compiled_op_is_kernel_launches_in_inductor_code(t):
+    """The sorted (contiguous) layout's Triton kernels, launched by Inductor's code (Triton asked for: under
+    auto an importable DeepGEMM takes these 128-aligned shapes); the activation runs in GEMM1's epilogue up to
+    64 rows per expert (T=64: 16 rows) and as its own kernel above (T=512: 128 rows)."""
+    hidden, ids, w, w13, w2 = _layer(t)
 
     def layer(hidden, ids, w):
-        return torch.ops.moe_fx.experts(hidden, ids, w, w13, w2) * 2
+        return torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, kernel_choice="triton") * 2
 
     torch._dynamo.reset()
     out, code = _code_of(torch.compile(layer, fullgraph=True), hidden, ids, w)
-    # the sorted (contiguous) layout: T=64, 16 experts, top-4 -> 16 rows per expert (the two-kernel sort)
-    for kernel in ("expert_counts_kernel", "sort_slots_kernel", "masked_gemm_kernel", "activation_kernel",
-                   "unpermute_kernel"):
+    for kernel in ("expert_counts_kernel", "sort_slots_kernel", "masked_gemm_kernel", "unpermute_kernel"):
         assert kernel in code, kernel
+    assert ("activation_kernel" in code) == (t == 512), "the activation epilogue's choice changed"
     assert "moe_fx.experts" not in code
     ref = experts_reference(hidden, ids, w, w13, w2) * 2
     assert rel_err(out, ref) < 1e-2
