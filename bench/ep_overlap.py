@@ -9,16 +9,20 @@ I = 2048, one shared expert of I = 2048), as ``split_ep`` writes it, in two orde
   -> combine (what ``split_ep`` emits: the shared expert runs while the tokens are in flight, through
   DeepEP's receive hook or the fixed exchange's asynchronous all_gather on NCCL's stream).
 
-Both are captured in CUDA graphs and timed over replays (median, CUDA events), for each kernel that
-runs (DeepEP's low-latency kernels where ``deep_ep`` imports, the sync-free torch.distributed exchange
-over NCCL). One replay of each is profiled (``torch.profiler``): the script reports how long the
-communication kernels ran concurrently with the shared expert's GEMMs, and writes the Chrome traces.
+Both are captured in CUDA graphs and timed over replays in alternating rounds (median, CUDA events),
+for each kernel that runs (DeepEP's low-latency kernels where ``deep_ep`` imports, the sync-free
+torch.distributed exchange over NCCL). One replay of each is profiled (``torch.profiler``): the script
+reports the *in-flight window* (from the end of the send to the start of the receive) and how much of
+the shared expert's GEMM time lies inside it (:func:`in_flight_profile`); ``--traces`` writes the
+Chrome traces.
 
-One GPU means an NCCL group of one rank: the transfer is a local copy (DeepEP: NVSHMEM to itself),
-so the time saved here is a lower bound of what several GPUs see. Usage (GPU machine, repo root; DeepEP
-on ``PYTHONPATH`` for its rows)::
+One GPU means an NCCL group of one rank: the send itself moves the tokens (DeepEP: NVSHMEM to its own
+GPU; NCCL: a device copy), so nothing is in flight after it and the time saved is about zero there;
+the profile shows where the shared expert runs. On several GPUs the saving is up to min(transfer
+time, the shared-expert time inside the window). Usage (GPU machine, repo root; DeepEP on
+``PYTHONPATH`` for its rows)::
 
-    python bench/ep_overlap.py --out bench/results
+    python bench/ep_overlap.py --out bench/results [--traces]
 
 ``--device cpu`` runs the same code on CPU with gloo at a tiny size (a smoke test, no timing claims).
 """
@@ -30,6 +34,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import tempfile
 
 import torch
@@ -37,23 +42,63 @@ import torch.distributed as dist
 from ep_single_rank import _commit, _time_us  # bench/ is the script's directory: its sibling imports
 
 
-def _concurrency_us(prof, comm_words: tuple[str, ...], compute_words: tuple[str, ...]) -> dict:
-    """Time (µs) the communication kernels ran while a shared-expert GEMM ran, from a profile's GPU events.
+#: the first kernel of each path's receive: DeepEP's second launch of its dispatch kernel (the receive hook),
+#: the fixed exchange's scatter of the gathered block into the masked layout
+RECEIVE_KERNEL = {"deepep": "dispatch", "torch_dist_fixed": "permute_kernel"}
+#: the shared expert's GEMMs (cuBLAS's nvjet / CUTLASS kernels); the routed experts' ``masked_gemm`` is not one
+SHARED_GEMM_WORDS = ("nvjet", "gemm", "cutlass", "sm90", "xmma", "matmul")
 
-    Shared-expert GEMMs are cuBLAS's (``nvjet`` / CUTLASS names); the routed experts' are moe_fx's
-    ``masked_gemm`` Triton kernels, left out.
+
+def in_flight_profile(events: list[tuple[str, float, float]], receive_word: str) -> dict:
+    """What ran while the dispatched tokens were in flight, from one replay's GPU events ``(name, start, end)``
+    (µs; kernels and device copies, any stream).
+
+    The window opens when the last event that started before the first shared-expert GEMM ends (the send:
+    DeepEP's dispatch launch, or the fixed exchange's pack and all_gather) and closes when the receive's first
+    kernel (``receive_word`` in its name) starts after it; no such kernel: the tokens were received before
+    the shared expert ran (the sequential order) and the window is empty. Returns the window's width, the
+    shared-expert GEMM time inside it, and that GEMM time in all.
     """
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    def is_shared(name: str) -> bool:
+        low = name.lower()
+        return any(w in low for w in SHARED_GEMM_WORDS) and "masked_gemm" not in low
 
-    def spans(words):
-        return [(e.time_range.start, e.time_range.end) for e in kernels
-                if any(w in e.name.lower() for w in words) and "masked_gemm" not in e.name]
+    ev = sorted(events, key=lambda e: e[1])
+    shared = [e for e in ev if is_shared(e[0])]
+    out = {"window_us": 0.0, "shared_gemm_in_window_us": 0.0, "shared_gemm_us": sum(e[2] - e[1] for e in shared)}
+    if not shared:
+        return out
+    first = shared[0][1]
+    before = [e for e in ev if e[1] < first and not is_shared(e[0])]
+    if not before:
+        return out
+    # a collective still running (NCCL's kernel on several ranks) has the tokens in flight: from its start
+    opens = max(e[1] if "nccl" in e[0].lower() else e[2] for e in before)
+    receive = [e for e in ev if receive_word in e[0] and e[1] >= opens and not is_shared(e[0])]
+    if not receive:
+        return out
+    closes = receive[0][1]
+    out["window_us"] = closes - opens
+    out["shared_gemm_in_window_us"] = sum(max(0.0, min(e[2], closes) - max(e[1], opens)) for e in shared)
+    return out
 
-    comm, compute = spans(comm_words), spans(compute_words)
-    overlap = sum(max(0, min(a1, b1) - max(a0, b0)) for a0, a1 in comm for b0, b1 in compute)
-    return {"comm_us": sum(b - a for a, b in comm), "shared_gemm_us": sum(b - a for a, b in compute),
-            "concurrent_us": overlap, "comm_kernels": sorted({e.name for e in kernels
-                                                               if any(w in e.name.lower() for w in comm_words)})[:6]}
+
+def _gpu_events(prof) -> list[tuple[str, float, float]]:
+    """(name, start µs, end µs) of a profile's GPU kernels and copies."""
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def alternate_us(graphs: dict, rounds: int = 7, iters: int = 20) -> dict:
+    """Median µs per graph replay of each of ``graphs`` (name -> CUDAGraph), replayed in turns (``rounds``
+    rounds of ``iters`` replays each, the order alternating) so that clock and neighbour drift hit both alike;
+    also each round's median, for the spread."""
+    per_round = {name: [] for name in graphs}
+    for r in range(rounds):
+        order = list(graphs) if r % 2 == 0 else list(graphs)[::-1]
+        for name in order:
+            per_round[name].append(_time_us(graphs[name].replay, iters=iters, warmup=3))
+    return {name: {"median_us": statistics.median(v), "rounds_us": v} for name, v in per_round.items()}
 
 
 def main() -> None:
@@ -66,6 +111,7 @@ def main() -> None:
     ap.add_argument("--shared-inter", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--traces", action="store_true", help="write each replay's Chrome trace beside the results")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
     cpu = args.device == "cpu"
@@ -133,6 +179,7 @@ def main() -> None:
     rows = []
     for kernel in kernels:
         row = {"kernel": kernel}
+        graphs = {}
         for name, fn in (("sequential", sequential), ("overlapped", overlapped)):
             with torch.no_grad():
                 out = fn(kernel)
@@ -145,21 +192,24 @@ def main() -> None:
                     for _ in range(3):
                         fn(kernel)
                 torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                graphs[name] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[name]):
                     fn(kernel)
-                row[f"{name}_us"] = _time_us(graph.replay)
-                from torch.profiler import ProfilerActivity, profile
+        if not cpu:
+            from torch.profiler import ProfilerActivity, profile
 
+            for name, timing in alternate_us(graphs).items():
+                row[f"{name}_us"], row[f"{name}_rounds_us"] = timing["median_us"], timing["rounds_us"]
+            for name, graph in graphs.items():
                 with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                     graph.replay()
                     torch.cuda.synchronize()
-                os.makedirs(args.out, exist_ok=True)
-                prof.export_chrome_trace(os.path.join(args.out, f"ep_overlap_{kernel}_{name}.trace.json"))
-                row[f"{name}_profile"] = _concurrency_us(prof, ("nccl", "dispatch", "deep_ep", "internode", "intranode"),
-                                                         ("nvjet", "gemm", "cutlass", "sm90", "xmma", "matmul"))
-        if not cpu:
+                if args.traces:
+                    os.makedirs(args.out, exist_ok=True)
+                    prof.export_chrome_trace(os.path.join(args.out, f"ep_overlap_{kernel}_{name}.trace.json"))
+                row[f"{name}_profile"] = in_flight_profile(_gpu_events(prof), RECEIVE_KERNEL[kernel])
             row["saved_us"] = row["sequential_us"] - row["overlapped_us"]
+            row["saved_rounds_us"] = [a - b for a, b in zip(row["sequential_rounds_us"], row["overlapped_rounds_us"])]
         rows.append(row)
         print(json.dumps(row, indent=1), flush=True)
     if cpu:
@@ -174,14 +224,21 @@ def main() -> None:
         f.write(f"# Shared expert overlapped with the EP dispatch, one GPU ({meta['date']})\n\n")
         f.write(f"{meta['device']}, torch {meta['torch']} (CUDA {meta['cuda']}), commit {meta['commit']}; "
                 f"DeepEP: {deep_ep_error or 'yes'}\n\nShape: {meta['shape']}\n\n")
-        f.write("| kernel | sequential µs | overlapped µs | saved µs | comm kernels concurrent with the shared "
-                "GEMMs (µs, overlapped / sequential) | rel. err |\n|---|---|---|---|---|---|\n")
+        f.write("| kernel | sequential µs | overlapped µs | saved µs (per round: min .. max) | in-flight window µs "
+                "(overlapped / sequential) | shared-expert GEMM µs inside it (of all) | rel. err |\n"
+                "|---|---|---|---|---|---|---|\n")
         for r in rows:
-            f.write(f"| {r['kernel']} | {r['sequential_us']:.1f} | {r['overlapped_us']:.1f} | {r['saved_us']:.1f} | "
-                    f"{r['overlapped_profile']['concurrent_us']:.1f} / {r['sequential_profile']['concurrent_us']:.1f} | "
+            po, ps = r["overlapped_profile"], r["sequential_profile"]
+            f.write(f"| {r['kernel']} | {r['sequential_us']:.1f} | {r['overlapped_us']:.1f} | {r['saved_us']:.1f} "
+                    f"({min(r['saved_rounds_us']):.1f} .. {max(r['saved_rounds_us']):.1f}) | {po['window_us']:.1f} / "
+                    f"{ps['window_us']:.1f} | {po['shared_gemm_in_window_us']:.1f} ({po['shared_gemm_us']:.1f}) | "
                     f"{r['overlapped_rel_err']:.2e} |\n")
-        f.write("\nCUDA-graph replays, median of 50 (CUDA events). Chrome traces: ep_overlap_<kernel>_<order>.trace.json. "
-                "One rank: the transfer is a local copy, a lower bound of the overlap several GPUs get.\n")
+        f.write("\nCUDA-graph replays, the two orders in alternating rounds (7 x 20 replays, median; CUDA events). The "
+                "in-flight window: from the end of the send (DeepEP's dispatch launch, the fixed exchange's pack and "
+                "all_gather) to the start of the receive (DeepEP's receive hook, the fixed exchange's scatter), from a "
+                "profile of one replay. One rank: the transfer is done by the send itself (NVSHMEM to its own GPU, "
+                "or NCCL's one-rank all_gather, a device copy), so nothing is in flight and no time can be saved here; "
+                "on several GPUs the saving is up to min(transfer time, the shared-expert time inside the window).\n")
     print("wrote", base + ".md")
     dist.destroy_process_group()
 
