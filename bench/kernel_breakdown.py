@@ -1,0 +1,139 @@
+"""Where one MoE layer's time goes on one GPU: each kernel of a CUDA-graph replay of
+``torch.ops.moe_fx.experts`` (Triton), against the layer's floor and each GEMM's own bandwidth floor.
+
+For each shape and token count T the layer (bf16 or fp8 weights, moe_layer's SHAPES and forms) is captured
+in CUDA graphs over rotating routing sets; the replay is timed (median), then a few replays are profiled
+(``torch.profiler``) and each kernel's mean GPU time is listed in launch order. ``gaps`` is the replay time
+minus the kernels' sum: launch latency and idle time between kernels inside the graph. GEMM floors are the
+bytes of the weights of the experts hit over the copy rate measured in the same run; the layer's floor is
+moe_layer's (``max(bytes / copy rate, flops / matmul rate)``).
+
+    python bench/kernel_breakdown.py [--shapes qwen3,gpt_oss,mixtral] [--tokens 1,4,16] [--fp8]
+
+Writes ``kernel_breakdown_<date>[_tag].{md,json}`` to ``--out`` (default bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fused_activation import layer
+from moe_layer import SHAPES, capture_graphs, machine_meta, measure_limits, replay_us, routing_sets, row_metrics
+
+SETS = 3
+PROFILED_REPLAYS = 5
+
+
+def per_launch_us(events: list[tuple[str, float, float]], replays: int) -> list[tuple[str, float]]:
+    """Mean GPU µs of each launch of one replay, in launch order, from the events ``(name, start, end)`` of
+    ``replays`` identical replays (each launches the same kernels in the same order)."""
+    if replays < 1 or len(events) % replays:
+        raise ValueError(f"{len(events)} GPU events are not {replays} replays of one kernel sequence")
+    ev = sorted(events, key=lambda e: e[1])
+    n = len(ev) // replays
+    chunks = [ev[r * n:(r + 1) * n] for r in range(replays)]
+    names = [e[0] for e in chunks[0]]
+    if any([e[0] for e in c] != names for c in chunks[1:]):
+        raise ValueError("the replays launched different kernel sequences")
+    return [(names[j], sum(c[j][2] - c[j][1] for c in chunks) / replays) for j in range(n)]
+
+
+def gemm_floors_us(hit: int, h: int, i: int, fp8: bool, copy_tbs: float) -> tuple[float, float]:
+    """Bandwidth floors (µs) of GEMM1 (``[2I, H]`` per expert hit) and GEMM2 (``[H, I]``)."""
+    per = 1 if fp8 else 2
+    return hit * 2 * i * h * per / copy_tbs / 1e6, hit * h * i * per / copy_tbs / 1e6
+
+
+def short(name: str) -> str:
+    """A kernel's name without template arguments and signature (``void at::native::foo<...>(...)`` -> ``foo``)."""
+    name = name.split("(")[0].split("<")[0].replace("void ", "")
+    return name.split("::")[-1]
+
+
+def _profile(graph) -> list[tuple[str, float, float]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED_REPLAYS):
+            graph.replay()
+        torch.cuda.synchronize()
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="qwen3,gpt_oss,mixtral")
+    ap.add_argument("--tokens", default="1,4,16")
+    ap.add_argument("--fp8", action="store_true", help="fp8 weights (128x128 block scales)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    import moe_fx  # noqa: F401
+    from moe_fx.lowering.quant import quantize_fp8_blockwise
+
+    meta = machine_meta()
+    meta["limits"] = limits = measure_limits()
+    rows = []
+    for shape in args.shapes.split(","):
+        dims = SHAPES[shape]
+        _, e, k, h, i = dims
+        w, kw = layer(shape, dims, "cuda")
+        if args.fp8:
+            w["w13"], kw["w13_scale"] = quantize_fp8_blockwise(w["w13"])
+            w["w2"], kw["w2_scale"] = quantize_fp8_blockwise(w["w2"])
+
+        def fn(x, ids, rw):
+            return torch.ops.moe_fx.experts(x, ids, rw, w["w13"], w["w2"], **kw)
+
+        for t in map(int, args.tokens.split(",")):
+            sets = routing_sets(t, e, k, h, SETS, seed=t)
+            graphs, _ = capture_graphs(fn, sets)
+            us = replay_us(graphs)
+            launches = per_launch_us(_profile(graphs[0]), PROFILED_REPLAYS)
+            metrics = row_metrics(us, sets[:1], e, k, h, i, args.fp8, limits)
+            g1, g2 = gemm_floors_us(metrics["experts_hit"], h, i, args.fp8, limits["copy_tbs"])
+            row = {"shape": shape, "T": t, "fp8": args.fp8, "replay_us": us, "floor_us": metrics["floor_us"],
+                   "kernels": [(short(n), d) for n, d in launches], "gemm1_floor_us": g1, "gemm2_floor_us": g2,
+                   "gaps_us": us - sum(d for _, d in launches), "experts_hit": metrics["experts_hit"]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del graphs
+    date = datetime.date.today().isoformat()
+    stem = f"kernel_breakdown_{date}{'_' + args.tag if args.tag else ''}"
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, stem + ".json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, stem + ".md"), "w") as f:
+        f.write(f"# One MoE layer's kernels, CUDA-graph replay ({meta.get('date', date)})\n\n")
+        f.write(f"{meta.get('gpu', '')} · torch {torch.__version__} · limits in this run: copy "
+                f"{limits['copy_tbs']:.2f} TB/s, bf16 {limits['bf16_tflops']:.0f} TFLOP/s\n\n")
+        f.write("| shape | dtype | T | replay µs | floor µs (%) | kernels, launch order: GPU µs (GEMM bandwidth floor) "
+                "| gaps µs |\n|---|---|---|---|---|---|---|\n")
+        for r in rows:
+            parts, gemm = [], 0
+            for name, d in r["kernels"]:
+                if "gemm" in name:
+                    gemm += 1
+                    floor = r["gemm1_floor_us"] if gemm == 1 else r["gemm2_floor_us"]
+                    parts.append(f"{name} {d:.1f} ({floor:.1f})")
+                else:
+                    parts.append(f"{name} {d:.1f}")
+            f.write(f"| {r['shape']} | {'fp8' if r['fp8'] else 'bf16'} | {r['T']} | {r['replay_us']:.1f} | "
+                    f"{r['floor_us']:.1f} ({100 * r['floor_us'] / r['replay_us']:.0f}%) | {' · '.join(parts)} | "
+                    f"{r['gaps_us']:.1f} |\n")
+        f.write("\nGPU µs: mean over a profile of 5 replays. gaps: replay minus the kernels' sum (launch latency and "
+                "idle time inside the graph).\n")
+    print("wrote", os.path.join(args.out, stem + ".md"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""bench/kernel_breakdown.py's pure parts: per-launch means from a profile of identical replays, GEMM floors."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "kernel_breakdown.py"
+
+
+@pytest.fixture(scope="module")
+def mod():
+    pytest.importorskip("transformers")  # moe_layer's machine_meta
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("kernel_breakdown_bench", BENCH)
+        m = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(m)
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    return m
+
+
+def _replay(t0: float, gemm1: float) -> list[tuple[str, float, float]]:
+    return [("sort_small_kernel", t0, t0 + 2.0), ("masked_gemm_kernel", t0 + 3.0, t0 + 3.0 + gemm1),
+            ("masked_gemm_kernel", t0 + 20.0, t0 + 28.0), ("void unpermute_kernel<int>(float*)", t0 + 29.0, t0 + 31.0)]
+
+
+def test_per_launch_means_keep_launch_order_and_tell_the_two_gemms_apart(mod):
+    events = _replay(100.0, 12.0) + _replay(0.0, 14.0)  # out of order, as a profile may list them
+    got = mod.per_launch_us(events, 2)
+    assert [n for n, _ in got] == ["sort_small_kernel", "masked_gemm_kernel", "masked_gemm_kernel",
+                                   "void unpermute_kernel<int>(float*)"]
+    assert [d for _, d in got] == pytest.approx([2.0, 13.0, 8.0, 2.0])
+
+
+def test_per_launch_refuses_events_that_are_not_identical_replays(mod):
+    with pytest.raises(ValueError, match="not 2 replays"):
+        mod.per_launch_us(_replay(0.0, 1.0)[:3], 2)
+    other = _replay(100.0, 1.0)
+    other[0] = ("sort_slots_kernel", 100.0, 101.0)
+    with pytest.raises(ValueError, match="different kernel sequences"):
+        mod.per_launch_us(_replay(0.0, 1.0) + other, 2)
+
+
+def test_gemm_floors_and_short_names(mod):
+    # Qwen3-30B-A3B, T=1: 8 experts hit, bf16; 4 TB/s
+    g1, g2 = mod.gemm_floors_us(8, 2048, 768, False, 4.0)
+    assert g1 == pytest.approx(8 * 1536 * 2048 * 2 / 4e6) and g2 == pytest.approx(g1 / 2)
+    assert mod.gemm_floors_us(8, 2048, 768, True, 4.0)[0] == pytest.approx(g1 / 2)
+    assert mod.short("void at::native::vectorized_elementwise_kernel<4, at::native::Fill>(int, float)") == \
+        "vectorized_elementwise_kernel"
+    assert mod.short("masked_gemm_kernel") == "masked_gemm_kernel"
