@@ -910,3 +910,189 @@ def sort_small_kernel(
         tl.store(sorted_ptr + row, offs, mask=valid)
         tl.store(pos_ptr + offs, tl.where(valid, row, -1).to(tl.int64), mask=smask)
         seen += tl.reduce(hit, 0, _add)
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode: one program per (slot, slice of I) runs the whole expert MLP on its slice; no sort, no layout
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def decode_experts_kernel(
+    x_ptr,
+    ids_ptr,
+    rw_ptr,
+    w13_ptr,
+    w2_ptr,
+    s13_ptr,
+    s2_ptr,
+    b13_ptr,
+    part_ptr,
+    H,
+    I,
+    E,
+    num_slices,
+    s_xt,
+    s_xh,
+    s_it,
+    s_ik,
+    s_rt,
+    s_rk,
+    s_ae,
+    s_an,
+    s_ah,
+    s_ce,
+    s_ch,
+    s_ci,
+    s_13e,
+    s_13n,
+    s_13k,
+    s_2e,
+    s_2n,
+    s_2k,
+    s_be,
+    s_bn,
+    alpha,
+    limit,
+    up_offset,
+    TOPK: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROUTE_ON_INPUT: tl.constexpr,
+    FP8: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """part[p, s] = W2[e][:, slice s] @ act(W13[e][slice s rows] @ x_t) for slot p = (t, k), e = ids[t, k].
+
+    Grid ``(T * K, num_slices)``. Every slot reads its expert's weights itself (decode: few slots, hardly
+    two on one expert), GEMM1's rows of slice ``s`` (gate and up) as a GEMV over H, the activation in
+    registers, then GEMM2's columns of the slice over H in ``BLOCK_H`` chunks: the ``[*, 2I]`` and ``[*, I]``
+    products are never stored, only the fp32 partial ``[H]`` of each (slot, slice), which
+    :func:`decode_combine_kernel` sums. Slots naming no computed expert (``-1``, identity experts) write
+    nothing. FP8: e4m3 weights dequantised in registers with their 128x128 block scales (``s13 [E,
+    N1/128, H/128]``, ``s2 [E, H/128, I/128]``; BLOCK_K divides 128); the tokens stay in their dtype.
+    ROUTE_ON_INPUT: GEMM1's product is scaled by the slot's routing weight before the bias (``(w x) W^T``).
+    """
+    p = tl.program_id(0)
+    s = tl.program_id(1)
+    t = (p // TOPK).to(tl.int64)
+    k = p % TOPK
+    e = tl.load(ids_ptr + t * s_it + k * s_ik).to(tl.int64)
+    if (e < 0) | (e >= E):
+        return
+    offs_i = s * BLOCK_I + tl.arange(0, BLOCK_I)
+    imask = offs_i < I
+    if INTERLEAVED:
+        rows_g = 2 * offs_i
+        rows_u = 2 * offs_i + 1
+    else:
+        rows_g = offs_i
+        rows_u = I + offs_i
+    w13_e = w13_ptr + e * s_ae
+    acc_g = tl.full((BLOCK_I, BLOCK_K), 0.0, tl.float32)
+    acc_u = tl.full((BLOCK_I, BLOCK_K), 0.0, tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < H
+        xv = tl.load(x_ptr + t * s_xt + offs_k * s_xh, mask=kmask, other=0.0).to(tl.float32)
+        m2 = imask[:, None] & kmask[None, :]
+        wg = tl.load(w13_e + rows_g[:, None] * s_an + offs_k[None, :] * s_ah, mask=m2, other=0.0).to(tl.float32)
+        if FP8:
+            sg = tl.load(s13_ptr + e * s_13e + (rows_g // 128) * s_13n + (k0 // 128) * s_13k, mask=imask, other=0.0)
+            wg = wg * sg[:, None]
+        acc_g += wg * xv[None, :]
+        if GATED:
+            wu = tl.load(w13_e + rows_u[:, None] * s_an + offs_k[None, :] * s_ah, mask=m2, other=0.0).to(tl.float32)
+            if FP8:
+                su = tl.load(s13_ptr + e * s_13e + (rows_u // 128) * s_13n + (k0 // 128) * s_13k, mask=imask,
+                             other=0.0)
+                wu = wu * su[:, None]
+            acc_u += wu * xv[None, :]
+    g = tl.reduce(acc_g, 1, _add)
+    u = tl.reduce(acc_u, 1, _add)
+    if ROUTE_ON_INPUT:
+        rw = tl.load(rw_ptr + t * s_rt + k * s_rk).to(tl.float32)
+        g = g * rw
+        u = u * rw
+    if HAS_BIAS:
+        g += tl.load(b13_ptr + e * s_be + rows_g * s_bn, mask=imask, other=0.0).to(tl.float32)
+        if GATED:
+            u += tl.load(b13_ptr + e * s_be + rows_u * s_bn, mask=imask, other=0.0).to(tl.float32)
+    a = _act_epilogue(g, u, alpha, limit, up_offset, ACT, GATED, HAS_LIMIT, INTERP)
+    a = tl.where(imask, a, 0.0)
+    w2_e = w2_ptr + e * s_ce
+    part = part_ptr + (p.to(tl.int64) * num_slices + s) * H
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        hmask = offs_h < H
+        m2 = hmask[:, None] & imask[None, :]
+        w2t = tl.load(w2_e + offs_h[:, None] * s_ch + offs_i[None, :] * s_ci, mask=m2, other=0.0).to(tl.float32)
+        if FP8:
+            sc = tl.load(s2_ptr + e * s_2e + (offs_h[:, None] // 128) * s_2n + (offs_i[None, :] // 128) * s_2k,
+                         mask=m2, other=0.0)
+            w2t = w2t * sc
+        tl.store(part + offs_h, tl.reduce(w2t * a[None, :], 1, _add), mask=hmask)
+
+
+@triton.jit
+def decode_combine_kernel(
+    part_ptr,
+    ids_ptr,
+    w_ptr,
+    x_ptr,
+    b2_ptr,
+    out_ptr,
+    H,
+    E,
+    E_IDENTITY,
+    num_slices,
+    s_it,
+    s_ik,
+    s_wt,
+    s_wk,
+    s_xt,
+    s_xh,
+    s_be,
+    s_bh,
+    s_ot,
+    s_oh,
+    TOPK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IDENTITY: tl.constexpr,
+):
+    """out[t] = sum_k w[t, k] * (sum_s part[(t, k), s] + b2[e]) in fp32 (grid ``(T, cdiv(H, BLOCK_H))``).
+
+    The combine of :func:`decode_experts_kernel`: ids outside ``[0, E)`` add nothing, except identity
+    experts (``[E, E + E_IDENTITY)``), which add ``w[t, k] * x[t]``. HAS_W false: the routing weights
+    were applied to the expert's input (identity experts still scale ``x[t]`` by theirs).
+    """
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    acc = tl.full((BLOCK_H,), 0.0, tl.float32)
+    for k in range(TOPK):
+        e = tl.load(ids_ptr + t * s_it + k * s_ik).to(tl.int64)
+        if HAS_W or IDENTITY:
+            w = tl.load(w_ptr + t * s_wt + k * s_wk).to(tl.float32)
+        if (e >= 0) & (e < E):
+            y = tl.full((BLOCK_H,), 0.0, tl.float32)
+            row = part_ptr + (t * TOPK + k) * num_slices * H
+            for s in range(num_slices):
+                y += tl.load(row + s * H + offs_h, mask=hmask, other=0.0)
+            if HAS_BIAS:
+                y += tl.load(b2_ptr + e * s_be + offs_h * s_bh, mask=hmask, other=0.0).to(tl.float32)
+            if HAS_W:
+                y = y * w
+            acc += y
+        if IDENTITY:
+            if (e >= E) & (e < E + E_IDENTITY):
+                acc += w * tl.load(x_ptr + t * s_xt + offs_h * s_xh, mask=hmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * s_ot + offs_h * s_oh, acc.to(out_ptr.dtype.element_ty), mask=hmask)
