@@ -5,7 +5,7 @@ whole expert MLP in one kernel, sliced along I, plus a combine) against what ``m
 For each shape, dtype (bf16; fp8 with 128x128 block scales) and T, every decode variant (slice width
 ``BLOCK_I`` x GEMM1 step ``BLOCK_K``) and the current path are captured over the same rotating routing sets
 and timed in alternating rounds (medians); each row gives the best variant, the default variant's time
-(:func:`~moe_fx.lowering.triton.decode.decode_blocks`), the floor (moe_layer's, limits measured in the
+(:data:`~moe_fx.lowering.triton.decode.DEFAULT_BLOCK_I`), the floor (moe_layer's, limits measured in the
 same run) and each path's relative error against the fp32 reference.
 
     python bench/decode_path.py [--shapes qwen3,gpt_oss,mixtral,dsv3] [--tokens 1,2,4,8,16] [--no-fp8]
@@ -29,8 +29,10 @@ from fused_activation import layer, rel
 from moe_layer import SHAPES, capture_graphs, machine_meta, measure_limits, replay_us, routing_sets, row_metrics
 
 SETS = 3
-BLOCK_IS = (16, 32, 64)
-BLOCK_KS = {"bf16": (128, 256), "fp8": (64, 128)}
+BLOCK_IS = {"bf16": (32, 64, 128), "fp8": (32, 64)}  # fp8 at 128: over the H200's shared memory
+BLOCK_KS = {"bf16": (64, 128), "fp8": (64, 128)}
+#: the multiply-and-reduce GEMV variant (``use_dot=False``), at its best tile of the first run
+GEMV = (64, 128)
 
 
 def _spec(kw: dict):
@@ -51,13 +53,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     import moe_fx  # noqa: F401
     from moe_fx.lowering.quant import quantize_fp8_blockwise
-    from moe_fx.lowering.triton.decode import decode_blocks, decode_experts
-    from moe_fx.lowering.triton.grouped_gemm import _sms
+    from moe_fx.lowering.triton.decode import DEFAULT_BLOCK_I, decode_experts
     from moe_fx.ops import experts_reference
 
     meta = machine_meta()
     meta["limits"] = limits = measure_limits()
-    sms = _sms(torch.device("cuda"))
     rows = []
     for shape in args.shapes.split(","):
         dims = SHAPES[shape]
@@ -74,15 +74,16 @@ def main(argv: list[str] | None = None) -> None:
             def current(x, ids, rw):
                 return torch.ops.moe_fx.experts(x, ids, rw, w["w13"], w["w2"], **kw)
 
-            def decode(bi, bk):
+            def decode(bi, bk, use_dot=True):
                 return lambda x, ids, rw: decode_experts(x, ids, rw, w["w13"], w["w2"], spec, block_i=bi,
-                                                         block_k=bk, **dk)
+                                                         block_k=bk, use_dot=use_dot, **dk)
 
             variants = {"current": current}
-            for bi in BLOCK_IS:
+            for bi in BLOCK_IS[dtype]:
                 for bk in BLOCK_KS[dtype]:
                     variants[f"decode_{bi}x{bk}"] = decode(bi, bk)
-            default_bi = decode_blocks(k, i, sms)
+            variants[f"gemv_{GEMV[0]}x{GEMV[1]}"] = decode(*GEMV, use_dot=False)
+            default_bi = DEFAULT_BLOCK_I[dtype == "fp8"]
             default = f"decode_{default_bi}x128"
             variants.setdefault(default, decode(default_bi, 128))
             for t in map(int, args.tokens.split(",")):
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"{100 * r['floor_us'] / fastest:.0f}% | {r['rel_err']['current']:.1e} / "
                     f"{r['rel_err'][r['default']]:.1e} |\n")
         f.write("\nMedians of alternating rounds of `triton.testing.do_bench` over CUDA-graph replays (3 rotating "
-                "routing sets). decode_<BLOCK_I>x<BLOCK_K>: slice width and GEMM1 step. Errors against the fp32 "
+                "routing sets). decode_<BLOCK_I>x<BLOCK_K>: slice width and GEMM1 step, MMAs on 16-column tiles; "
+                "gemv_<BLOCK_I>x<BLOCK_K>: the multiply-and-reduce variant. Errors against the fp32 "
                 "reference on the cell's first routing set.\n")
     print("wrote", os.path.join(args.out, stem + ".md"))
 

@@ -9,7 +9,7 @@ import torch
 from _triton_util import rel_err
 
 from moe_fx.lowering.quant import quantize_fp8_blockwise
-from moe_fx.lowering.triton.decode import decode_blocks, decode_experts
+from moe_fx.lowering.triton.decode import decode_experts
 from moe_fx.ops import ExpertActivation, experts_reference
 
 SPECS = {
@@ -44,14 +44,18 @@ def _poisoned(t: int, h: int, dtype=torch.float32) -> torch.Tensor:
     return torch.full((t, h), float("nan"), dtype=dtype)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("form", list(SPECS))
-def test_every_activation_form_matches_the_reference(form, bias):
+#: every form with the MMAs; the GEMV variant (its activation code is the same) on the two gated layouts
+CASES = [(form, bias, True) for form in SPECS for bias in (False, True)] + [
+    (form, bias, False) for form in ("silu", "gpt_oss") for bias in (False, True)]
+
+
+@pytest.mark.parametrize(("form", "bias", "use_dot"), CASES)
+def test_every_activation_form_matches_the_reference(form, bias, use_dot):
     spec = SPECS[form]
     x, ids, w, w13, w2, b13, b2 = _layer(spec, seed=len(form) + 7 * bias)
     ids[1, 0] = -1  # a slot naming no expert adds nothing
     biases = {"w13_bias": b13, "w2_bias": b2} if bias else {}
-    got = decode_experts(x, ids, w, w13, w2, spec, **biases, **BLOCKS, out=_poisoned(T, H))
+    got = decode_experts(x, ids, w, w13, w2, spec, **biases, **BLOCKS, use_dot=use_dot, out=_poisoned(T, H))
     want = experts_reference(x, ids, w, w13, w2, **_spec_kwargs(spec), **biases)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -64,22 +68,22 @@ def test_identity_experts_duplicates_weights_on_input_and_strided_weights():
     ids[2, 1] = E + 1
     ids[3, 0] = -1
     w13_t = w13.transpose(1, 2).contiguous().transpose(1, 2)  # the same weights through other strides
-    for on_input in (False, True):
+    for on_input, use_dot in ((False, True), (True, False)):
         got = decode_experts(x, ids, w, w13_t, w2, spec, weights_on_input=on_input, identity_experts=2,
-                             **BLOCKS, out=_poisoned(4, H))
+                             **BLOCKS, use_dot=use_dot, out=_poisoned(4, H))
         want = experts_reference(x, ids, w, w13, w2, weights_on_input=on_input, identity_experts=2)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("form", ["silu", "gpt_oss"])
-def test_fp8_weights_dequantised_in_registers(form):
+@pytest.mark.parametrize(("form", "use_dot"), [("silu", True), ("gpt_oss", False)])
+def test_fp8_weights_dequantised_in_registers(form, use_dot):
     spec = SPECS[form]
-    x, ids, w, w13, w2, b13, _ = _layer(spec, seed=11, h=160, i=136)  # tails of the 128x128 scale blocks
+    x, ids, w, w13, w2, b13, _ = _layer(spec, seed=11, t=2, h=144, i=136)  # tails of the 128x128 scale blocks
     q13, s13 = quantize_fp8_blockwise(w13)
     q2, s2 = quantize_fp8_blockwise(w2)
     x = x.bfloat16()
-    got = decode_experts(x, ids, w, q13, q2, spec, w13_scale=s13, w2_scale=s2, w13_bias=b13, block_i=16,
-                         block_k=64, block_h=64, out=_poisoned(T, 160, torch.bfloat16))
+    got = decode_experts(x, ids, w, q13, q2, spec, w13_scale=s13, w2_scale=s2, w13_bias=b13, block_i=32,
+                         block_k=64, block_h=64, use_dot=use_dot, out=_poisoned(2, 144, torch.bfloat16))
     want = experts_reference(x, ids, w, q13, q2, **_spec_kwargs(spec), w13_scale=s13, w2_scale=s2, w13_bias=b13)
     assert rel_err(got, want) < 1e-2  # bf16 tokens and output; no fp8 rounding of the activations here
 
@@ -103,19 +107,12 @@ def test_empty_step_and_bad_input():
         decode_experts(x, ids, w, w13, w2, ExpertActivation("swish"))
 
 
-def test_slice_width_fills_the_gpu_at_one_token():
-    # Qwen3-30B-A3B (K=8, I=768) on 132 SMs: 16-wide slices -> 8 * 48 = 384 programs >= 264
-    assert decode_blocks(8, 768, 132) == 16
-    # Mixtral (K=2, I=14336): 128-wide slices already give 2 * 112 = 224 < 264, 64-wide 448
-    assert decode_blocks(2, 14336, 132) == 64
-    assert decode_blocks(1, 64, 132) == 16  # never enough: the narrowest
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("use_dot", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("form", ["silu", "gpt_oss", "relu2_not_gated"])
-def test_compiled_kernels_match_the_reference_on_the_gpu(form, fp8):
+def test_compiled_kernels_match_the_reference_on_the_gpu(form, fp8, use_dot):
     """The compiled kernels (not the interpreter) at a Qwen3-like slice count, every default block choice."""
     spec = SPECS[form]
     x, ids, w, w13, w2, b13, b2 = _layer(spec, seed=21, t=4, k=8, e=64, h=512, i=384)
@@ -125,6 +122,7 @@ def test_compiled_kernels_match_the_reference_on_the_gpu(form, fp8):
     if fp8:
         w13, kw["w13_scale"] = quantize_fp8_blockwise(w13)
         w2, kw["w2_scale"] = quantize_fp8_blockwise(w2)
-    got = decode_experts(x, ids, w, w13, w2, spec, **kw, out=_poisoned(4, 512, torch.bfloat16).cuda())
+    got = decode_experts(x, ids, w, w13, w2, spec, **kw, use_dot=use_dot,
+                         out=_poisoned(4, 512, torch.bfloat16).cuda())
     want = experts_reference(x, ids, w, w13, w2, **_spec_kwargs(spec), **kw)
     assert rel_err(got, want) < 1e-2

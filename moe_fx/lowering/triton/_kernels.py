@@ -967,6 +967,8 @@ def decode_experts_kernel(
     ROUTE_ON_INPUT: tl.constexpr,
     FP8: tl.constexpr,
     INTERP: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """part[p, s] = W2[e][:, slice s] @ act(W13[e][slice s rows] @ x_t) for slot p = (t, k), e = ids[t, k].
 
@@ -978,6 +980,9 @@ def decode_experts_kernel(
     nothing. FP8: e4m3 weights dequantised in registers with their 128x128 block scales (``s13 [E,
     N1/128, H/128]``, ``s2 [E, H/128, I/128]``; BLOCK_K divides 128); the tokens stay in their dtype.
     ROUTE_ON_INPUT: GEMM1's product is scaled by the slot's routing weight before the bias (``(w x) W^T``).
+    USE_DOT: the products as tensor-core MMAs on 16-column tiles holding the slot in column 0 (the loads
+    then pipeline as a GEMM's do; the activation is rounded to the weights' dtype for GEMM2, as the GEMM
+    paths do), else as fp32 multiply-and-reduce GEMVs. IEEE: fp32 MMAs without TF32 (fp32 weights).
     """
     p = tl.program_id(0)
     s = tl.program_id(1)
@@ -995,25 +1000,47 @@ def decode_experts_kernel(
         rows_g = offs_i
         rows_u = I + offs_i
     w13_e = w13_ptr + e * s_ae
-    acc_g = tl.full((BLOCK_I, BLOCK_K), 0.0, tl.float32)
-    acc_u = tl.full((BLOCK_I, BLOCK_K), 0.0, tl.float32)
+    if USE_DOT:
+        # [BLOCK_I, 16] accumulators: W rows x the slot's token in column 0 (the other columns stay 0)
+        if INTERP:  # the CPU interpreter's dot mis-reads bf16 / fp8 operands; fp32 is exact there
+            cdt = tl.float32
+        elif FP8:
+            cdt = tl.bfloat16
+        else:
+            cdt = w13_ptr.dtype.element_ty
+        col0 = tl.arange(0, 16) == 0
+        acc_g = tl.full((BLOCK_I, 16), 0.0, tl.float32)
+        acc_u = tl.full((BLOCK_I, 16), 0.0, tl.float32)
+    else:
+        acc_g = tl.full((BLOCK_I, BLOCK_K), 0.0, tl.float32)
+        acc_u = tl.full((BLOCK_I, BLOCK_K), 0.0, tl.float32)
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < H
-        xv = tl.load(x_ptr + t * s_xt + offs_k * s_xh, mask=kmask, other=0.0).to(tl.float32)
         m2 = imask[:, None] & kmask[None, :]
-        wg = tl.load(w13_e + rows_g[:, None] * s_an + offs_k[None, :] * s_ah, mask=m2, other=0.0).to(tl.float32)
+        if USE_DOT:
+            xt = tl.load(x_ptr + t * s_xt + offs_k[None, :] * s_xh + 0 * tl.arange(0, 16)[:, None],
+                         mask=col0[:, None] & kmask[None, :], other=0.0).to(cdt)  # [16, BLOCK_K]
+        else:
+            xv = tl.load(x_ptr + t * s_xt + offs_k * s_xh, mask=kmask, other=0.0).to(tl.float32)
+        wg = tl.load(w13_e + rows_g[:, None] * s_an + offs_k[None, :] * s_ah, mask=m2, other=0.0)
         if FP8:
             sg = tl.load(s13_ptr + e * s_13e + (rows_g // 128) * s_13n + (k0 // 128) * s_13k, mask=imask, other=0.0)
-            wg = wg * sg[:, None]
-        acc_g += wg * xv[None, :]
+            wg = wg.to(tl.float32) * sg[:, None]
+        if USE_DOT:
+            acc_g = _mma(acc_g, wg.to(cdt), tl.trans(xt), False, IEEE or INTERP)
+        else:
+            acc_g += wg.to(tl.float32) * xv[None, :]
         if GATED:
-            wu = tl.load(w13_e + rows_u[:, None] * s_an + offs_k[None, :] * s_ah, mask=m2, other=0.0).to(tl.float32)
+            wu = tl.load(w13_e + rows_u[:, None] * s_an + offs_k[None, :] * s_ah, mask=m2, other=0.0)
             if FP8:
                 su = tl.load(s13_ptr + e * s_13e + (rows_u // 128) * s_13n + (k0 // 128) * s_13k, mask=imask,
                              other=0.0)
-                wu = wu * su[:, None]
-            acc_u += wu * xv[None, :]
+                wu = wu.to(tl.float32) * su[:, None]
+            if USE_DOT:
+                acc_u = _mma(acc_u, wu.to(cdt), tl.trans(xt), False, IEEE or INTERP)
+            else:
+                acc_u += wu.to(tl.float32) * xv[None, :]
     g = tl.reduce(acc_g, 1, _add)
     u = tl.reduce(acc_u, 1, _add)
     if ROUTE_ON_INPUT:
@@ -1026,18 +1053,25 @@ def decode_experts_kernel(
             u += tl.load(b13_ptr + e * s_be + rows_u * s_bn, mask=imask, other=0.0).to(tl.float32)
     a = _act_epilogue(g, u, alpha, limit, up_offset, ACT, GATED, HAS_LIMIT, INTERP)
     a = tl.where(imask, a, 0.0)
+    if USE_DOT:
+        a2 = tl.where(col0[:, None], a[None, :], 0.0).to(cdt)  # [16, BLOCK_I], the slot in row 0
     w2_e = w2_ptr + e * s_ce
     part = part_ptr + (p.to(tl.int64) * num_slices + s) * H
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
         m2 = hmask[:, None] & imask[None, :]
-        w2t = tl.load(w2_e + offs_h[:, None] * s_ch + offs_i[None, :] * s_ci, mask=m2, other=0.0).to(tl.float32)
+        w2t = tl.load(w2_e + offs_h[:, None] * s_ch + offs_i[None, :] * s_ci, mask=m2, other=0.0)
         if FP8:
             sc = tl.load(s2_ptr + e * s_2e + (offs_h[:, None] // 128) * s_2n + (offs_i[None, :] // 128) * s_2k,
                          mask=m2, other=0.0)
-            w2t = w2t * sc
-        tl.store(part + offs_h, tl.reduce(w2t * a[None, :], 1, _add), mask=hmask)
+            w2t = w2t.to(tl.float32) * sc
+        if USE_DOT:
+            y = tl.reduce(_mma(tl.full((BLOCK_H, 16), 0.0, tl.float32), w2t.to(cdt), tl.trans(a2), False, IEEE or INTERP), 1,
+                          _add)
+        else:
+            y = tl.reduce(w2t.to(tl.float32) * a[None, :], 1, _add)
+        tl.store(part + offs_h, y, mask=hmask)
 
 
 @triton.jit

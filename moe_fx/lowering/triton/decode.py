@@ -1,17 +1,25 @@
-"""The decode path: each (token, k) slot runs its expert's whole MLP, sliced along I, in one kernel.
+"""The decode path (measured, not chosen): each (token, k) slot runs its expert's whole MLP, sliced along
+I, in one kernel, and one small kernel combines.
 
-At decode sizes (a few slots, hardly two on one expert) the sorted and masked layouts spend most of a
-layer's time around the GEMMs: a sort, a combine, the launches between four kernels and GEMM tiles
-of 16 rows holding one. Here one program per (slot, slice of ``BLOCK_I`` intermediate columns)
-streams the expert's GEMM1 rows of its slice (gate and up) as a GEMV, applies the activation in
-registers, then streams GEMM2's matching columns and writes an fp32 partial ``[H]``; one small kernel
-sums each token's partials with the routing weights (and the biases and identity experts) into the
-output. Two launches, no sort, no layout buffer; ``[T * K, I / BLOCK_I, H]`` fp32 partials (1.5 MB for
-Qwen3-30B-A3B at T=1). Every slot reads its expert's weights itself: two slots on one expert read
-them twice, which is why this path is for decode sizes only (the lowering's choice).
+At decode sizes the sorted layout spends a third of a layer's time around its GEMMs (Qwen3-30B-A3B,
+T=1, H200: a sort, a combine and the gaps between four launches, ~17 of 42 µs:
+bench/results/kernel_breakdown_2026-12-03.md). Here one program per (slot, slice of ``BLOCK_I``
+intermediate columns) streams the expert's GEMM1 rows of its slice (gate and up), applies the
+activation in registers, then streams GEMM2's matching columns and writes an fp32 partial ``[H]``;
+the combine sums each token's partials with the routing weights (and the biases and identity
+experts). Two launches, no sort, no layout buffer; ``[T * K, I / BLOCK_I, H]`` fp32 partials. Every
+slot reads its expert's weights itself (two slots on one expert read them twice).
 
-FP8 weights (128x128 block scales) are dequantised in registers: the tokens and the activation stay in
-their dtype and fp32 (no 1x128 quantisation of the activations, unlike the fp8 GEMMs).
+Measured on the H200 (bench/decode_path.py; bench/results/decode_path_2026-12-03*.md) it is slower
+than the sorted layout in every cell: as multiply-and-reduce GEMVs 1.3-6.6x (the loads do not
+pipeline), as MMAs on 16-column tiles (``use_dot``, the default here) 1.09-1.42x at T = 1 and 4
+(Qwen3 T=1 48.7 vs 42.3 µs, Mixtral 257 vs 187 µs). The lowering therefore never picks it; the
+module stays for the benchmark and as the start of a decode kernel (next: several slots of one
+expert per program, programmatic dependent launch between the two kernels).
+
+FP8 weights (128x128 block scales) are dequantised in registers: the tokens and the activation stay
+in their dtype and fp32 (no 1x128 quantisation of the activations, unlike the fp8 GEMMs; 1e-5 against
+the reference where the fp8 GEMMs give 4e-2).
 """
 
 from __future__ import annotations
@@ -20,24 +28,15 @@ import torch
 
 from moe_fx.lowering.triton._loader import launch
 from moe_fx.lowering.triton.act_args import ACT_CODES
-from moe_fx.lowering.triton.grouped_gemm import _known_empty, _out, _sms
+from moe_fx.lowering.triton.grouped_gemm import _known_empty, _out
 from moe_fx.ops import ExpertActivation
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["decode_blocks", "decode_experts"]
+__all__ = ["DEFAULT_BLOCK_I", "decode_experts"]
 
-#: programs per SM the slice width aims at (for the smallest step, T = 1)
-PROGRAMS_PER_SM = 2
-BLOCK_IS = (128, 64, 32, 16)
-
-
-def decode_blocks(top_k: int, inter: int, num_sms: int) -> int:
-    """``BLOCK_I``: the widest slice that still gives ``top_k * cdiv(I, BLOCK_I)`` programs (a T=1 step)
-    enough to fill ``PROGRAMS_PER_SM`` programs on every SM; the narrowest otherwise."""
-    for block in BLOCK_IS:
-        if top_k * cdiv(inter, block) >= PROGRAMS_PER_SM * num_sms:
-            return block
-    return BLOCK_IS[-1]
+#: slice width by weight kind (fp8?): the widest that fits (128 was the fastest in every cell measured;
+#: fp8's dequantised 128-wide tiles exceed the shared memory of an H200)
+DEFAULT_BLOCK_I = {False: 128, True: 64}
 
 
 def decode_experts(
@@ -57,14 +56,16 @@ def decode_experts(
     block_i: int | None = None,
     block_k: int = 128,
     block_h: int = 256,
+    use_dot: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``moe_fx::experts`` for a decode-sized step: ``[T, H]`` in ``hidden.dtype``.
 
     Args: as the op's (``w13 [E, N1, H]``, ``w2 [E, H, I]``, any strides; fp8 weights with their
-    ``[E, ceil(N/128), ceil(K/128)]`` fp32 scales). ``block_i`` (default :func:`decode_blocks`),
+    ``[E, ceil(N/128), ceil(K/128)]`` fp32 scales). ``block_i`` (default :data:`DEFAULT_BLOCK_I`),
     ``block_k`` (GEMM1's step over H; at most 128 and a divisor of it with fp8 weights) and ``block_h``
-    (GEMM2's chunk of H) are powers of two. ``out``: a ``[T, H]`` tensor of ``hidden``'s dtype to write.
+    (GEMM2's chunk of H) are powers of two. ``use_dot``: the products as tensor-core MMAs on 16-column
+    tiles (the slot in column 0), else fp32 multiply-and-reduce GEMVs (see the kernel). ``out``: a ``[T, H]`` tensor of ``hidden``'s dtype to write.
     """
     bad = spec.problems()
     if bad or spec.name not in ACT_CODES:
@@ -89,7 +90,7 @@ def decode_experts(
     out = _out("decode_experts", out, (t, h), hidden.dtype, hidden.device)
     if _known_empty(t, k):
         return out.zero_()
-    block_i = block_i or decode_blocks(int(k), inter, _sms(hidden.device))
+    block_i = block_i or DEFAULT_BLOCK_I[fp8]
     slices = cdiv(inter, block_i)
     part = torch.empty(t * k, slices, h, dtype=torch.float32, device=hidden.device)
     dummy = hidden  # never read: the pointer of an absent optional tensor
@@ -103,7 +104,8 @@ def decode_experts(
            TOPK=int(k), BLOCK_I=block_i, BLOCK_K=block_k, BLOCK_H=block_h, ACT=ACT_CODES[spec.name],
            GATED=spec.gated, INTERLEAVED=spec.gate_up_layout == "interleaved", HAS_LIMIT=spec.limit is not None,
            HAS_BIAS=w13_bias is not None, ROUTE_ON_INPUT=weights_on_input, FP8=fp8,
-           INTERP=hidden.device.type == "cpu", num_warps=4)
+           INTERP=hidden.device.type == "cpu", USE_DOT=use_dot,
+           IEEE=w13.dtype == torch.float32, num_warps=4)
     b2 = w2_bias if w2_bias is not None else dummy.new_empty(1, 1)
     combine_h = min(1024, max(16, 1 << (h - 1).bit_length()))
     launch("decode_combine_kernel", hidden.device, (t, cdiv(h, combine_h)),
