@@ -52,7 +52,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     import moe_fx  # noqa: F401
-    from moe_fx.lowering.quant import quantize_fp8_blockwise
     from moe_fx.lowering.triton.decode import DEFAULT_BLOCK_I, decode_experts
     from moe_fx.ops import experts_reference
 
@@ -63,10 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         dims = SHAPES[shape]
         _, e, k, h, i = dims
         for dtype in ("bf16",) + (() if args.no_fp8 else ("fp8",)):
-            w, kw = layer(shape, dims, "cuda")
-            if dtype == "fp8":
-                w["w13"], kw["w13_scale"] = quantize_fp8_blockwise(w["w13"])
-                w["w2"], kw["w2_scale"] = quantize_fp8_blockwise(w["w2"])
+            w, kw = layer(shape, dims, "cuda", fp8=dtype == "fp8")
             spec = _spec(kw)
             dk = {n: kw[n] for n in ("w13_scale", "w2_scale", "w13_bias", "w2_bias") if n in kw}
             ref_kw = {n: v for n, v in kw.items() if n != "kernel_choice"}

@@ -44,8 +44,9 @@ SETS = 3
 SMOKE_SHAPES = {"qwen3": ("qwen3_moe", 4, 2, 128, 64), "gpt_oss": ("gpt_oss", 4, 2, 128, 72)}
 
 
-def layer(shape: str, dims: tuple, device: str, seed: int = 0) -> tuple[dict, dict]:
-    """(weights, op keyword arguments) of one bf16 layer (GPT-OSS: biases, interleaved clamped SwiGLU)."""
+def layer(shape: str, dims: tuple, device: str, seed: int = 0, fp8: bool = False) -> tuple[dict, dict]:
+    """(weights, op keyword arguments) of one bf16 layer (GPT-OSS: biases, interleaved clamped SwiGLU);
+    ``fp8``: the weights quantised to e4m3 with 128x128 block scales (``w13_scale``, ``w2_scale``)."""
     _, e, _, h, i = dims
     g = torch.Generator(device=device).manual_seed(seed)
     w = {"w13": torch.randn(e, 2 * i, h, device=device, generator=g, dtype=torch.bfloat16) / h**0.5,
@@ -55,6 +56,11 @@ def layer(shape: str, dims: tuple, device: str, seed: int = 0) -> tuple[dict, di
         kw.update(GPT_OSS_ACT)
         kw["w13_bias"] = 0.1 * torch.randn(e, 2 * i, device=device, generator=g, dtype=torch.bfloat16)
         kw["w2_bias"] = 0.1 * torch.randn(e, h, device=device, generator=g, dtype=torch.bfloat16)
+    if fp8:
+        from moe_fx.lowering.quant import quantize_fp8_blockwise
+
+        w["w13"], kw["w13_scale"] = quantize_fp8_blockwise(w["w13"])
+        w["w2"], kw["w2_scale"] = quantize_fp8_blockwise(w["w2"])
     return w, kw
 
 

@@ -78,7 +78,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     import moe_fx  # noqa: F401
-    from moe_fx.lowering.quant import quantize_fp8_blockwise
 
     meta = machine_meta()
     meta["limits"] = limits = measure_limits()
@@ -86,10 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     for shape in args.shapes.split(","):
         dims = SHAPES[shape]
         _, e, k, h, i = dims
-        w, kw = layer(shape, dims, "cuda")
-        if args.fp8:
-            w["w13"], kw["w13_scale"] = quantize_fp8_blockwise(w["w13"])
-            w["w2"], kw["w2_scale"] = quantize_fp8_blockwise(w["w2"])
+        w, kw = layer(shape, dims, "cuda", fp8=args.fp8)
 
         def fn(x, ids, rw):
             return torch.ops.moe_fx.experts(x, ids, rw, w["w13"], w["w2"], **kw)

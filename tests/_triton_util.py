@@ -5,9 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_fx.ops import ExpertActivation
+
 triton = pytest.importorskip("triton")
 
 HAS_CUDA = torch.cuda.is_available()
+
+#: the activation forms the fused kernels are checked with (GEMM1's epilogue, the decode path)
+ACTIVATION_FORMS = {
+    "silu": ExpertActivation(),
+    "gpt_oss": ExpertActivation("silu", True, "interleaved", 1.702, 0.8, 1.0),  # a limit the values cross
+    "gelu_erf": ExpertActivation("gelu"),
+    "relu2_not_gated": ExpertActivation("relu2", gated=False),
+    "gelu_tanh_clamped_not_gated": ExpertActivation("gelu_tanh", gated=False, limit=0.5),
+}
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
@@ -40,3 +51,4 @@ def ragged_ids(t: int, k: int, e: int, kind: str, gen: torch.Generator) -> torch
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative Frobenius error ||out - ref|| / ||ref||."""
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12)).item()
+

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+import sys
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -93,3 +97,17 @@ def experts_in_one_copy(experts) -> bool:
 
     weights = [[getattr(e, name).weight for e in experts] for name in ("gate_proj", "up_proj", "down_proj")]
     return existing_stacks(*weights) is not None
+
+
+def load_bench(name: str) -> types.ModuleType:
+    """The module of ``bench/<name>.py`` (bench scripts import their siblings by name: bench/ is on the path
+    while it loads)."""
+    bench = pathlib.Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location(f"{name}_bench", bench / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(bench))
+    return mod

@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from helpers import load_bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "ep_overlap.py"
 
 
 def _bench():
-    sys.path.insert(0, str(BENCH.parent))  # the script imports its sibling ep_single_rank
-    try:
-        spec = importlib.util.spec_from_file_location("ep_overlap_bench", BENCH)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCH.parent))
-    return mod
+    return load_bench("ep_overlap")
 
 
 #: one replay of each order on the H200 (DeepEP, one rank, T=128, H=7168; the trace of 2026-12-03, cut down)

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
+from helpers import load_bench
 
 pytest.importorskip("triton")
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "fused_activation.py"
-
 
 def test_smoke_writes_rows_with_both_variants_close_to_the_reference(tmp_path):
-    spec = importlib.util.spec_from_file_location("fused_activation_bench", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench("fused_activation")
     mod.main(["--smoke", "--tokens", "3", "--out", str(tmp_path), "--tag", "t"])
     (json_path,) = tmp_path.glob("fused_activation_*_t.json")
     rows = json.loads(json_path.read_text())["rows"]

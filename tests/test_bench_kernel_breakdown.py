@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
-
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "kernel_breakdown.py"
+from helpers import load_bench
 
 
 @pytest.fixture(scope="module")
 def mod():
     pytest.importorskip("transformers")  # moe_layer's machine_meta
-    sys.path.insert(0, str(BENCH.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("kernel_breakdown_bench", BENCH)
-        m = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(m)
-    finally:
-        sys.path.remove(str(BENCH.parent))
-    return m
+    return load_bench("kernel_breakdown")
 
 
 def _replay(t0: float, gemm1: float) -> list[tuple[str, float, float]]:

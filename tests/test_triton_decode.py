@@ -6,19 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _triton_util import rel_err
+from _triton_util import ACTIVATION_FORMS, rel_err
 
 from moe_fx.lowering.quant import quantize_fp8_blockwise
 from moe_fx.lowering.triton.decode import decode_experts
 from moe_fx.ops import ExpertActivation, experts_reference
 
-SPECS = {
-    "silu": ExpertActivation(),
-    "gpt_oss": ExpertActivation("silu", True, "interleaved", 1.702, 0.8, 1.0),  # a limit the values cross
-    "gelu_erf": ExpertActivation("gelu"),
-    "relu2_not_gated": ExpertActivation("relu2", gated=False),
-    "gelu_tanh_clamped_not_gated": ExpertActivation("gelu_tanh", gated=False, limit=0.5),
-}
+SPECS = ACTIVATION_FORMS
 T, K, E, H, I = 3, 2, 4, 48, 24  # H = 48: a tail for 32-wide steps; I = 24: a slice tail of 16-wide slices
 BLOCKS = {"block_i": 16, "block_k": 32, "block_h": 32}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _triton_util import rel_err
+from _triton_util import ACTIVATION_FORMS, rel_err
 
 from moe_fx.lowering.experts import plan_experts, run_experts
 from moe_fx.lowering.masked_experts import pipeline
@@ -19,13 +19,7 @@ from moe_fx.lowering.triton.sort import sort_by_expert
 from moe_fx.ops import ExpertActivation
 from moe_fx.ops.experts import bind_experts, reference_of
 
-SPECS = {
-    "silu": ExpertActivation(),
-    "gpt_oss": ExpertActivation("silu", True, "interleaved", 1.702, 0.8, 1.0),  # a limit the values cross
-    "gelu_erf": ExpertActivation("gelu"),
-    "relu2_not_gated": ExpertActivation("relu2", gated=False),
-    "gelu_tanh_clamped_not_gated": ExpertActivation("gelu_tanh", gated=False, limit=0.5),
-}
+SPECS = ACTIVATION_FORMS
 #: (tile, why): the CPU default, K steps that leave a tail (no EVEN_K), swapped tiles, device descriptors
 TILES = {
     "default": None,
