@@ -206,6 +206,35 @@ def test_sort_kernels_compile():
 
 
 @pytest.mark.parametrize("fp8", [False, True])
+def test_contiguous_rows_kernel_compiles(fp8):
+    """The copy into DeepGEMM's aligned contiguous layout (it has not run on a GPU yet: this is its compile check)."""
+    k = _kernels()
+    elem = "fp8e4nv" if fp8 else "bf16"
+    types = {"x_ptr": f"*{elem}", "xs_ptr": "*fp32" if fp8 else f"*{elem}", "w_ptr": "*fp32", "scratch_ptr": "*i32",
+             "pos_ptr": "*i64", "ids_ptr": "*i64", "out_ptr": f"*{elem}", "outs_ptr": "*fp32" if fp8 else f"*{elem}",
+             "m_idx_ptr": "*i32", "pos_out_ptr": "*i64"}
+    consts = {"TOPK": 8, "E_POW2": 128, "ALIGN": 128, "BLOCK_H": 1024, "SG_POW2": 16, "HAS_SCALE": fp8,
+              "ROUTE_W": True}
+    ptx = _compile(k.contiguous_rows_kernel, types, consts).asm["ptx"]
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_experts_kernel_compiles(fp8, use_dot):
+    """The decode path's kernel (measured on the H200, not chosen: docs/triton.md) at its default slices."""
+    k = _kernels()
+    w = "*fp8e4nv" if fp8 else "*bf16"
+    types = {"x_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*fp32", "w13_ptr": w, "w2_ptr": w, "s13_ptr": "*fp32",
+             "s2_ptr": "*fp32", "b13_ptr": "*bf16", "part_ptr": "*fp32", **ACT_FLOATS}
+    consts = {"TOPK": 8, "BLOCK_I": 64 if fp8 else 128, "BLOCK_K": 128, "BLOCK_H": 256, "ACT": 0, "GATED": True,
+              "INTERLEAVED": False, "HAS_LIMIT": False, "HAS_BIAS": False, "ROUTE_ON_INPUT": False, "FP8": fp8,
+              "INTERP": False, "USE_DOT": use_dot, "IEEE": False}
+    ptx = _compile(k.decode_experts_kernel, types, consts).asm["ptx"]
+    assert ("mma" in ptx) == use_dot
+
+
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("swap_ab,device_tma,gather", [(True, False, True), (False, True, False), (False, True, True)])
 def test_sorted_gemm_swap_and_device_descriptors_compile(fp8, swap_ab, device_tma, gather):
     """Swapped decode tiles reach wgmma with 16 rows; device-made descriptors load through TMA."""

@@ -24,6 +24,7 @@ from moe_fx.lowering.masked_experts.pipeline import (
     GemmHints,
     empty_scales,
     fuse_activation,
+    run_contiguous_experts,
     run_masked_experts,
     run_sorted_experts,
 )
@@ -176,7 +177,14 @@ def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
     rows = rows_per_expert(t, k, e)
     regime = plan.problem.regime if plan.problem is not None else None
     hints = GemmHints(expected_m=rows, max_total_m=t * k, active_groups=torch.sym_min(e, t * k), regime=regime)
-    if plan.layout == "sorted":
+    if plan.layout == "contiguous":
+        from moe_fx.lowering.masked_experts.deepgemm import CONTIGUOUS_M_ALIGN
+
+        sorted_rows = sort_by_expert(topk_ids, e, small=(regime == 0) if regime is not None else None)
+        y, slot_pos = run_contiguous_experts(hidden, sorted_rows, topk_ids, weights, spec, gemms,
+                                             align=CONTIGUOUS_M_ALIGN,
+                                             route_weights=topk_weights if weights_on_input else None)
+    elif plan.layout == "sorted":
         # decode (regime 0: at most 4 rows per expert, so T * K <= 4E slots): the one-program sort
         sorted_rows = sort_by_expert(topk_ids, e, small=(regime == 0) if regime is not None else None)
         y = run_sorted_experts(hidden, sorted_rows, weights, spec, gemms, hints,
@@ -302,8 +310,11 @@ def _regime_summary(plans: list[ExpertsPlan]) -> str:
         lo, _ = regime_bounds(start)
         _, hi = regime_bounds(r - 1)
         prepare = plans[start].prepare
-        why = "" if prepare is None else "; ".join(f"{k}: {v}" for k, v in prepare.reasons.items()
-                                                   if k in ("local_sorted", "local_permute"))
+        # why the other local layouts were not taken; the aligned contiguous one only where the kernel reads it
+        why = "" if prepare is None else "; ".join(
+            f"{k}: {v}" for k, v in prepare.reasons.items()
+            if k in ("local_sorted", "local_permute") or (k == "local_contiguous" and "contiguous" in getattr(
+                plans[start].experts.implementation, "LAYOUTS", ())))
         span = f"{lo}..{hi}" if hi is not None else f"{lo}.."
         parts.append(f"rows per expert {span}: {plans[start].summary()}" + (f" ({why})" if why else ""))
         start = r

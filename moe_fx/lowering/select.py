@@ -9,6 +9,7 @@ Families, each an ordered list of candidates (best first for ``kernel="auto"``):
   :mod:`~moe_fx.lowering.prepare_finalize.deepep_ll`, :mod:`~moe_fx.lowering.prepare_finalize.torch_dist_fixed`,
   :mod:`~moe_fx.lowering.prepare_finalize.torch_dist` (expert parallelism, masked layout),
   :mod:`~moe_fx.lowering.prepare_finalize.local_sorted` (one device, contiguous layout),
+  :mod:`~moe_fx.lowering.prepare_finalize.local_contiguous` (one device, contiguous layout in aligned blocks),
   :mod:`~moe_fx.lowering.prepare_finalize.local_permute` (one device, masked layout).
 
 Every candidate module has ``NAME`` (the kernel name a ``kernel=`` argument names it by), ``supports(problem,
@@ -49,12 +50,13 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "moe_fx.lowering.prepare_finalize.torch_dist_fixed",
         "moe_fx.lowering.prepare_finalize.torch_dist",
         "moe_fx.lowering.prepare_finalize.local_sorted",
+        "moe_fx.lowering.prepare_finalize.local_contiguous",
         "moe_fx.lowering.prepare_finalize.local_permute",
     ),
 }
 #: The prepare/finalize candidates of one device (the row layouts of ``moe_fx::experts``, chosen after its
 #: experts kernel), by the layout each runs; the others of the family are the EP ops' kernels.
-LOCAL_LAYOUTS: dict[str, str] = {"local_sorted": "sorted", "local_permute": "masked"}
+LOCAL_LAYOUTS: dict[str, str] = {"local_sorted": "sorted", "local_contiguous": "contiguous", "local_permute": "masked"}
 #: The names each family's candidates must have: the ops' contract (``"auto"`` aside).
 _CONTRACT: dict[str, set[str]] = {
     "experts": set(KERNELS) - {"auto"},
@@ -173,16 +175,22 @@ def choose_layout(
     Family ``"prepare_finalize"`` on a :class:`~moe_fx.lowering.problem.DispatchProblem` that carries
     the layouts the chosen kernel reads (its module's ``LAYOUTS``) and the problem's regime: the
     lowering's rule (:func:`moe_fx.lowering.experts.decide_experts_plan`). ``layout`` asks for one
-    (``"auto"``, ``"local_sorted"`` or ``"local_permute"``: benchmarks).
+    (``"auto"`` or a name of :data:`LOCAL_LAYOUTS`: benchmarks). GEMMs without a bias epilogue read the
+    aligned contiguous layout only without biases (the activation kernel, which adds them there, sees one
+    group of rows).
     """
     from moe_fx.lowering.problem import DispatchProblem
 
+    layouts = tuple(getattr(experts.implementation, "LAYOUTS", ()))
+    gemms = getattr(experts.implementation, "GEMMS", None)
+    if (problem.w13_bias or problem.w2_bias) and not getattr(gemms, "bias_epilogue", True):
+        layouts = tuple(lay for lay in layouts if lay != "contiguous")
     local = DispatchProblem(1, problem.device_type, problem.dtype, problem.hidden, int(top_k), problem.num_experts,
-                            use_fp8=problem.fp8, expert_parallel=False,
-                            experts_layouts=getattr(experts.implementation, "LAYOUTS", ()), regime=problem.regime)
+                            use_fp8=problem.fp8, expert_parallel=False, experts_layouts=layouts, regime=problem.regime)
     return choose("prepare_finalize", local, kernel=layout, caps=caps, device=problem.device_type)
 
 
 def layout_of(prepare: Choice | None) -> str:
-    """``"sorted"`` or ``"masked"``: the row layout a prepare/finalize choice runs (masked without one)."""
+    """``"sorted"``, ``"contiguous"`` or ``"masked"``: the row layout a prepare/finalize choice runs (masked
+    without one)."""
     return "masked" if prepare is None else LOCAL_LAYOUTS[prepare.kernel]

@@ -25,17 +25,22 @@ from moe_fx.lowering.masked_experts.pipeline import GemmHints
 from moe_fx.lowering.problem import DEEPGEMM_DOC, Capabilities, ExpertsProblem, mark_unusable
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["GEMMS", "LAYOUTS", "MASKED_M_ALIGN", "NAME", "DeepGemms", "deepgemm_expected_m", "prefer", "supports"]
+__all__ = ["CONTIGUOUS_M_ALIGN", "GEMMS", "LAYOUTS", "MASKED_M_ALIGN", "NAME", "DeepGemms", "deepgemm_expected_m",
+           "prefer", "supports"]
 
 log = logging.getLogger("moe_fx.lowering")
 
 NAME = "deepgemm"
-#: the row layouts its GEMMs read: masked only (its contiguous GEMMs would need 128-aligned row segments)
-LAYOUTS = ("masked",)
+#: the row layouts its GEMMs read: masked, and contiguous with 128-aligned expert segments (its m-grouped
+#: contiguous GEMMs; chosen only on request until measured, prepare_finalize/local_contiguous.py)
+LAYOUTS = ("masked", "contiguous")
 #: N and K of both GEMMs must be multiples of DeepGEMM's tile edge; fp8 blocks must equal it.
 ALIGN = 128
 #: Rows per expert of DeepGEMM's masked layout are rounded up to this (see the module docstring).
 MASKED_M_ALIGN = 256
+#: Each expert's segment of the contiguous layout is whole blocks of this many rows
+#: (``deep_gemm.get_mk_alignment_for_contiguous_layout()`` in v2.1).
+CONTIGUOUS_M_ALIGN = 128
 #: Activations DeepGEMM's path supports: the activation runs in moe_fx's Triton kernel between the GEMMs.
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 
@@ -111,6 +116,12 @@ _LIB.define(
 )
 
 
+_LIB.define(
+    "deepgemm_contiguous_gemm(Tensor a, Tensor? a_scale, Tensor b, Tensor? b_scale, Tensor m_indices) -> Tensor",
+    tags=_TAGS,
+)
+
+
 def _check_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: torch.Tensor | None) -> None:
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2]:
         raise ValueError(f"deepgemm_masked_gemm: want a [G, M, K] and b [G, N, K], got {list(a.shape)}, {list(b.shape)}")
@@ -173,9 +184,40 @@ def _fp8_kwargs(a: torch.Tensor) -> dict:
     return kw
 
 
+@torch.library.register_fake("moe_fx_kernels::deepgemm_contiguous_gemm")
+def _deepgemm_contiguous_gemm_fake(a, a_scale, b, b_scale, m_indices):
+    _check_contiguous(a, a_scale, b, b_scale, m_indices)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16)
+
+
+def _check_contiguous(a, a_scale, b, b_scale, m_indices) -> None:
+    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[2] or m_indices.shape != (a.shape[0],):
+        raise ValueError(f"deepgemm_contiguous_gemm: want a [M, K], b [G, N, K], m_indices [M], got "
+                         f"{list(a.shape)}, {list(b.shape)}, {list(m_indices.shape)}")
+    if (a.dtype == FP8_DTYPE) != (a_scale is not None) or (b.dtype == FP8_DTYPE) != (b_scale is not None):
+        raise ValueError("deepgemm_contiguous_gemm: fp8 operands need scales, others none")
+
+
+def _deepgemm_contiguous_gemm(a, a_scale, b, b_scale, m_indices):
+    """Kernel of ``moe_fx_kernels::deepgemm_contiguous_gemm``: bf16 ``[M, N]``; rows whose index is -1 unwritten.
+
+    The contiguous layout is only run on request (no measured choice yet): a failure of DeepGEMM here is
+    raised, not hidden behind another kernel.
+    """
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
+    dg = deepgemm_module()
+    if a_scale is not None:
+        dg.m_grouped_fp8_gemm_nt_contiguous((a, a_scale), (b, b_scale), out, m_indices, **_fp8_kwargs(a))
+    else:
+        dg.m_grouped_bf16_gemm_nt_contiguous(a, b, out, m_indices)
+    return out
+
+
 # CPU too: tests hand a torch stand-in for deep_gemm to check the layouts on CPU.
 _LIB.impl("deepgemm_masked_gemm", _deepgemm_masked_gemm, "CUDA")
 _LIB.impl("deepgemm_masked_gemm", _deepgemm_masked_gemm, "CPU")
+_LIB.impl("deepgemm_contiguous_gemm", _deepgemm_contiguous_gemm, "CUDA")
+_LIB.impl("deepgemm_contiguous_gemm", _deepgemm_contiguous_gemm, "CPU")
 
 
 class DeepGemms:
@@ -207,6 +249,19 @@ class DeepGemms:
         exp_m = deepgemm_expected_m(hints.expected_m, a.shape[1])
         w_scale = w_scale.contiguous() if w_scale is not None else None
         return torch.ops.moe_fx_kernels.deepgemm_masked_gemm(a, a_scale, w, w_scale, masked_m, exp_m)
+
+    def contiguous_gemm(
+        self,
+        a: torch.Tensor,
+        a_scale: torch.Tensor | None,
+        w: torch.Tensor,
+        w_scale: torch.Tensor | None,
+        m_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """``[M, K]`` rows of the aligned contiguous layout ``x [G, N, K]^T`` per row's expert -> ``[M, N]`` bf16
+        (rows of expert -1 unwritten)."""
+        w_scale = w_scale.contiguous() if w_scale is not None else None
+        return torch.ops.moe_fx_kernels.deepgemm_contiguous_gemm(a, a_scale, w, w_scale, m_indices)
 
 
 GEMMS = DeepGemms()

@@ -81,7 +81,8 @@ class MaskedGemms(Protocol):
     scale_layout: str
     #: whether ``gemm`` adds a bias in its epilogue (else the pipeline adds it)
     bias_epilogue: bool
-    #: the row layouts it runs: ``"masked"`` (``gemm``), ``"sorted"`` (``sorted_gemm``)
+    #: the row layouts it runs: ``"masked"`` (``gemm``), ``"sorted"`` (``sorted_gemm``), ``"contiguous"``
+    #: (``contiguous_gemm``: each expert's rows in whole aligned blocks)
     layouts: tuple[str, ...]
 
     def rows(self, needed: object) -> object:
@@ -239,3 +240,46 @@ def run_sorted_experts(
                                          max_total_m=rows.num_rows, masked_m_offset=rows.num_experts)
     return gemms.sorted_gemm(a2, a2_scale, weights.w2, weights.w2_scale, rows, bias=weights.w2_bias, hints=hints,
                              gather=False, route_weights=None)
+
+
+def run_contiguous_experts(
+    hidden: torch.Tensor,
+    rows: object,
+    topk_ids: torch.Tensor,
+    weights: ExpertWeights,
+    spec: ExpertActivation,
+    gemms: MaskedGemms,
+    *,
+    align: int,
+    route_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot's expert MLP on the aligned contiguous layout (DeepGEMM's m-grouped contiguous GEMMs).
+
+    The tokens are copied into each expert's segment of whole ``align``-row blocks
+    (:func:`~moe_fx.lowering.triton.sort.contiguous_rows`, fp8: quantised once per token first), then
+    GEMM1 -> activation (every row of the layout, padding included: one group; fp8: quantised into the
+    GEMM's scale layout) -> GEMM2. ``gemms`` must run ``"contiguous"`` (``contiguous_gemm``); no GEMM
+    bias (``w13_bias`` would need each row's expert in the activation kernel).
+
+    Returns:
+        ``(y [1, R, H] bf16, slot_pos [T * K] int64)``: the rows and each slot's row, for the combine.
+    """
+    from moe_fx.lowering.triton.activation import expert_activation
+    from moe_fx.lowering.triton.sort import contiguous_rows, quantize_rows
+
+    if "contiguous" not in gemms.layouts:
+        raise ValueError(f"run_contiguous_experts: {gemms.name} GEMMs do not run the contiguous layout")
+    if weights.w13_bias is not None or weights.w2_bias is not None:
+        raise ValueError("run_contiguous_experts: the contiguous layout takes no GEMM biases")
+    x, x_scale = quantize_rows(hidden) if weights.fp8 else (hidden.to(weights.w13.dtype), None)
+    layout = contiguous_rows(rows, x, x_scale, topk_ids, align=align, route_weights=route_weights)
+    gate_up = gemms.contiguous_gemm(layout.x, layout.x_scale, weights.w13, weights.w13_scale, layout.m_indices)
+    n = layout.num_rows
+    inter = weights.w2.shape[2]
+    a2_scale = empty_scales(1, n, inter, gemms.scale_layout, hidden.device) if weights.fp8 else None
+    all_rows = torch.full((1,), n, dtype=torch.int32, device=hidden.device)
+    a2, a2_scale = expert_activation(gate_up.unsqueeze(0), all_rows, spec, quant_fp8=weights.fp8,
+                                     out_scale=a2_scale, max_total_m=n)
+    y = gemms.contiguous_gemm(a2[0], None if a2_scale is None else a2_scale[0], weights.w2, weights.w2_scale,
+                              layout.m_indices)
+    return y.unsqueeze(0), layout.slot_pos

@@ -24,7 +24,7 @@ def supports(problem: DispatchProblem, caps: Capabilities) -> tuple[bool, str]:
     if not ok:
         return ok, why
     if "sorted" not in problem.experts_layouts:
-        return False, "the experts kernel reads the masked layout only"
+        return False, "the experts kernel reads no sorted layout"
     return True, ""
 
 

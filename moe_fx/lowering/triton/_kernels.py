@@ -1130,3 +1130,87 @@ def decode_combine_kernel(
             if (e >= E) & (e < E + E_IDENTITY):
                 acc += w * tl.load(x_ptr + t * s_xt + offs_h * s_xh, mask=hmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * s_ot + offs_h * s_oh, acc.to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+# --------------------------------------------------------------------------------------------------
+# The contiguous layout with aligned expert segments (DeepGEMM's m-grouped contiguous GEMMs)
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def contiguous_rows_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    scratch_ptr,
+    pos_ptr,
+    ids_ptr,
+    out_ptr,
+    outs_ptr,
+    m_idx_ptr,
+    pos_out_ptr,
+    E,
+    H,
+    NUM_SG,
+    s_xt,
+    s_xh,
+    s_st,
+    s_sg,
+    s_wt,
+    s_wk,
+    s_it,
+    s_ik,
+    s_or,
+    s_oh,
+    s_sr,
+    s_sc,
+    TOPK: tl.constexpr,
+    E_POW2: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SG_POW2: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    ROUTE_W: tl.constexpr,
+):
+    """Slot ``p``'s token into its row of the aligned contiguous layout (grid ``(T * K, cdiv(H, BLOCK_H))``).
+
+    The sort gave slot ``p`` (expert ``e``) row ``start[e] + rank``; here expert ``e``'s rows start at
+    ``start_pad[e]``, the exclusive sum of the counts rounded up to ``ALIGN`` each, so every expert owns
+    whole ``ALIGN``-row blocks. The token's row is copied there (fp8 codes with their 1x128 scale row,
+    HAS_SCALE), ``m_idx[row] = e`` and ``pos_out[p] = row`` (-1 for a slot that sends no row). ROUTE_W:
+    the row is scaled by the slot's routing weight (weights on the input; fp8: its scales are).
+    """
+    p = tl.program_id(0)
+    hb = tl.program_id(1)
+    row = tl.load(pos_ptr + p)
+    if row < 0:
+        if hb == 0:
+            tl.store(pos_out_ptr + p, row)
+        return
+    t = (p // TOPK).to(tl.int64)
+    k = p % TOPK
+    e = tl.load(ids_ptr + t * s_it + k * s_ik).to(tl.int32)
+    offs_e = tl.arange(0, E_POW2)
+    counts = tl.load(scratch_ptr + offs_e, mask=offs_e < E, other=0)
+    before = offs_e < e
+    start = tl.reduce(tl.where(before, counts, 0), 0, _add)
+    start_pad = tl.reduce(tl.where(before, (counts + ALIGN - 1) // ALIGN * ALIGN, 0), 0, _add)
+    prow = row - start + start_pad
+    if ROUTE_W:
+        w = tl.load(w_ptr + t * s_wt + k * s_wk).to(tl.float32)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    v = tl.load(x_ptr + t * s_xt + offs_h * s_xh, mask=hmask, other=0.0)
+    if ROUTE_W and not HAS_SCALE:
+        v = (v.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + prow * s_or + offs_h * s_oh, v, mask=hmask)
+    if hb == 0:
+        if HAS_SCALE:
+            offs_g = tl.arange(0, SG_POW2)
+            gmask = offs_g < NUM_SG
+            sc = tl.load(xs_ptr + t * s_st + offs_g * s_sg, mask=gmask, other=0.0)
+            if ROUTE_W:
+                sc = sc * w
+            tl.store(outs_ptr + prow * s_sr + offs_g * s_sc, sc, mask=gmask)
+        tl.store(m_idx_ptr + prow, e)
+        tl.store(pos_out_ptr + p, prow)

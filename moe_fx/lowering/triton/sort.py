@@ -16,13 +16,15 @@ anything else) send no row. Nothing synchronises with the host (CUDA-graph safe)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moe_fx.lowering.triton._loader import launch
 from moe_fx.lowering.triton.grouped_gemm import SortedRows, _known_empty, _out, _pow2
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["SortedRows", "quantize_rows", "sort_by_expert"]
+__all__ = ["ContiguousRows", "SortedRows", "contiguous_rows", "quantize_rows", "sort_by_expert"]
 
 
 def _slots_per_program(e_pow2: int) -> int:
@@ -88,3 +90,68 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
            x, q, s, t, h, *x.stride(), *q.stride(), *s.stride(),
            BLOCK_T=block_t, INTERP=x.device.type == "cpu", num_warps=4)
     return q, s
+
+
+@dataclass(frozen=True)
+class ContiguousRows:
+    """The aligned contiguous layout of one call (DeepGEMM's m-grouped contiguous GEMMs read it).
+
+    Expert ``e``'s rows are one segment of whole ``align``-row blocks: ``[start_pad[e], start_pad[e] +
+    counts[e])`` holds its tokens, the rest of the segment is padding; ``num_rows`` is the static bound
+    ``cdiv(T * K + E * (align - 1), align) * align``.
+
+    Attributes:
+        x: ``[num_rows, H]`` the tokens in their rows (fp8 codes with fp8 weights; padding rows unwritten).
+        x_scale: ``[num_rows, ceil(H/128)]`` fp32, MN-major TMA-aligned (fp8), else None.
+        m_indices: ``[num_rows]`` int32 expert of each row, -1 on padding rows (which DeepGEMM skips).
+        slot_pos: ``[T * K]`` int64 row of each slot, -1 for a slot that sends no row.
+    """
+
+    x: torch.Tensor
+    x_scale: torch.Tensor | None
+    m_indices: torch.Tensor
+    slot_pos: torch.Tensor
+    num_rows: object
+
+
+def contiguous_rows(
+    rows: SortedRows,
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    *,
+    align: int,
+    route_weights: torch.Tensor | None = None,
+) -> ContiguousRows:
+    """The tokens ``x [T, H]`` (fp8 codes with their ``[T, ceil(H/128)]`` scales, or bf16) copied into the
+    aligned contiguous layout of ``rows`` (:func:`sort_by_expert` of ``topk_ids``): one Triton launch, and a
+    fill of ``m_indices`` with -1. ``route_weights [T, K]``: each row scaled by its slot's routing weight
+    (weights on the input; fp8: the scales are scaled). No host synchronisation.
+    """
+    from moe_fx.lowering.layouts import empty_mn_major_scales
+
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"contiguous_rows: align must be a power of two, got {align}")
+    t, h = x.shape
+    k, e = rows.topk, rows.num_experts
+    n = rows.num_rows
+    num_rows = cdiv(n + e * (align - 1), align) * align
+    out = torch.empty(num_rows, h, dtype=x.dtype, device=x.device)
+    out_scale = None
+    if x_scale is not None:
+        out_scale = empty_mn_major_scales(1, num_rows, h, device=x.device)[0]
+    m_indices = torch.full((num_rows,), -1, dtype=torch.int32, device=x.device)
+    slot_pos = torch.empty(n, dtype=torch.int64, device=x.device)
+    if _known_empty(t, k):
+        return ContiguousRows(out, out_scale, m_indices, slot_pos, num_rows)
+    block_h = min(1024, _pow2(h))
+    sg = cdiv(h, FP8_BLOCK)
+    xs = x_scale if x_scale is not None else x
+    os_ = out_scale if out_scale is not None else out
+    w = route_weights if route_weights is not None else x
+    launch("contiguous_rows_kernel", x.device, (n, cdiv(h, block_h)),
+           x, xs, w, rows.scratch, rows.slot_pos, topk_ids, out, os_, m_indices, slot_pos, e, h, sg,
+           *x.stride(), *xs.stride()[-2:], *w.stride()[-2:], *topk_ids.stride(), *out.stride(), *os_.stride(),
+           TOPK=int(k), E_POW2=_pow2(e), ALIGN=align, BLOCK_H=block_h, SG_POW2=max(2, _pow2(sg)),
+           HAS_SCALE=x_scale is not None, ROUTE_W=route_weights is not None, num_warps=4)
+    return ContiguousRows(out, out_scale, m_indices, slot_pos, num_rows)
