@@ -163,3 +163,21 @@ def test_selection_runs_it_on_request_only_and_never_with_biases():
     # Triton's GEMMs read no such layout
     triton_plan = decide_experts_plan(problem, 2, "triton", layout="local_contiguous", caps=h200_dg)
     assert triton_plan.error is not None
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_traced_graph_is_sort_copy_extern_gemms_and_combine(sm90, monkeypatch, fp8):
+    """Where a graph would run it (``prefer`` lifted, as a measured choice would): the graph Inductor gets on an
+    assumed H200 with DeepGEMM is Triton launches around two ``deepgemm_contiguous_gemm`` extern calls."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from test_lowered_graph import H200_DG, _experts, _experts_fp8, _inputs, _kernel_name, _launches, _trace
+
+    from moe_fx.lowering.prepare_finalize import local_contiguous
+
+    monkeypatch.setattr(local_contiguous, "prefer", lambda problem, caps: None)
+    gm = _trace(_experts_fp8 if fp8 else _experts, _inputs(FakeTensorMode(), t=64, fp8=fp8), caps=H200_DG)
+    assert gm.code.count("moe_fx_kernels.deepgemm_contiguous_gemm") == 2 and "moe_fx.experts" not in gm.code
+    names = [_kernel_name(n) for n in _launches(gm)]
+    quant = ["quantize_rows_kernel"] if fp8 else []
+    assert names == ["expert_counts_kernel", "sort_slots_kernel", *quant, "contiguous_rows_kernel",
+                     "activation_kernel", "unpermute_kernel"]
