@@ -16,7 +16,6 @@ Writes ``decode_path_<date>[_tag].{md,json}`` to ``--out`` (default bench/result
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -26,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fused_activation import layer, rel
-from moe_layer import SHAPES, capture_graphs, machine_meta, measure_limits, replay_us, routing_sets, row_metrics
+from moe_layer import SHAPES, bench_meta, capture_graphs, replay_us, results_stem, routing_sets, row_metrics
 
 SETS = 3
 BLOCK_IS = {"bf16": (32, 64, 128), "fp8": (32, 64)}  # fp8 at 128: over the H200's shared memory
@@ -55,8 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     from moe_fx.lowering.triton.decode import DEFAULT_BLOCK_I, decode_experts
     from moe_fx.ops import experts_reference
 
-    meta = machine_meta()
-    meta["limits"] = limits = measure_limits()
+    meta = bench_meta()
+    limits = meta["limits"]
     rows = []
     for shape in args.shapes.split(","):
         dims = SHAPES[shape]
@@ -101,8 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(row)
                 print(json.dumps({kk: v for kk, v in row.items() if kk not in ("us", "rel_err")}), flush=True)
                 del graphs
-    date = datetime.date.today().isoformat()
-    stem = f"decode_path_{date}{'_' + args.tag if args.tag else ''}"
+    stem = results_stem("decode_path", args.tag)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

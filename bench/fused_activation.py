@@ -17,7 +17,6 @@ Writes ``fused_activation_<date>[_tag].{md,json}`` to ``--out`` (default bench/r
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -31,10 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_layer import (
     GPT_OSS_ACT,
     SHAPES,
+    bench_meta,
     capture_graphs,
-    machine_meta,
-    measure_limits,
     replay_us,
+    results_stem,
     routing_sets,
     row_metrics,
 )
@@ -133,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny qwen3/gpt_oss forms")
     args = ap.parse_args(argv)
     if args.smoke:
-        shapes, device, limits = {n: SMOKE_SHAPES[n] for n in ("qwen3", "gpt_oss")}, "cpu", None
+        shapes, device = {n: SMOKE_SHAPES[n] for n in ("qwen3", "gpt_oss")}, "cpu"
         tokens, args.rounds = args.tokens or "1,8", 1
         out = args.out or tempfile.mkdtemp(prefix="fused_activation_smoke_")
     else:
@@ -144,12 +143,10 @@ def main(argv: list[str] | None = None) -> None:
         out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     import moe_fx  # noqa: F401  (registers the ops)
 
-    meta = machine_meta()
-    meta["limits"] = measure_limits() if device == "cuda" else limits
-    meta["smoke"] = args.smoke
+    meta = bench_meta(device, args.smoke)
     print("meta", json.dumps(meta), flush=True)
     rows: list[dict] = []
-    stem = f"fused_activation_{datetime.date.today().isoformat()}" + (f"_{args.tag}" if args.tag else "")
+    stem = results_stem("fused_activation", args.tag)
     for shape, dims in shapes.items():
         _, e, k, h, i = dims
         w, kw = layer(shape, dims, device)

@@ -16,7 +16,6 @@ Writes ``kernel_breakdown_<date>[_tag].{md,json}`` to ``--out`` (default bench/r
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fused_activation import layer
-from moe_layer import SHAPES, capture_graphs, machine_meta, measure_limits, replay_us, routing_sets, row_metrics
+from moe_layer import SHAPES, bench_meta, capture_graphs, replay_us, results_stem, routing_sets, row_metrics
 
 SETS = 3
 PROFILED_REPLAYS = 5
@@ -79,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     import moe_fx  # noqa: F401
 
-    meta = machine_meta()
-    meta["limits"] = limits = measure_limits()
+    meta = bench_meta()
+    limits = meta["limits"]
     rows = []
     for shape in args.shapes.split(","):
         dims = SHAPES[shape]
@@ -103,13 +102,12 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             del graphs
-    date = datetime.date.today().isoformat()
-    stem = f"kernel_breakdown_{date}{'_' + args.tag if args.tag else ''}"
+    stem = results_stem("kernel_breakdown", args.tag)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     with open(os.path.join(args.out, stem + ".md"), "w") as f:
-        f.write(f"# One MoE layer's kernels, CUDA-graph replay ({meta.get('date', date)})\n\n")
+        f.write(f"# One MoE layer's kernels, CUDA-graph replay ({meta['date']})\n\n")
         f.write(f"{meta.get('gpu', '')} · torch {torch.__version__} · limits in this run: copy "
                 f"{limits['copy_tbs']:.2f} TB/s, bf16 {limits['bf16_tflops']:.0f} TFLOP/s\n\n")
         f.write("| shape | dtype | T | replay µs | floor µs (%) | kernels, launch order: GPU µs (GEMM bandwidth floor) "

@@ -17,7 +17,6 @@ Writes ``layouts_<date>[_tag].{md,json}`` to ``--out`` (default bench/results; s
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fused_activation import SMOKE_SHAPES, graphs_of, layer, rel, time_us
-from moe_layer import SHAPES, machine_meta, measure_limits, routing_sets, row_metrics
+from moe_layer import SHAPES, bench_meta, results_stem, routing_sets, row_metrics
 
 SETS = 3
 KERNELS = ("triton", "deepgemm")
@@ -64,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny qwen3 form, bf16")
     args = ap.parse_args(argv)
     if args.smoke:
-        shapes, device, limits, dtypes = {"qwen3": SMOKE_SHAPES["qwen3"]}, "cpu", None, ("bf16",)
+        shapes, device, dtypes = {"qwen3": SMOKE_SHAPES["qwen3"]}, "cpu", ("bf16",)
         tokens, args.rounds = args.tokens or "8", 1
         out = args.out or tempfile.mkdtemp(prefix="layouts_smoke_")
     else:
@@ -74,16 +73,13 @@ def main(argv: list[str] | None = None) -> None:
         dtypes = ("bf16",) if args.no_fp8 else ("bf16", "fp8")
         tokens = args.tokens or "64,256,1024,4096,16384"
         out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-        limits = None
     import moe_fx  # noqa: F401  (registers the ops)
     from moe_fx.ops import experts_reference
 
-    meta = machine_meta()
-    meta["limits"] = measure_limits() if device == "cuda" else limits
-    meta["smoke"] = args.smoke
+    meta = bench_meta(device, args.smoke)
     print("meta", json.dumps(meta), flush=True)
     rows: list[dict] = []
-    stem = f"layouts_{datetime.date.today().isoformat()}" + (f"_{args.tag}" if args.tag else "")
+    stem = results_stem("layouts", args.tag)
     for shape, dims in shapes.items():
         _, e, k, h, i = dims
         for dtype in dtypes:
@@ -129,8 +125,8 @@ def write(out: str, stem: str, meta: dict, rows: list[dict]) -> None:
         "# One MoE layer: every (experts kernel, row layout) pair the lowering can run", "",
         f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · {limits}", "",
         f"Command: `{meta['command']}`", "",
-        "µs of CUDA-graph replays (medians of alternating rounds), relative error against the fp32 reference in "
-        "brackets; — cannot run (reasons in the JSON). Floor = max(bytes / copy rate, flops / matmul rate).", "",
+        ("µs of CUDA-graph replays (medians of alternating rounds), relative error against the fp32 reference in "
+         "brackets; — cannot run (reasons in the JSON). Floor = max(bytes / copy rate, flops / matmul rate)."), "",
         "| shape | dtype | T | " + " | ".join(pairs) + " | floor µs |",
         "|---|---|---|" + "---|" * (len(pairs) + 1),
     ]

@@ -86,6 +86,20 @@ def machine_meta() -> dict:
     }
 
 
+def bench_meta(device: str = "cuda", smoke: bool = False) -> dict:
+    """:func:`machine_meta` with the copy and matmul limits measured now (``None`` off CUDA) and the smoke flag:
+    the header of a one-layer benchmark's results."""
+    meta = machine_meta()
+    meta["limits"] = measure_limits() if device == "cuda" else None
+    meta["smoke"] = smoke
+    return meta
+
+
+def results_stem(name: str, tag: str = "") -> str:
+    """``<name>_<date>[_<tag>]``: the file name (without suffix) of a benchmark's results."""
+    return f"{name}_{datetime.date.today().isoformat()}" + (f"_{tag}" if tag else "")
+
+
 def bench_us(fn, warmup: int = 3, rep_ms: float = 30.0) -> float:
     from triton.testing import do_bench
 
