@@ -191,7 +191,7 @@ def test_explain_says_layout_and_kernel_per_regime():
     why = _explain(4096, 1024)
     assert why.regimes.startswith("rows per expert 1..4: triton, sorted layout, activation in GEMM1's epilogue")
     assert ("5..: deepgemm, masked layout (local_sorted: the experts kernel reads no sorted layout; local_contiguous: "
-            "not measured against the masked layout on a GPU yet (layout='local_contiguous' runs it))") in why.regimes
+            "not measured against the masked layout on a GPU yet (bench/layouts.py requests it))") in why.regimes
     no_dg = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "x", 132, "NVIDIA H200")
     why = _explain(2048, 768, e=128, caps=no_dg)
     # gate/up halves: the activation epilogue up to 64 rows per expert (where it measured faster)

@@ -33,4 +33,4 @@ def supports(problem: DispatchProblem, caps: Capabilities) -> tuple[bool, str]:
 
 def prefer(problem: DispatchProblem, caps: Capabilities) -> str | None:
     """Under ``auto``: not yet (no GPU measurement against the masked layout)."""
-    return "not measured against the masked layout on a GPU yet (layout='local_contiguous' runs it)"
+    return "not measured against the masked layout on a GPU yet (bench/layouts.py requests it)"
