@@ -61,7 +61,8 @@ def empty_mn_major_scales(
     sf_k = cdiv(k, block)
     aligned = tma_aligned_size(mn, dtype.itemsize)
     storage = torch.empty(num_groups, sf_k, aligned, device=device, dtype=dtype)
-    return storage.transpose(1, 2)[:, :mn, :]
+    # narrow, not a slice: a graph traced on a CPU-only build cannot slice a fake CUDA tensor
+    return storage.transpose(1, 2).narrow(1, 0, mn)
 
 
 def is_mn_major_tma_aligned(sf: torch.Tensor) -> bool:

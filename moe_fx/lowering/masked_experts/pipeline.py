@@ -265,7 +265,7 @@ def run_contiguous_experts(
         ``(y [1, R, H] bf16, slot_pos [T * K] int64)``: the rows and each slot's row, for the combine.
     """
     from moe_fx.lowering.triton.activation import expert_activation
-    from moe_fx.lowering.triton.sort import contiguous_rows, mn_major_scales, quantize_rows
+    from moe_fx.lowering.triton.sort import contiguous_rows, quantize_rows
 
     if "contiguous" not in gemms.layouts:
         raise ValueError(f"run_contiguous_experts: {gemms.name} GEMMs do not run the contiguous layout")
@@ -276,9 +276,9 @@ def run_contiguous_experts(
     gate_up = gemms.contiguous_gemm(layout.x, layout.x_scale, weights.w13, weights.w13_scale, layout.m_indices)
     n = layout.num_rows
     inter = weights.w2.shape[2]
-    # [1, rows, *] views by view/squeeze only (no select or slice: a traced graph on a CPU-only build cannot
-    # make those of fake CUDA tensors)
-    a2_scale = mn_major_scales(n, inter, hidden.device).view(1, n, -1) if weights.fp8 else None
+    # [1, rows, *] views by view/squeeze (a graph traced on a CPU-only build cannot select or slice fake CUDA
+    # tensors)
+    a2_scale = empty_scales(1, n, inter, gemms.scale_layout, hidden.device) if weights.fp8 else None
     all_rows = torch.full((1,), n, dtype=torch.int32, device=hidden.device)
     a2, a2_scale = expert_activation(gate_up.view(1, n, -1), all_rows, spec, quant_fp8=weights.fp8,
                                      out_scale=a2_scale, max_total_m=n)

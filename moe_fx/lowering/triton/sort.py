@@ -24,7 +24,7 @@ from moe_fx.lowering.triton._loader import launch
 from moe_fx.lowering.triton.grouped_gemm import SortedRows, _known_empty, _out, _pow2
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["ContiguousRows", "SortedRows", "contiguous_rows", "mn_major_scales", "quantize_rows", "sort_by_expert"]
+__all__ = ["ContiguousRows", "SortedRows", "contiguous_rows", "quantize_rows", "sort_by_expert"]
 
 
 def _slots_per_program(e_pow2: int) -> int:
@@ -114,12 +114,6 @@ class ContiguousRows:
     num_rows: object
 
 
-def mn_major_scales(rows: object, cols: int, device: torch.device) -> torch.Tensor:
-    """fp32 1x128 scales ``[rows, ceil(cols/128)]`` in the MN-major layout (strides ``(1, rows)``), for ``rows`` a
-    multiple of 4 (TMA-aligned as it is: :func:`moe_fx.lowering.layouts.empty_mn_major_scales` without a slice)."""
-    return torch.empty(cdiv(cols, FP8_BLOCK), rows, dtype=torch.float32, device=device).t()
-
-
 def contiguous_rows(
     rows: SortedRows,
     x: torch.Tensor,
@@ -134,6 +128,8 @@ def contiguous_rows(
     fill of ``m_indices`` with -1. ``route_weights [T, K]``: each row scaled by its slot's routing weight
     (weights on the input; fp8: the scales are scaled). No host synchronisation.
     """
+    from moe_fx.lowering.layouts import empty_mn_major_scales
+
     if align <= 0 or align & (align - 1):
         raise ValueError(f"contiguous_rows: align must be a power of two, got {align}")
     t, h = x.shape
@@ -143,9 +139,7 @@ def contiguous_rows(
     out = torch.empty(num_rows, h, dtype=x.dtype, device=x.device)
     out_scale = None
     if x_scale is not None:
-        # MN-major and TMA-aligned as DeepGEMM reads it (num_rows is a multiple of 128): no slice of a view,
-        # which a traced graph on a CPU-only build cannot make of a fake CUDA tensor
-        out_scale = mn_major_scales(num_rows, h, x.device)
+        out_scale = empty_mn_major_scales(1, num_rows, h, device=x.device).squeeze(0)
     m_indices = torch.full((num_rows,), -1, dtype=torch.int32, device=x.device)
     slot_pos = torch.empty(n, dtype=torch.int64, device=x.device)
     if _known_empty(t, k):
