@@ -37,7 +37,7 @@ from moe_fx.lowering.problem import (
     row_regime,
     rows_per_expert,
 )
-from moe_fx.lowering.select import Choice, choose, choose_layout, layout_of
+from moe_fx.lowering.select import LOCAL_LAYOUTS, Choice, choose, choose_layout, layout_of
 from moe_fx.ops import ExpertActivation
 from moe_fx.ops.masked_experts import masked_output_dtype
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE
@@ -177,19 +177,16 @@ def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
     rows = rows_per_expert(t, k, e)
     regime = plan.problem.regime if plan.problem is not None else None
     hints = GemmHints(expected_m=rows, max_total_m=t * k, active_groups=torch.sym_min(e, t * k), regime=regime)
-    if plan.layout == "contiguous":
-        from moe_fx.lowering.masked_experts.deepgemm import CONTIGUOUS_M_ALIGN
-
-        sorted_rows = sort_by_expert(topk_ids, e, small=(regime == 0) if regime is not None else None)
-        y, slot_pos = run_contiguous_experts(hidden, sorted_rows, topk_ids, weights, spec, gemms,
-                                             align=CONTIGUOUS_M_ALIGN,
-                                             route_weights=topk_weights if weights_on_input else None)
-    elif plan.layout == "sorted":
+    if plan.layout in ("sorted", "contiguous"):
         # decode (regime 0: at most 4 rows per expert, so T * K <= 4E slots): the one-program sort
         sorted_rows = sort_by_expert(topk_ids, e, small=(regime == 0) if regime is not None else None)
-        y = run_sorted_experts(hidden, sorted_rows, weights, spec, gemms, hints,
-                               route_weights=topk_weights if weights_on_input else None)
-        slot_pos = sorted_rows.slot_pos
+        route_weights = topk_weights if weights_on_input else None
+        if plan.layout == "contiguous":
+            y, slot_pos = run_contiguous_experts(hidden, sorted_rows, topk_ids, weights, spec, gemms,
+                                                 route_weights=route_weights)
+        else:
+            y = run_sorted_experts(hidden, sorted_rows, weights, spec, gemms, hints, route_weights=route_weights)
+            slot_pos = sorted_rows.slot_pos
     else:
         max_m = gemms.rows(masked_rows_needed(t, k, weights_on_input))
         batch = permute_to_masked(
@@ -311,10 +308,9 @@ def _regime_summary(plans: list[ExpertsPlan]) -> str:
         _, hi = regime_bounds(r - 1)
         prepare = plans[start].prepare
         # why the other local layouts were not taken; the aligned contiguous one only where the kernel reads it
-        why = "" if prepare is None else "; ".join(
-            f"{k}: {v}" for k, v in prepare.reasons.items()
-            if k in ("local_sorted", "local_permute") or (k == "local_contiguous" and "contiguous" in getattr(
-                plans[start].experts.implementation, "LAYOUTS", ())))
+        reads = getattr(plans[start].experts.implementation, "LAYOUTS", ())
+        shown = [name for name, lay in LOCAL_LAYOUTS.items() if lay != "contiguous" or lay in reads]
+        why = "" if prepare is None else "; ".join(f"{k}: {v}" for k, v in prepare.reasons.items() if k in shown)
         span = f"{lo}..{hi}" if hi is not None else f"{lo}.."
         parts.append(f"rows per expert {span}: {plans[start].summary()}" + (f" ({why})" if why else ""))
         start = r

@@ -175,15 +175,14 @@ def choose_layout(
     Family ``"prepare_finalize"`` on a :class:`~moe_fx.lowering.problem.DispatchProblem` that carries
     the layouts the chosen kernel reads (its module's ``LAYOUTS``) and the problem's regime: the
     lowering's rule (:func:`moe_fx.lowering.experts.decide_experts_plan`). ``layout`` asks for one
-    (``"auto"`` or a name of :data:`LOCAL_LAYOUTS`: benchmarks). GEMMs without a bias epilogue read the
-    aligned contiguous layout only without biases (the activation kernel, which adds them there, sees one
-    group of rows).
+    (``"auto"`` or a name of :data:`LOCAL_LAYOUTS`: benchmarks). The aligned contiguous layout takes no
+    GEMM biases (its pipeline, :func:`~moe_fx.lowering.masked_experts.pipeline.run_contiguous_experts`,
+    refuses them), so a problem with biases is not offered it.
     """
     from moe_fx.lowering.problem import DispatchProblem
 
     layouts = tuple(getattr(experts.implementation, "LAYOUTS", ()))
-    gemms = getattr(experts.implementation, "GEMMS", None)
-    if (problem.w13_bias or problem.w2_bias) and not getattr(gemms, "bias_epilogue", True):
+    if problem.w13_bias or problem.w2_bias:
         layouts = tuple(lay for lay in layouts if lay != "contiguous")
     local = DispatchProblem(1, problem.device_type, problem.dtype, problem.hidden, int(top_k), problem.num_experts,
                             use_fp8=problem.fp8, expert_parallel=False, experts_layouts=layouts, regime=problem.regime)

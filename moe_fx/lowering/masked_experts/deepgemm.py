@@ -122,11 +122,16 @@ _LIB.define(
 )
 
 
+def _check_scales(op: str, a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
+                  b_scale: torch.Tensor | None) -> None:
+    if (a.dtype == FP8_DTYPE) != (a_scale is not None) or (b.dtype == FP8_DTYPE) != (b_scale is not None):
+        raise ValueError(f"{op}: fp8 operands need scales, others none")
+
+
 def _check_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: torch.Tensor | None) -> None:
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2]:
         raise ValueError(f"deepgemm_masked_gemm: want a [G, M, K] and b [G, N, K], got {list(a.shape)}, {list(b.shape)}")
-    if (a.dtype == FP8_DTYPE) != (a_scale is not None) or (b.dtype == FP8_DTYPE) != (b_scale is not None):
-        raise ValueError("deepgemm_masked_gemm: fp8 operands need scales, others none")
+    _check_scales("deepgemm_masked_gemm", a, a_scale, b, b_scale)
 
 
 @torch.library.register_fake("moe_fx_kernels::deepgemm_masked_gemm")
@@ -194,8 +199,7 @@ def _check_contiguous(a, a_scale, b, b_scale, m_indices) -> None:
     if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[2] or m_indices.shape != (a.shape[0],):
         raise ValueError(f"deepgemm_contiguous_gemm: want a [M, K], b [G, N, K], m_indices [M], got "
                          f"{list(a.shape)}, {list(b.shape)}, {list(m_indices.shape)}")
-    if (a.dtype == FP8_DTYPE) != (a_scale is not None) or (b.dtype == FP8_DTYPE) != (b_scale is not None):
-        raise ValueError("deepgemm_contiguous_gemm: fp8 operands need scales, others none")
+    _check_scales("deepgemm_contiguous_gemm", a, a_scale, b, b_scale)
 
 
 def _deepgemm_contiguous_gemm(a, a_scale, b, b_scale, m_indices):
@@ -227,6 +231,7 @@ class DeepGemms:
     scale_layout = "mn_major"
     bias_epilogue = False
     layouts = LAYOUTS
+    contiguous_align = CONTIGUOUS_M_ALIGN
 
     def rows(self, needed: object) -> object:
         """``max_m``: ``needed`` rounded up to :data:`MASKED_M_ALIGN` (whole-tile stores stay in their expert)."""

@@ -82,7 +82,7 @@ class MaskedGemms(Protocol):
     #: whether ``gemm`` adds a bias in its epilogue (else the pipeline adds it)
     bias_epilogue: bool
     #: the row layouts it runs: ``"masked"`` (``gemm``), ``"sorted"`` (``sorted_gemm``), ``"contiguous"``
-    #: (``contiguous_gemm``: each expert's rows in whole aligned blocks)
+    #: (``contiguous_gemm``: each expert's rows in whole blocks of ``contiguous_align`` rows)
     layouts: tuple[str, ...]
 
     def rows(self, needed: object) -> object:
@@ -250,12 +250,11 @@ def run_contiguous_experts(
     spec: ExpertActivation,
     gemms: MaskedGemms,
     *,
-    align: int,
     route_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every slot's expert MLP on the aligned contiguous layout (DeepGEMM's m-grouped contiguous GEMMs).
 
-    The tokens are copied into each expert's segment of whole ``align``-row blocks
+    The tokens are copied into each expert's segment of whole blocks of ``gemms.contiguous_align`` rows
     (:func:`~moe_fx.lowering.triton.sort.contiguous_rows`, fp8: quantised once per token first), then
     GEMM1 -> activation (every row of the layout, padding included: one group; fp8: quantised into the
     GEMM's scale layout) -> GEMM2. ``gemms`` must run ``"contiguous"`` (``contiguous_gemm``); no GEMM
@@ -272,7 +271,7 @@ def run_contiguous_experts(
     if weights.w13_bias is not None or weights.w2_bias is not None:
         raise ValueError("run_contiguous_experts: the contiguous layout takes no GEMM biases")
     x, x_scale = quantize_rows(hidden) if weights.fp8 else (hidden.to(weights.w13.dtype), None)
-    layout = contiguous_rows(rows, x, x_scale, topk_ids, align=align, route_weights=route_weights)
+    layout = contiguous_rows(rows, x, x_scale, topk_ids, align=gemms.contiguous_align, route_weights=route_weights)
     gate_up = gemms.contiguous_gemm(layout.x, layout.x_scale, weights.w13, weights.w13_scale, layout.m_indices)
     n = layout.num_rows
     inter = weights.w2.shape[2]
