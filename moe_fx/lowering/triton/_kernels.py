@@ -1067,8 +1067,8 @@ def decode_experts_kernel(
                          mask=m2, other=0.0)
             w2t = w2t.to(tl.float32) * sc
         if USE_DOT:
-            y = tl.reduce(_mma(tl.full((BLOCK_H, 16), 0.0, tl.float32), w2t.to(cdt), tl.trans(a2), False, IEEE or INTERP), 1,
-                          _add)
+            prod = _mma(tl.full((BLOCK_H, 16), 0.0, tl.float32), w2t.to(cdt), tl.trans(a2), False, IEEE or INTERP)
+            y = tl.reduce(prod, 1, _add)
         else:
             y = tl.reduce(w2t.to(tl.float32) * a[None, :], 1, _add)
         tl.store(part + offs_h, y, mask=hmask)

@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 
 from moe_fx.lowering.triton._loader import launch
-from moe_fx.lowering.triton.act_args import ACT_CODES
-from moe_fx.lowering.triton.grouped_gemm import _known_empty, _out
+from moe_fx.lowering.triton.act_args import epilogue_args
+from moe_fx.lowering.triton.grouped_gemm import _known_empty, _out, _pow2
 from moe_fx.ops import ExpertActivation
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
@@ -65,11 +65,11 @@ def decode_experts(
     ``[E, ceil(N/128), ceil(K/128)]`` fp32 scales). ``block_i`` (default :data:`DEFAULT_BLOCK_I`),
     ``block_k`` (GEMM1's step over H; at most 128 and a divisor of it with fp8 weights) and ``block_h``
     (GEMM2's chunk of H) are powers of two. ``use_dot``: the products as tensor-core MMAs on 16-column
-    tiles (the slot in column 0), else fp32 multiply-and-reduce GEMVs (see the kernel). ``out``: a ``[T, H]`` tensor of ``hidden``'s dtype to write.
+    tiles (the slot in column 0), else fp32 multiply-and-reduce GEMVs (see the kernel). ``out``: a ``[T, H]``
+    tensor of ``hidden``'s dtype to write.
     """
-    bad = spec.problems()
-    if bad or spec.name not in ACT_CODES:
-        raise ValueError(f"decode_experts: {'; '.join(bad) or f'no kernel for activation {spec.name!r}'}")
+    act = epilogue_args(spec, "decode_experts")  # the activation's kernel arguments (raises for a bad spec)
+    del act["ACT_FUSED"]  # a GEMM epilogue's switch: this kernel always applies the activation
     if hidden.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"decode_experts: want hidden [T, H], ids and weights [T, K], got {list(hidden.shape)}, "
                          f"{list(topk_ids.shape)}, {list(topk_weights.shape)}")
@@ -99,15 +99,13 @@ def decode_experts(
     launch("decode_experts_kernel", hidden.device, (t * k, slices),
            hidden, topk_ids, topk_weights, w13, w2, s13, s2, b13, part, h, inter, e, slices,
            *hidden.stride(), *topk_ids.stride(), *topk_weights.stride(), *w13.stride(), *w2.stride(),
-           *s13.stride(), *s2.stride(), *b13.stride(),
-           float(spec.alpha), float(spec.limit or 0.0), float(spec.up_offset),
-           TOPK=int(k), BLOCK_I=block_i, BLOCK_K=block_k, BLOCK_H=block_h, ACT=ACT_CODES[spec.name],
-           GATED=spec.gated, INTERLEAVED=spec.gate_up_layout == "interleaved", HAS_LIMIT=spec.limit is not None,
+           *s13.stride(), *s2.stride(), *b13.stride(), **act,
+           TOPK=int(k), BLOCK_I=block_i, BLOCK_K=block_k, BLOCK_H=block_h,
            HAS_BIAS=w13_bias is not None, ROUTE_ON_INPUT=weights_on_input, FP8=fp8,
            INTERP=hidden.device.type == "cpu", USE_DOT=use_dot,
            IEEE=w13.dtype == torch.float32, num_warps=4)
     b2 = w2_bias if w2_bias is not None else dummy.new_empty(1, 1)
-    combine_h = min(1024, max(16, 1 << (h - 1).bit_length()))
+    combine_h = min(1024, max(16, _pow2(h)))
     launch("decode_combine_kernel", hidden.device, (t, cdiv(h, combine_h)),
            part, topk_ids, topk_weights, hidden, b2, out, h, e, int(identity_experts), slices,
            *topk_ids.stride(), *topk_weights.stride(), *hidden.stride(), *b2.stride(), *out.stride(),
