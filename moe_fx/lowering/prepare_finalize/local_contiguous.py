@@ -23,12 +23,7 @@ NAME = "local_contiguous"
 
 def supports(problem: DispatchProblem, caps: Capabilities) -> tuple[bool, str]:
     """What the local permute needs (one device, Triton), and an experts kernel that reads this layout."""
-    ok, why = local_permute.supports(problem, caps)
-    if not ok:
-        return ok, why
-    if "contiguous" not in problem.experts_layouts:
-        return False, "the experts kernel reads no aligned contiguous layout"
-    return True, ""
+    return local_permute.supports_reading(problem, caps, "contiguous", "aligned contiguous")
 
 
 def prefer(problem: DispatchProblem, caps: Capabilities) -> str | None:

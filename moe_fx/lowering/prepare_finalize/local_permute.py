@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from moe_fx.lowering.problem import Capabilities, DispatchProblem
 
-__all__ = ["NAME", "supports"]
+__all__ = ["NAME", "supports", "supports_reading"]
 
 NAME = "local_permute"
 
@@ -24,4 +24,15 @@ def supports(problem: DispatchProblem, caps: Capabilities) -> tuple[bool, str]:
         return False, caps.triton_error
     if problem.device_type not in ("cuda", "cpu"):
         return False, f"needs a CUDA GPU (or the CPU interpreter), device is {problem.device_type}"
+    return True, ""
+
+
+def supports_reading(problem: DispatchProblem, caps: Capabilities, layout: str, described: str) -> tuple[bool, str]:
+    """:func:`supports`, and an experts kernel that reads ``layout`` (a name of its ``LAYOUTS``; ``described``
+    names it in the reason): the rule of the local candidates of the other row layouts."""
+    ok, why = supports(problem, caps)
+    if not ok:
+        return ok, why
+    if layout not in problem.experts_layouts:
+        return False, f"the experts kernel reads no {described} layout"
     return True, ""

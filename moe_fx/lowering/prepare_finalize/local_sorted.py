@@ -20,12 +20,7 @@ NAME = "local_sorted"
 
 def supports(problem: DispatchProblem, caps: Capabilities) -> tuple[bool, str]:
     """What the local permute needs (one device, Triton), and an experts kernel that reads the sorted layout."""
-    ok, why = local_permute.supports(problem, caps)
-    if not ok:
-        return ok, why
-    if "sorted" not in problem.experts_layouts:
-        return False, "the experts kernel reads no sorted layout"
-    return True, ""
+    return local_permute.supports_reading(problem, caps, "sorted", "sorted")
 
 
 def prefer(problem: DispatchProblem, caps: Capabilities) -> str | None:
