@@ -68,6 +68,50 @@ def _profile(graph) -> list[tuple[str, float, float]]:
             if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def two_pass_sort():
+    """A context in which the decode sort keeps its two passes (``sort_small_kernel(PAIRWISE=False)``): the
+    other side of ``--sort-ab``, captured into its own graphs."""
+    import contextlib
+
+    from moe_fx.lowering.triton import sort as sort_mod
+
+    @contextlib.contextmanager
+    def ctx():
+        real = sort_mod.launch
+
+        def launch(name, *args, **kw):
+            if name == "sort_small_kernel":
+                kw["PAIRWISE"] = False
+            return real(name, *args, **kw)
+
+        sort_mod.launch = launch
+        try:
+            yield
+        finally:
+            sort_mod.launch = real
+
+    return ctx()
+
+
+def sort_ab(run, sets, rounds: int = 6) -> dict:
+    """Replay µs of the layer with the decode sort's pairwise ranks and with its two passes, timed in
+    alternating rounds, and the sort kernel's own GPU µs on each side."""
+    import statistics
+
+    new, _ = capture_graphs(run, sets)
+    with two_pass_sort():
+        old, _ = capture_graphs(run, sets)
+    times = {"pairwise": [], "two_pass": []}
+    for r in range(rounds):
+        for name in (("pairwise", "two_pass") if r % 2 == 0 else ("two_pass", "pairwise")):
+            times[name].append(replay_us(new if name == "pairwise" else old))
+    out = {f"{n}_us": statistics.median(v) for n, v in times.items()}
+    for n, g in (("pairwise", new), ("two_pass", old)):
+        out[f"{n}_sort_kernel_us"] = sum(d for k, d in per_launch_us(_profile(g[0]), PROFILED_REPLAYS)
+                                        if k.startswith("sort_small"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="qwen3,gpt_oss,mixtral")
@@ -75,6 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fp8", action="store_true", help="fp8 weights (128x128 block scales)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--sort-ab", action="store_true", help="also time the layer with the decode sort's two "
+                    "passes against its pairwise ranks (alternating rounds)")
+    ap.add_argument("--pair", default=None, help="kernel/layout forced as in bench/layouts.py, e.g. "
+                    "deepgemm/local_contiguous (default: the op's own choice)")
     args = ap.parse_args(argv)
     import moe_fx  # noqa: F401
 
@@ -91,14 +139,24 @@ def main(argv: list[str] | None = None) -> None:
 
         for t in map(int, args.tokens.split(",")):
             sets = routing_sets(t, e, k, h, SETS, seed=t)
-            graphs, _ = capture_graphs(fn, sets)
+            run = fn
+            if args.pair:
+                from layouts import pair_fn
+
+                run = pair_fn(w, kw, *args.pair.split("/"), sets[0])
+                if not callable(run):
+                    print(json.dumps({"shape": shape, "T": t, "pair": args.pair, "cannot_run": run}), flush=True)
+                    continue
+            graphs, _ = capture_graphs(run, sets)
             us = replay_us(graphs)
             launches = per_launch_us(_profile(graphs[0]), PROFILED_REPLAYS)
             metrics = row_metrics(us, sets[:1], e, k, h, i, args.fp8, limits)
             g1, g2 = gemm_floors_us(metrics["experts_hit"], h, i, args.fp8, limits["copy_tbs"])
-            row = {"shape": shape, "T": t, "fp8": args.fp8, "replay_us": us, "floor_us": metrics["floor_us"],
+            row = {"shape": shape, "T": t, "fp8": args.fp8, "pair": args.pair or "op's choice", "replay_us": us, "floor_us": metrics["floor_us"],
                    "kernels": [(short(n), d) for n, d in launches], "gemm1_floor_us": g1, "gemm2_floor_us": g2,
                    "gaps_us": us - sum(d for _, d in launches), "experts_hit": metrics["experts_hit"]}
+            if args.sort_ab:
+                row["sort_ab"] = sort_ab(run, sets)
             rows.append(row)
             print(json.dumps(row), flush=True)
             del graphs
@@ -110,8 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         f.write(f"# One MoE layer's kernels, CUDA-graph replay ({meta['date']})\n\n")
         f.write(f"{meta.get('gpu', '')} · torch {torch.__version__} · limits in this run: copy "
                 f"{limits['copy_tbs']:.2f} TB/s, bf16 {limits['bf16_tflops']:.0f} TFLOP/s\n\n")
-        f.write("| shape | dtype | T | replay µs | floor µs (%) | kernels, launch order: GPU µs (GEMM bandwidth floor) "
-                "| gaps µs |\n|---|---|---|---|---|---|---|\n")
+        f.write("| shape | dtype | pair | T | replay µs | floor µs (%) | kernels, launch order: GPU µs (GEMM bandwidth floor) "
+                "| gaps µs |\n|---|---|---|---|---|---|---|---|\n")
         for r in rows:
             parts, gemm = [], 0
             for name, d in r["kernels"]:
@@ -121,9 +179,18 @@ def main(argv: list[str] | None = None) -> None:
                     parts.append(f"{name} {d:.1f} ({floor:.1f})")
                 else:
                     parts.append(f"{name} {d:.1f}")
-            f.write(f"| {r['shape']} | {'fp8' if r['fp8'] else 'bf16'} | {r['T']} | {r['replay_us']:.1f} | "
+            f.write(f"| {r['shape']} | {'fp8' if r['fp8'] else 'bf16'} | {r['pair']} | {r['T']} | {r['replay_us']:.1f} | "
                     f"{r['floor_us']:.1f} ({100 * r['floor_us'] / r['replay_us']:.0f}%) | {' · '.join(parts)} | "
                     f"{r['gaps_us']:.1f} |\n")
+        ab = [r for r in rows if "sort_ab" in r]
+        if ab:
+            f.write("\n## The decode sort: pairwise ranks (one chunk) vs two passes, same run, alternating rounds\n\n"
+                    "| shape | dtype | T | replay µs pairwise | replay µs two passes | sort kernel µs pairwise | "
+                    "sort kernel µs two passes |\n|---|---|---|---|---|---|---|\n")
+            for r in ab:
+                a = r["sort_ab"]
+                f.write(f"| {r['shape']} | {'fp8' if r['fp8'] else 'bf16'} | {r['T']} | {a['pairwise_us']:.1f} | "
+                        f"{a['two_pass_us']:.1f} | {a['pairwise_sort_kernel_us']:.1f} | {a['two_pass_sort_kernel_us']:.1f} |\n")
         f.write("\nGPU µs: mean over a profile of 5 replays. gaps: replay minus the kernels' sum (launch latency and "
                 "idle time inside the graph).\n")
     print("wrote", os.path.join(args.out, stem + ".md"))

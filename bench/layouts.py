@@ -90,8 +90,15 @@ def main(argv: list[str] | None = None) -> None:
                 fns = {f"{kern}/{lay}": pair_fn(w, kw, kern, lay, sets[0]) for kern in KERNELS for lay in LAYOUTS}
                 runnable = {name: fn for name, fn in fns.items() if callable(fn)}
                 ref = experts_reference(*sets[0], w["w13"], w["w2"], **ref_kw)
-                errs = {name: rel(fn(*sets[0]), ref) for name, fn in runnable.items()}
-                graphs = {name: graphs_of(fn, sets)[0] for name, fn in runnable.items()}
+                errs, graphs, out_of_memory = {}, {}, {}
+                for name, fn in runnable.items():
+                    try:
+                        errs[name] = rel(fn(*sets[0]), ref)
+                        graphs[name] = graphs_of(fn, sets)[0]
+                    except torch.OutOfMemoryError:  # e.g. the permuted layout's [E, T, H] buffers at T = 16384
+                        errs.pop(name, None)
+                        out_of_memory[name] = f"out of GPU memory at T={t} (its buffers and CUDA-graph pool)"
+                        torch.cuda.empty_cache()
                 times: dict[str, list[float]] = {name: [] for name in graphs}
                 for r in range(args.rounds):
                     for name in (list(graphs) if r % 2 == 0 else list(graphs)[::-1]):
@@ -100,11 +107,11 @@ def main(argv: list[str] | None = None) -> None:
                 floor = (row_metrics(min(us.values()), sets[:1], e, k, h, i, dtype == "fp8", meta["limits"])["floor_us"]
                          if meta["limits"] and us else None)
                 row = {"shape": shape, "dtype": dtype, "T": t, "us": us, "rel_err": errs, "floor_us": floor,
-                       "cannot_run": {name: fn for name, fn in fns.items() if not callable(fn)}}
+                       "cannot_run": {**{name: fn for name, fn in fns.items() if not callable(fn)}, **out_of_memory}}
                 rows.append(row)
                 print(json.dumps({kk: row[kk] for kk in ("shape", "dtype", "T", "us")}), flush=True)
                 del graphs
-            write(out, stem, meta, rows)
+                write(out, stem, meta, rows)
             del w
             if device == "cuda":
                 torch.cuda.empty_cache()

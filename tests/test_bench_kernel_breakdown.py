@@ -42,3 +42,25 @@ def test_gemm_floors_and_short_names(mod):
     assert mod.short("void at::native::vectorized_elementwise_kernel<4, at::native::Fill>(int, float)") == \
         "vectorized_elementwise_kernel"
     assert mod.short("masked_gemm_kernel") == "masked_gemm_kernel"
+
+
+def test_two_pass_sort_context_gives_the_same_rows_through_the_other_branch(mod, monkeypatch):
+    """--sort-ab's other side: inside the context the decode sort launches with PAIRWISE=False (the two passes)
+    and yields the same stable rows as the pairwise branch; the real launcher is back afterwards."""
+    import torch
+
+    from moe_fx.lowering.triton import sort as sort_mod
+
+    seen = []
+    real = sort_mod.launch
+    monkeypatch.setattr(sort_mod, "launch", lambda name, *a, **kw: (seen.append((name, kw.get("PAIRWISE"))),
+                                                                   real(name, *a, **kw))[1])
+    ids = torch.tensor([[3, 1], [1, -1], [0, 3], [2, 2]], dtype=torch.int32)
+    new = sort_mod.sort_by_expert(ids, 4, small=True)
+    with mod.two_pass_sort():
+        old = sort_mod.sort_by_expert(ids, 4, small=True)
+    assert seen == [("sort_small_kernel", None), ("sort_small_kernel", False)]
+    assert sort_mod.launch.__name__ == "<lambda>"  # restored to what it was before the context
+    for a, b in ((new.counts, old.counts), (new.sorted_slots[:7], old.sorted_slots[:7]), (new.slot_pos, old.slot_pos)):
+        assert torch.equal(a, b)
+    assert old.sorted_slots[:7].tolist() == [4, 1, 2, 6, 7, 0, 5]
