@@ -51,6 +51,19 @@ def pair_fn(w: dict, kw: dict, kernel: str, layout: str, example):
     return lambda x, ids, rw: run_experts(bound(x, ids, rw), plan)
 
 
+def measured_call(fn, inputs, ref: torch.Tensor) -> tuple[float, float | None]:
+    """One eager call of a pair: its relative error against ``ref`` and the GPU memory it allocated beyond
+    what was live before it (GB: the layout's transient buffers and the output; ``None`` on CPU)."""
+    cuda = ref.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    out = fn(*inputs)
+    peak = (torch.cuda.max_memory_allocated() - before) / 1e9 if cuda else None
+    return rel(out, ref), peak
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison (see the module docstring); ``argv`` as on the command line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,8 +73,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per cell")
     ap.add_argument("--out", default=None, help="results folder (default bench/results; smoke: a temp folder)")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--pairs", default="", help="comma list of kernel/layout pairs to run (default: all); one "
+                    "at a time keeps a large T's buffers and CUDA-graph pools inside the GPU's memory")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny qwen3 form, bf16")
     args = ap.parse_args(argv)
+    pairs = {p for p in args.pairs.split(",") if p}
     if args.smoke:
         shapes, device, dtypes = {"qwen3": SMOKE_SHAPES["qwen3"]}, "cpu", ("bf16",)
         tokens, args.rounds = args.tokens or "8", 1
@@ -87,13 +103,14 @@ def main(argv: list[str] | None = None) -> None:
             ref_kw = {n: v for n, v in kw.items() if n != "kernel_choice"}
             for t in (int(x) for x in tokens.split(",")):
                 sets = routing_sets(t, e, k, h, SETS, seed=t, device=device)
-                fns = {f"{kern}/{lay}": pair_fn(w, kw, kern, lay, sets[0]) for kern in KERNELS for lay in LAYOUTS}
+                fns = {f"{kern}/{lay}": pair_fn(w, kw, kern, lay, sets[0]) for kern in KERNELS for lay in LAYOUTS
+                       if not pairs or f"{kern}/{lay}" in pairs}
                 runnable = {name: fn for name, fn in fns.items() if callable(fn)}
                 ref = experts_reference(*sets[0], w["w13"], w["w2"], **ref_kw)
-                errs, graphs, out_of_memory = {}, {}, {}
+                errs, graphs, out_of_memory, transient = {}, {}, {}, {}
                 for name, fn in runnable.items():
                     try:
-                        errs[name] = rel(fn(*sets[0]), ref)
+                        errs[name], transient[name] = measured_call(fn, sets[0], ref)
                         graphs[name] = graphs_of(fn, sets)[0]
                     except torch.OutOfMemoryError:  # e.g. the permuted layout's [E, T, H] buffers at T = 16384
                         errs.pop(name, None)
@@ -107,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
                 floor = (row_metrics(min(us.values()), sets[:1], e, k, h, i, dtype == "fp8", meta["limits"])["floor_us"]
                          if meta["limits"] and us else None)
                 row = {"shape": shape, "dtype": dtype, "T": t, "us": us, "rel_err": errs, "floor_us": floor,
+                       "transient_gb": transient,
                        "cannot_run": {**{name: fn for name, fn in fns.items() if not callable(fn)}, **out_of_memory}}
                 rows.append(row)
                 print(json.dumps({kk: row[kk] for kk in ("shape", "dtype", "T", "us")}), flush=True)
@@ -117,6 +135,10 @@ def main(argv: list[str] | None = None) -> None:
                 torch.cuda.empty_cache()
     write(out, stem, meta, rows)
     print("done ->", os.path.join(out, stem + ".md"), flush=True)
+
+
+def _gb(v: float | None) -> str:
+    return "" if v is None else f", {v:.2f} GB"
 
 
 def write(out: str, stem: str, meta: dict, rows: list[dict]) -> None:
@@ -133,12 +155,14 @@ def write(out: str, stem: str, meta: dict, rows: list[dict]) -> None:
         f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · {limits}", "",
         f"Command: `{meta['command']}`", "",
         ("µs of CUDA-graph replays (medians of alternating rounds), relative error against the fp32 reference in "
-         "brackets; — cannot run (reasons in the JSON). Floor = max(bytes / copy rate, flops / matmul rate)."), "",
+         "brackets with the GPU memory one eager call allocated beyond its inputs (its transient buffers and "
+         "output); — cannot run (reasons in the JSON). Floor = max(bytes / copy rate, flops / matmul rate)."), "",
         "| shape | dtype | T | " + " | ".join(pairs) + " | floor µs |",
         "|---|---|---|" + "---|" * (len(pairs) + 1),
     ]
     for r in rows:
-        cells = [f"{r['us'][p]:.1f} ({r['rel_err'][p]:.1e})" if p in r["us"] else "—" for p in pairs]
+        cells = [f"{r['us'][p]:.1f} ({r['rel_err'][p]:.1e}{_gb(r.get('transient_gb', {}).get(p))})" if p in r["us"]
+                 else "—" for p in pairs]
         floor = f"{r['floor_us']:.1f}" if r["floor_us"] is not None else "—"
         lines.append(f"| {r['shape']} | {r['dtype']} | {r['T']} | " + " | ".join(cells) + f" | {floor} |")
     with open(os.path.join(out, stem + ".md"), "w") as f:

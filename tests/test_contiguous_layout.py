@@ -5,10 +5,13 @@ A torch stand-in for ``deep_gemm`` asserts what DeepGEMM's contiguous GEMMs need
 block of one expert whose first row is a real one, -1 only on padding, MN-major TMA-aligned fp8 scales),
 computes the rows of each expert in fp32, and writes NaN into every padding row: whatever reads one shows.
 The sort, the copy into the layout, the activation and the combine are the real Triton kernels under the
-interpreter. The selection: never under ``auto`` (not measured yet), on request only, never with biases.
+interpreter. The selection: under ``auto`` in the top rows-per-expert regime (DeepGEMM, E >= 2K), on request,
+never with biases.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import sys
 import types
@@ -145,15 +148,23 @@ def test_rows_and_indices_of_the_layout():
         contiguous_rows(rows, x, None, ids, align=6)
 
 
-def test_selection_runs_it_on_request_only_and_never_with_biases():
+def test_selection_takes_it_in_the_top_regime_or_on_request_and_never_with_biases():
     from moe_fx.lowering.experts import decide_experts_plan
-    from moe_fx.lowering.problem import Capabilities, ExpertsProblem
+    from moe_fx.lowering.problem import ROW_REGIMES, Capabilities, ExpertsProblem
     from moe_fx.ops import ExpertActivation
 
     h200_dg = Capabilities("cuda", (9, 0), None, None, "deep_ep is not installed", 132, "NVIDIA H200")
     problem = ExpertsProblem("cuda", "bfloat16", 8, 1024, 512, ExpertActivation(), None, False, False, True, 2, None)
-    auto = decide_experts_plan(problem, 2, "deepgemm", caps=h200_dg)
-    assert auto.layout == "masked" and "not measured" in auto.prepare.reasons["local_contiguous"]
+    auto = decide_experts_plan(problem, 2, "deepgemm", caps=h200_dg)  # 17..64 rows per expert: masked (faster)
+    assert auto.layout == "masked" and "measured faster" in auto.prepare.reasons["local_contiguous"]
+    top = dataclasses.replace(problem, regime=len(ROW_REGIMES))  # > 256 rows per expert: no [E, T, H] buffers
+    assert decide_experts_plan(top, 2, "deepgemm", caps=h200_dg).layout == "contiguous"
+    assert decide_experts_plan(dataclasses.replace(top, fp8_block=(128, 128)), 2, "deepgemm", caps=h200_dg).layout == "contiguous"
+    few = dataclasses.replace(top, num_experts=3)  # E < 2K: the masked buffers are no larger
+    assert decide_experts_plan(few, 2, "deepgemm", caps=h200_dg).layout == "masked"
+    assert decide_experts_plan(top, 2, "triton", caps=h200_dg).layout == "sorted"
+    biased_top = dataclasses.replace(top, w13_bias=True)
+    assert decide_experts_plan(biased_top, 2, "deepgemm", caps=h200_dg).layout == "masked"
     asked = decide_experts_plan(problem, 2, "deepgemm", layout="local_contiguous", caps=h200_dg)
     assert asked.layout == "contiguous" and asked.error is None
     assert asked.summary() == "deepgemm, contiguous layout"

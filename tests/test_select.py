@@ -174,8 +174,12 @@ def _explain(h, i, *, e=8, t=4096, fp8=False, kernel="auto", caps=H100, device="
 
 
 def test_explain_experts_on_bound_arguments():
-    why = _explain(4096, 1024)
+    why = _explain(4096, 1024, t=1024)  # 256 rows per expert: the masked layout
     assert (why.kernel, why.layout) == ("deepgemm", "masked") and why.plan.error is None
+    why = _explain(4096, 1024)  # 1024 rows per expert: the aligned contiguous layout (no [E, T, H] buffers)
+    assert (why.kernel, why.layout) == ("deepgemm", "contiguous") and why.plan.error is None
+    why = _explain(4096, 1024, e=3)  # E < 2K: the masked buffers are no larger, so the masked layout stays
+    assert (why.kernel, why.layout) == ("deepgemm", "masked")
     why = _explain(4096, 1000, fp8=True)
     assert why.kernel == "triton" and "gemm2 K=1000" in why.reasons["deepgemm"]
     why = _explain(4000, 1024, kernel="deepgemm")
@@ -190,8 +194,10 @@ def test_explain_says_layout_and_kernel_per_regime():
     """explain's regimes line is the lowering's own plan for every regime (decide_experts_plan)."""
     why = _explain(4096, 1024)
     assert why.regimes.startswith("rows per expert 1..4: triton, sorted layout, activation in GEMM1's epilogue")
-    assert ("5..: deepgemm, masked layout (local_sorted: the experts kernel reads no sorted layout; local_contiguous: "
-            "not measured against the masked layout on a GPU yet (bench/layouts.py requests it))") in why.regimes
+    assert ("5..256: deepgemm, masked layout (local_sorted: the experts kernel reads no sorted layout; local_contiguous: "
+            "the masked layout measured faster at <= 256 rows per expert; this one is taken above 256 "
+            "(bench/layouts.py)); rows per expert 257..: deepgemm, contiguous layout (local_sorted: the experts kernel "
+            "reads no sorted layout; local_permute: local_contiguous preferred)") in why.regimes
     no_dg = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "x", 132, "NVIDIA H200")
     why = _explain(2048, 768, e=128, caps=no_dg)
     # gate/up halves: the activation epilogue up to 64 rows per expert (where it measured faster)

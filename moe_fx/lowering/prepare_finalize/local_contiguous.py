@@ -7,14 +7,16 @@ copy of the tokens into their experts' aligned segments
 padding rows marked -1 for the GEMMs to skip); finalize is the same gather-and-sum kernel as the other
 local layouts. No ``[E, max_m, H]`` buffer.
 
-Not measured on a GPU yet: under ``auto`` it is passed over (:func:`prefer`); ``layout="local_contiguous"``
-(benchmarks) runs it.
+Under ``auto`` it is taken for DeepGEMM from the top rows-per-expert regime on (:func:`prefer`): there
+the masked layout's ``[E, max_m = T, H]`` buffers hold at least ``E / (1.5 K)`` times this layout's rows
+(26 GB per call for Qwen3-30B-A3B at T = 16384), for about the same time; below it the masked layout
+measured faster (bench/results/layouts_2026-12-03_s1.md, layouts_2026-12-03_s2.md).
 """
 
 from __future__ import annotations
 
 from moe_fx.lowering.prepare_finalize import local_permute
-from moe_fx.lowering.problem import Capabilities, DispatchProblem
+from moe_fx.lowering.problem import ROW_REGIMES, Capabilities, DispatchProblem
 
 __all__ = ["NAME", "prefer", "supports"]
 
@@ -27,5 +29,13 @@ def supports(problem: DispatchProblem, caps: Capabilities) -> tuple[bool, str]:
 
 
 def prefer(problem: DispatchProblem, caps: Capabilities) -> str | None:
-    """Under ``auto``: not yet (no GPU measurement against the masked layout)."""
-    return "not measured against the masked layout on a GPU yet (bench/layouts.py requests it)"
+    """Under ``auto``: from the top rows-per-expert regime on, where the masked layout's buffers are several
+    times this layout's bound; below it the masked layout (faster there, in bench/layouts.py on the H200)."""
+    if problem.regime != len(ROW_REGIMES):
+        bound = ROW_REGIMES[-1]
+        return (f"the masked layout measured faster at <= {bound} rows per expert; this one is taken above "
+                f"{bound} (bench/layouts.py)")
+    if problem.num_experts < 2 * problem.top_k:
+        return (f"E={problem.num_experts} < 2K: the masked layout's [E, T, H] buffers are no larger than this "
+                "layout's T*K + 127E rows")
+    return None

@@ -881,6 +881,7 @@ def sort_small_kernel(
     TOPK: tl.constexpr,
     CHUNK: tl.constexpr,
     E_POW2: tl.constexpr,
+    PAIRS: tl.constexpr = 64,
     PAIRWISE: tl.constexpr = True,
 ):
     """:func:`expert_counts_kernel` + :func:`sort_slots_kernel` in ONE program, for decode-sized batches.
@@ -889,15 +890,15 @@ def sort_small_kernel(
     launch fewer, which is what a decode step pays for). Two passes over the slots in chunks: the
     counts, then each slot's row ``start[e] + rank`` with its rank among earlier slots of the same
     expert (a stable counting sort: the row order is deterministic here). When every slot fits in one
-    chunk (a decode step) each slot's row comes from comparing the slots pairwise instead: one load, no
+    block of ``PAIRS`` (a decode step) each slot's row comes from comparing the slots pairwise instead: one load, no
     scan over the experts (the scan of a ``[CHUNK, E_POW2]`` tile is most of this kernel's time at
     large E); the same rows as the two passes. ``PAIRWISE=False`` keeps the two passes for every N (the
     A/B of ``bench/kernel_breakdown.py --sort-ab``).
     """
     offs_e = tl.arange(0, E_POW2)
     if PAIRWISE:
-        if N <= CHUNK:
-            offs = tl.arange(0, CHUNK)
+        if N <= PAIRS:
+            offs = tl.arange(0, PAIRS)
             smask = offs < N
             ids = tl.load(ids_ptr + _slot_offsets(offs, s_it, s_ik, TOPK), mask=smask, other=-1).to(tl.int32)
             valid = smask & (ids >= 0) & (ids < E)
