@@ -189,7 +189,7 @@ def test_sorted_gemm_compiles_pipelined(fp8, bm, bn, bk, warps, stages, gather, 
 
 
 def test_sort_kernels_compile():
-    from moe_fx.lowering.triton.sort import pairwise_slots
+    from moe_fx.lowering.triton.sort import DECODE_PAIRWISE_SLOTS, pairwise_slots
 
     k = _kernels()
     for e_pow2 in (8, 128, 512):
@@ -201,7 +201,8 @@ def test_sort_kernels_compile():
         assert "atom.global" in ptx and "ld.local" not in ptx
         ptx = _compile(k.sort_small_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
                                              "pos_ptr": "*i64"}, {"TOPK": 8, "CHUNK": max(16, min(64, 8192 // e_pow2)),
-                                                                  "E_POW2": e_pow2, "PAIRS": pairwise_slots(e_pow2)}).asm["ptx"]
+                                                                  "E_POW2": e_pow2, "PAIRS": pairwise_slots(e_pow2),
+                                                                  "DECODE_PAIRS": DECODE_PAIRWISE_SLOTS}).asm["ptx"]
         assert "atom.global" not in ptx and "ld.local" not in ptx  # one program: no atomics, no spills
     _compile(k.quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
              {"BLOCK_T": 8, "INTERP": False})

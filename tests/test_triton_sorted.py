@@ -29,7 +29,7 @@ def _ids(t, k, e, gen, extra=0):
 @pytest.mark.parametrize("small", [False, True])
 @pytest.mark.parametrize("t,k,e", [(9, 3, 5), (4, 6, 3), (1, 1, 1), (0, 2, 4), (40, 2, 3), (64, 2, 5), (70, 2, 3)])
 def test_sort_by_expert_puts_every_slot_in_its_expert_segment(t, k, e, small):
-    # small: 1..128 slots take the pairwise ranks (128 = sort.pairwise_slots at small E), 140 the two passes
+    # small: <= 32 slots rank pairwise in the decode tile, <= 128 in the larger one (sort.pairwise_slots at small E), 140 take the two passes
     gen = torch.Generator().manual_seed(t * 100 + k)
     ids = _ids(t, k, e, gen, extra=2)  # 2 ids past E: identity experts or out of range: no row either way
     rows = sort_by_expert(ids.to(torch.int32), e, small=small)

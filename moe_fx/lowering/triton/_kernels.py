@@ -869,6 +869,23 @@ def quantize_rows_kernel(
 
 
 @triton.jit
+def _store_pairwise_rows(ids, offs, N, E, offs_e, counts_ptr, sorted_ptr, pos_ptr):
+    """The one-block sort of :func:`sort_small_kernel`: counts, total, and each slot's row from pairwise
+    comparisons (the row of slot s = the valid slots of a smaller expert, or of its expert and before s).
+    Only the pointers it writes are handed to it (see :func:`_slot_offsets`)."""
+    smask = offs < N
+    valid = smask & (ids >= 0) & (ids < E)
+    counts = tl.reduce(((ids[:, None] == offs_e[None, :]) & valid[:, None]).to(tl.int32), 0, _add)
+    tl.store(counts_ptr + offs_e, counts, mask=offs_e < E)
+    tl.store(counts_ptr + E, tl.reduce(counts, 0, _add))
+    ids_j = tl.where(valid, ids, E)
+    before = (ids_j[None, :] < ids[:, None]) | ((ids_j[None, :] == ids[:, None]) & (offs[None, :] < offs[:, None]))
+    row = tl.reduce(before.to(tl.int32), 1, _add)
+    tl.store(sorted_ptr + row, offs, mask=valid)
+    tl.store(pos_ptr + offs, tl.where(valid, row, -1).to(tl.int64), mask=smask)
+
+
+@triton.jit
 def sort_small_kernel(
     ids_ptr,
     counts_ptr,
@@ -881,7 +898,8 @@ def sort_small_kernel(
     TOPK: tl.constexpr,
     CHUNK: tl.constexpr,
     E_POW2: tl.constexpr,
-    PAIRS: tl.constexpr = 64,
+    DECODE_PAIRS: tl.constexpr,
+    PAIRS: tl.constexpr,
     PAIRWISE: tl.constexpr = True,
 ):
     """:func:`expert_counts_kernel` + :func:`sort_slots_kernel` in ONE program, for decode-sized batches.
@@ -890,28 +908,23 @@ def sort_small_kernel(
     launch fewer, which is what a decode step pays for). Two passes over the slots in chunks: the
     counts, then each slot's row ``start[e] + rank`` with its rank among earlier slots of the same
     expert (a stable counting sort: the row order is deterministic here). When every slot fits in one
-    block of ``PAIRS`` (a decode step) each slot's row comes from comparing the slots pairwise instead: one load, no
+    block of ``DECODE_PAIRS`` or ``PAIRS`` (a decode step) each slot's row comes from comparing the slots pairwise instead: one load, no
     scan over the experts (the scan of a ``[CHUNK, E_POW2]`` tile is most of this kernel's time at
     large E); the same rows as the two passes. ``PAIRWISE=False`` keeps the two passes for every N (the
     A/B of ``bench/kernel_breakdown.py --sort-ab``).
     """
     offs_e = tl.arange(0, E_POW2)
     if PAIRWISE:
+        # two tile sizes, picked from N at run time: the tiles' size is most of the time of a small sort
+        if N <= DECODE_PAIRS:
+            offs = tl.arange(0, DECODE_PAIRS)
+            ids = tl.load(ids_ptr + _slot_offsets(offs, s_it, s_ik, TOPK), mask=offs < N, other=-1).to(tl.int32)
+            _store_pairwise_rows(ids, offs, N, E, offs_e, counts_ptr, sorted_ptr, pos_ptr)
+            return
         if N <= PAIRS:
             offs = tl.arange(0, PAIRS)
-            smask = offs < N
-            ids = tl.load(ids_ptr + _slot_offsets(offs, s_it, s_ik, TOPK), mask=smask, other=-1).to(tl.int32)
-            valid = smask & (ids >= 0) & (ids < E)
-            hit = (ids[:, None] == offs_e[None, :]) & valid[:, None]
-            counts1 = tl.reduce(hit.to(tl.int32), 0, _add)
-            tl.store(counts_ptr + offs_e, counts1, mask=offs_e < E)
-            tl.store(counts_ptr + E, tl.reduce(counts1, 0, _add))
-            # row of slot s = valid slots j of a smaller expert, or of the same expert and j < s
-            ids_j = tl.where(valid, ids, E)
-            before = (ids_j[None, :] < ids[:, None]) | ((ids_j[None, :] == ids[:, None]) & (offs[None, :] < offs[:, None]))
-            row1 = tl.reduce(before.to(tl.int32), 1, _add)
-            tl.store(sorted_ptr + row1, offs, mask=valid)
-            tl.store(pos_ptr + offs, tl.where(valid, row1, -1).to(tl.int64), mask=smask)
+            ids = tl.load(ids_ptr + _slot_offsets(offs, s_it, s_ik, TOPK), mask=offs < N, other=-1).to(tl.int32)
+            _store_pairwise_rows(ids, offs, N, E, offs_e, counts_ptr, sorted_ptr, pos_ptr)
             return
     counts = tl.full((E_POW2,), 0, tl.int32)
     for c0 in range(0, N, CHUNK):

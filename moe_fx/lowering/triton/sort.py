@@ -32,6 +32,11 @@ def _slots_per_program(e_pow2: int) -> int:
     return max(16, min(1024, 16384 // e_pow2))
 
 
+#: The one-program sort's smaller pairwise tile: a decode step's slots (T * K <= 32) rank in a 32-slot tile, which
+#: the GPU runs in about 60% of the time of the 128-slot one (bench/results/kernel_breakdown_2026-12-03_sortab*.md).
+DECODE_PAIRWISE_SLOTS = 32
+
+
 def pairwise_slots(e_pow2: int) -> int:
     """Most slots the one-program sort ranks pairwise (``[PAIRS, PAIRS]`` and ``[PAIRS, E_POW2]`` tiles near 16K
     elements: no spills at 4 warps); more slots take its two passes."""
@@ -66,7 +71,7 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, *, small: bool | No
         scratch = torch.empty(2 * num_experts + 1, dtype=torch.int32, device=dev)
         launch("sort_small_kernel", dev, (1,), topk_ids, scratch, sorted_slots, slot_pos, n, num_experts,
                *topk_ids.stride(), TOPK=int(k), CHUNK=max(16, min(64, 8192 // e_pow2)), E_POW2=e_pow2,
-               PAIRS=pairwise_slots(e_pow2), num_warps=4)
+               DECODE_PAIRS=DECODE_PAIRWISE_SLOTS, PAIRS=pairwise_slots(e_pow2), num_warps=4)
         return SortedRows(scratch, sorted_slots, slot_pos, int(k), n, num_experts)
     # counts [E], total, cursors [E]: one buffer, one memset
     scratch = torch.zeros(2 * num_experts + 1, dtype=torch.int32, device=dev)
