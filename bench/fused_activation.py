@@ -1,17 +1,24 @@
-"""One MoE layer on one GPU: the sorted layout's GEMM1 with the activation in its epilogue vs the separate
-activation kernel (``moe_fx.lowering.masked_experts.pipeline.FUSE_ACTIVATION``), bf16, Triton.
+"""One MoE layer on one GPU, a switch of the sorted-layout pipeline on against off (Triton):
+
+* ``--switch epilogue`` (default): GEMM1 with the activation in its epilogue vs the separate activation kernel
+  (``moe_fx.lowering.masked_experts.pipeline.FUSE_ACTIVATION``), bf16 weights;
+* ``--switch w8a16``: fp8 weights (128x128 blocks) with bf16 activations at decode sizes (W8A16: the GEMMs
+  dequantise the weight tiles, GEMM1 applies the activation) vs activations quantised 1x128 as at prefill
+  (``pipeline.W8A16_MAX_ROWS`` 16 vs 0).
 
 For each shape and token count T, ``torch.ops.moe_fx.experts(kernel_choice="triton")`` is captured in CUDA
-graphs twice (epilogue on / off: the switch is read when a call runs, so each capture launches its own
+graphs twice (switch on / off: the switch is read when a call runs, so each capture launches its own
 kernels), over the same rotating routing sets, and the two are timed alternately in rounds (medians of
 ``triton.testing.do_bench`` over replays). Each row also gives the floor ``max(bytes / copy rate, flops /
 matmul rate)`` with both limits measured in the same run, and the relative error of each variant against the
-fp32 reference on one T=64 set (and of the fused output against the unfused one at every T).
+fp32 reference (first routing set of the row), and of one variant against the other at every T.
 
-    python bench/fused_activation.py [--shapes qwen3,mixtral,gpt_oss] [--tokens 1,16,256,1024,4096] [--rounds 3]
+    python bench/fused_activation.py [--switch epilogue|w8a16] [--shapes qwen3,mixtral,gpt_oss]
+                                     [--tokens 1,16,256,1024,4096] [--rounds 3]
     python bench/fused_activation.py --smoke   # CPU, Triton interpreter, tiny shapes: checks the script end to end
 
-Writes ``fused_activation_<date>[_tag].{md,json}`` to ``--out`` (default bench/results; smoke: a temp folder).
+Writes ``fused_activation_<date>[_tag].{md,json}`` (``w8a16_<date>...`` for that switch) to ``--out`` (default
+bench/results; smoke: a temp folder).
 """
 
 from __future__ import annotations
@@ -63,17 +70,29 @@ def layer(shape: str, dims: tuple, device: str, seed: int = 0, fp8: bool = False
     return w, kw
 
 
-def variant(fused: bool, w: dict, kw: dict):
-    """``fn(hidden, ids, weights)``: the op with the epilogue on or off while it runs (and while captured)."""
+#: the pipeline switches this bench times: name -> (pipeline attribute, value on, value off, fp8 weights, title)
+SWITCHES = {
+    "epilogue": ("FUSE_ACTIVATION", True, False, False,
+                 "GEMM1 with the activation in its epilogue (on) vs the separate activation kernel (off), bf16"),
+    "w8a16": ("W8A16_MAX_ROWS", 16, 0, True,
+              "fp8 weights: bf16 activations up to 16 rows per expert (on, W8A16) vs activations quantised 1x128 "
+              "at every size (off, W8A8)"),
+}
+
+
+def variant(switch: str, on: bool, w: dict, kw: dict):
+    """``fn(hidden, ids, weights)``: the op with ``switch`` on or off while it runs (and while captured)."""
     from moe_fx.lowering.masked_experts import pipeline
 
+    attr, value_on, value_off = SWITCHES[switch][:3]
+
     def fn(x, ids, rw):
-        saved = pipeline.FUSE_ACTIVATION
-        pipeline.FUSE_ACTIVATION = fused
+        saved = getattr(pipeline, attr)
+        setattr(pipeline, attr, value_on if on else value_off)
         try:
             return torch.ops.moe_fx.experts(x, ids, rw, w["w13"], w["w2"], **kw)
         finally:
-            pipeline.FUSE_ACTIVATION = saved
+            setattr(pipeline, attr, saved)
 
     return fn
 
@@ -110,20 +129,19 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def reference_errors(dims: tuple, w: dict, kw: dict, device: str) -> dict[str, float]:
+def reference_errors(switch: str, w: dict, kw: dict, inputs) -> dict[str, float]:
     """Each variant's relative error against the fp32 reference (:func:`moe_fx.ops.experts_reference`)
-    on one T=64 routing set."""
+    on one routing set ``inputs``."""
     from moe_fx.ops import experts_reference
 
-    _, e, k, h, _ = dims
-    x, ids, rw = routing_sets(64, e, k, h, 1, seed=123, device=device)[0]
-    ref = experts_reference(x, ids, rw, w["w13"], w["w2"], **kw)
-    return {name: rel(variant(fused, w, kw)(x, ids, rw), ref) for name, fused in (("fused", True), ("unfused", False))}
+    ref = experts_reference(*inputs, w["w13"], w["w2"], **kw)
+    return {name: rel(variant(switch, on, w, kw)(*inputs), ref) for name, on in (("on", True), ("off", False))}
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison (see the module docstring); ``argv`` as on the command line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--switch", choices=sorted(SWITCHES), default="epilogue")
     ap.add_argument("--shapes", default="qwen3,mixtral,gpt_oss")
     ap.add_argument("--tokens", default=None, help="comma list of T (default 1,16,256,1024,4096; smoke 1,8)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per cell")
@@ -144,32 +162,34 @@ def main(argv: list[str] | None = None) -> None:
     import moe_fx  # noqa: F401  (registers the ops)
 
     meta = bench_meta(device, args.smoke)
+    meta["switch"] = args.switch
     print("meta", json.dumps(meta), flush=True)
     rows: list[dict] = []
-    stem = results_stem("fused_activation", args.tag)
+    fp8 = SWITCHES[args.switch][3]
+    stem = results_stem("fused_activation" if args.switch == "epilogue" else args.switch, args.tag)
     for shape, dims in shapes.items():
         _, e, k, h, i = dims
-        w, kw = layer(shape, dims, device)
-        errs = reference_errors(dims, w, kw, device)
+        w, kw = layer(shape, dims, device, fp8=fp8)
         for t in (int(x) for x in tokens.split(",")):
             sets = routing_sets(t, e, k, h, SETS, seed=t, device=device)
-            g_f, out_f = graphs_of(variant(True, w, kw), sets)
-            g_u, out_u = graphs_of(variant(False, w, kw), sets)
-            times: dict[str, list[float]] = {"fused": [], "unfused": []}
+            errs = reference_errors(args.switch, w, kw, sets[0])
+            g_on, out_on = graphs_of(variant(args.switch, True, w, kw), sets)
+            g_off, out_off = graphs_of(variant(args.switch, False, w, kw), sets)
+            times: dict[str, list[float]] = {"on": [], "off": []}
             for r in range(args.rounds):
-                order = (("fused", g_f), ("unfused", g_u)) if r % 2 == 0 else (("unfused", g_u), ("fused", g_f))
+                order = (("on", g_on), ("off", g_off)) if r % 2 == 0 else (("off", g_off), ("on", g_on))
                 for name, gr in order:
                     times[name].append(time_us(gr))
-            fused_us, unfused_us = statistics.median(times["fused"]), statistics.median(times["unfused"])
-            row = {"shape": shape, "T": t, "fused_us": fused_us, "unfused_us": unfused_us,
-                   "speedup": unfused_us / fused_us, "fused_vs_unfused_err": max(rel(a, b) for a, b in zip(out_f, out_u)),
-                   "ref_err_fused": errs["fused"], "ref_err_unfused": errs["unfused"],
-                   "floor_us": row_metrics(fused_us, sets, e, k, h, i, False, meta["limits"])["floor_us"]
+            on_us, off_us = statistics.median(times["on"]), statistics.median(times["off"])
+            row = {"shape": shape, "T": t, "on_us": on_us, "off_us": off_us,
+                   "speedup": off_us / on_us, "on_vs_off_err": max(rel(a, b) for a, b in zip(out_on, out_off)),
+                   "ref_err_on": errs["on"], "ref_err_off": errs["off"],
+                   "floor_us": row_metrics(on_us, sets, e, k, h, i, fp8, meta["limits"])["floor_us"]
                    if meta["limits"] else None}
             rows.append(row)
-            print(f"{shape:8s} T={t:5d} fused {fused_us:8.1f} µs  unfused {unfused_us:8.1f} µs  "
-                  f"x{row['speedup']:.3f}  err {row['fused_vs_unfused_err']:.1e}", flush=True)
-            del g_f, g_u, out_f, out_u
+            print(f"{shape:8s} T={t:5d} on {on_us:8.1f} µs  off {off_us:8.1f} µs  "
+                  f"x{row['speedup']:.3f}  err on/off vs ref {errs['on']:.1e}/{errs['off']:.1e}", flush=True)
+            del g_on, g_off, out_on, out_off
             write(out, stem, meta, rows)
         del w
         if device == "cuda":
@@ -186,25 +206,24 @@ def write(out: str, stem: str, meta: dict, rows: list[dict]) -> None:
     limits = (f"limits measured in the same run: copy {lim['copy_tbs']:.2f} TB/s, bf16 matmul "
               f"{lim['bf16_tflops']:.0f} TFLOP/s" if lim else "smoke run on CPU (tiny shapes; times are not GPU times)")
     lines = [
-        "# GEMM1 with the activation in its epilogue vs the separate activation kernel (one layer, bf16, Triton)",
+        f"# One layer, Triton, sorted layout: {SWITCHES[meta.get('switch', 'epilogue')][4]}",
         "",
         f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · {limits}",
         "",
         f"Command: `{meta['command']}`",
         "",
         ("CUDA-graph replays of `torch.ops.moe_fx.experts(kernel_choice='triton')` (sorted layout), the two variants "
-         "timed alternately; µs, lower is better. Speed-up = unfused / fused. Floor = max(bytes / copy rate, "
-         "flops / matmul rate). Errors: relative Frobenius, against the fp32 reference at T=64, and fused "
-         "against unfused at the row's T."),
+         "timed alternately; µs, lower is better. Speed-up = off / on. Floor = max(bytes / copy rate, "
+         "flops / matmul rate). Errors: relative Frobenius, against the fp32 reference on the row's first "
+         "routing set, and on against off over the row's sets."),
         "",
-        "| shape | T | fused µs | unfused µs | speed-up | floor µs | fused floor% | err fused / unfused vs ref | fused vs unfused |",
+        "| shape | T | on µs | off µs | speed-up | floor µs | on floor% | err on / off vs ref | on vs off |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        floor = (f"{r['floor_us']:.1f} | {100 * r['floor_us'] / r['fused_us']:.0f}%" if r["floor_us"] else "— | —")
-        lines.append(f"| {r['shape']} | {r['T']} | {r['fused_us']:.1f} | {r['unfused_us']:.1f} | {r['speedup']:.3f} | "
-                     f"{floor} | "
-                     f"{r['ref_err_fused']:.1e} / {r['ref_err_unfused']:.1e} | {r['fused_vs_unfused_err']:.1e} |")
+        floor = (f"{r['floor_us']:.1f} | {100 * r['floor_us'] / r['on_us']:.0f}%" if r["floor_us"] else "— | —")
+        lines.append(f"| {r['shape']} | {r['T']} | {r['on_us']:.1f} | {r['off_us']:.1f} | {r['speedup']:.3f} | "
+                     f"{floor} | {r['ref_err_on']:.1e} / {r['ref_err_off']:.1e} | {r['on_vs_off_err']:.1e} |")
     with open(os.path.join(out, stem + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

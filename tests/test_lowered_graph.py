@@ -104,11 +104,25 @@ def test_experts_op_becomes_kernel_launches(sm90, t):
 
 
 def test_fp8_weights_trace_to_fp8_kernels(sm90):
-    gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), fp8=True))
+    # prefill (128 rows per expert): tokens quantised 1x128, fp8 MMAs, the activation kernel quantises GEMM2's input
+    gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), t=512, fp8=True))
     names = [_kernel_name(n) for n in _launches(gm)]
-    assert names == ["sort_small_kernel", "quantize_rows_kernel", "masked_gemm_fp8_kernel",
+    assert names == ["expert_counts_kernel", "sort_slots_kernel", "quantize_rows_kernel", "masked_gemm_fp8_kernel",
                      "activation_kernel", "masked_gemm_fp8_kernel", "unpermute_kernel"]
     assert "moe_fx.experts" not in gm.code
+    # decode (<= 16 rows per expert): bf16 activations x fp8 weights, the bf16 pipeline's four launches
+    for t in (16, 64):
+        gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), t=t, fp8=True))
+        launches = _launches(gm)
+        assert [_kernel_name(n) for n in launches] == list(DECODE if t == 16 else KERNELS)
+        gemms = [n for n in launches if _kernel_name(n) == "masked_gemm_kernel"]
+        for node, act_fused in zip(gemms, (True, False)):
+            from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+            args = {**kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"]), **node.kwargs["kwargs"]}
+            assert args["B_FP8"] and args["ACT_FUSED"] == act_fused and "bs_ptr" in node.kwargs["kwargs"]
+            assert set(node.kwargs["tensors_to_clone"]) == {"c_ptr"}  # the fp8 weights and scales are only read
+            _assert_every_parameter_passed(node)
 
 
 def test_deepgemm_gemms_are_extern_calls_between_triton_launches(sm90):

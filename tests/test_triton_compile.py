@@ -48,8 +48,9 @@ def _kernels():
 GEMM = {"GROUP_M": 8, "E_POW2": 128, "EVEN_K": True, "UPCAST": False, "s_ak": 1, "s_bk": 1, "s_cn": 1,
         "bias_ptr": None, "HAS_BIAS": False, "sorted_ptr": None, "rw_ptr": None, "SORTED": False, "GATHER_A": False,
         "TOPK": 1, "ROUTE_W": False, "SWAP_AB": False, "DEVICE_TMA": False}
-#: masked_gemm_kernel's epilogue activation off (the bf16 kernel's extra constants)
-NO_ACT = {"ACT_FUSED": False, "ACT": 0, "GATED": False, "INTERLEAVED": False, "HAS_LIMIT": False}
+#: masked_gemm_kernel's epilogue activation and fp8 weights off (the bf16 kernel's extra constants)
+NO_ACT = {"ACT_FUSED": False, "ACT": 0, "GATED": False, "INTERLEAVED": False, "HAS_LIMIT": False, "B_FP8": False,
+          "bs_ptr": None}
 #: Inductor types Python float arguments as fp64 (seen on torch 2.11): the kernels must compile with those
 ACT_FLOATS = {"alpha": "fp64", "limit": "fp64", "up_offset": "fp64"}
 
@@ -150,8 +151,8 @@ def test_elementwise_kernels_compile(quant, gpt_oss):
 
 
 def _sorted_gemm(fp8: bool, gather: bool, route_w: bool = False, act: dict | None = None, **consts):
-    """(kernel, types, constants) of a sorted-layout GEMM launch on contiguous tensors (``act``: the
-    epilogue activation's constants, bf16 only)."""
+    """(kernel, types, constants) of a sorted-layout GEMM launch on contiguous tensors (``act``: the bf16
+    kernel's constants that differ from :data:`NO_ACT`: the epilogue activation, ``B_FP8`` fp8 weights)."""
     k = _kernels()
     consts = dict(GEMM, TMA=False, SORTED=True, GATHER_A=gather, TOPK=8, ROUTE_W=route_w, s_ag=0, s_cg=0, **consts)
     elem = "fp8e4nv" if fp8 else "bf16"
@@ -164,7 +165,10 @@ def _sorted_gemm(fp8: bool, gather: bool, route_w: bool = False, act: dict | Non
         types.update({"as_ptr": "*fp32", "bs_ptr": "*fp32"})
         consts.update(s_ask=1, s_asg=0, SCALAR_BS=consts["BLOCK_N"] <= 128)
         return k.masked_gemm_fp8_kernel, types, consts
-    consts.update(IEEE=False, **(act or NO_ACT))
+    consts.update(IEEE=False, **{**NO_ACT, **(act or {})})
+    if consts["B_FP8"]:  # fp8 weights with their block scales (W8A16)
+        types.update({"b_ptr": "*fp8e4nv", "bs_ptr": "*fp32"})
+        del consts["bs_ptr"]
     types.update(ACT_FLOATS)
     return k.masked_gemm_kernel, types, consts
 
@@ -276,5 +280,33 @@ def test_gemm_with_activation_epilogue_compiles_pipelined(form, bm, bn, bk, warp
         consts["HAS_BIAS"] = True
     ptx = _compile(fn, types, consts, warps, stages).asm["ptx"]
     assert "wgmma.mma_async" in ptx, "Hopper MMA expected"
+    assert ("cp.async.bulk.tensor" if device_tma else "cp.async") in ptx, "main loop not pipelined"
+    assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
+
+
+@pytest.mark.parametrize(
+    "form,bm,bn,bk,warps,stages,swap_ab,device_tma",
+    [
+        ("silu", 16, 64, 128, 4, 5, True, False),     # the decode regime's swapped tile (fp8 table entry)
+        ("gpt_oss", 16, 64, 128, 4, 5, True, False),  # interleaved gate/up, biases, clamp
+        ("silu", 32, 128, 128, 4, 4, False, False),   # 5..16 rows per expert: the fp8 table's unswapped tile
+        ("none", 16, 64, 128, 4, 5, True, True),      # GEMM2: fp8 weights through device-made descriptors
+    ],
+)
+def test_bf16_activations_fp8_weights_gemm_compiles(form, bm, bn, bk, warps, stages, swap_ab, device_tma):
+    """W8A16 (masked_gemm_kernel's B_FP8): fp8 weight tiles converted in registers feed wgmma, loads stay
+    pipelined, no spills; GEMM1 with the activation in its epilogue, GEMM2 without."""
+    act = {"B_FP8": True} if form == "none" else {"ACT_FUSED": True, "ACT": 0, "GATED": True, "B_FP8": True,
+                                                  "INTERLEAVED": form == "gpt_oss", "HAS_LIMIT": form == "gpt_oss"}
+    fn, types, consts = _sorted_gemm(False, form != "none", act=act, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    consts.update(TMA=device_tma, SWAP_AB=swap_ab, DEVICE_TMA=device_tma)
+    if form == "gpt_oss":
+        types["bias_ptr"] = "*bf16"
+        del consts["bias_ptr"]
+        consts["HAS_BIAS"] = True
+    ptx = _compile(fn, types, consts, warps, stages).asm["ptx"]
+    # wgmma where the MMA's M (the weight rows of a swapped tile, else the rows) is 64 or more
+    assert ("wgmma.mma_async" in ptx) == (swap_ab or bm >= 64) and ".bf16" in ptx, "bf16 MMAs expected"
+    assert "e4m3" in ptx, "the fp8 weight tile is converted in the kernel"
     assert ("cp.async.bulk.tensor" if device_tma else "cp.async") in ptx, "main loop not pipelined"
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"

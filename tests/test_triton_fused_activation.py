@@ -16,7 +16,7 @@ from moe_fx.lowering.quant import quantize_fp8_blockwise
 from moe_fx.lowering.triton.configs import TileConfig
 from moe_fx.lowering.triton.grouped_gemm import sorted_gemm
 from moe_fx.lowering.triton.sort import sort_by_expert
-from moe_fx.ops import ExpertActivation
+from moe_fx.ops import ExpertActivation, dequantize_blockwise
 from moe_fx.ops.experts import bind_experts, reference_of
 
 SPECS = ACTIVATION_FORMS
@@ -31,7 +31,10 @@ TILES = {
 
 @pytest.mark.parametrize("tile", list(TILES))
 @pytest.mark.parametrize("form", list(SPECS))
-def test_epilogue_is_the_activation_of_the_product(form, tile):
+@pytest.mark.parametrize("weights", ["fp32", "fp8"])
+def test_epilogue_is_the_activation_of_the_product(form, tile, weights):
+    """fp32 weights (exact products under the interpreter), and fp8 weights with bf16 activations (W8A16:
+    the weight tiles dequantised in the kernel), each against the activation of its own unfused product."""
     spec = SPECS[form]
     gen = torch.Generator().manual_seed(len(form) * 10 + len(tile))
     t, k, e, h, i = 7, 3, 4, 160, 40  # i: a column tile's tail (40 of 64); h = 160: a K tail for 64-wide steps
@@ -43,14 +46,18 @@ def test_epilogue_is_the_activation_of_the_product(form, tile):
     w13 = torch.randn(e, n1, h, generator=gen) / h**0.5
     b13 = torch.randn(e, n1, generator=gen) * 0.3
     rw = torch.rand(t, k, generator=gen) + 0.5
+    scale, tol = None, 1e-4
+    if weights == "fp8":
+        (w13, scale), x, tol = quantize_fp8_blockwise(w13), x.bfloat16(), 1e-2  # bf16 outputs
     cfg = TILES[tile]
-    out = torch.full((1, t * k, i), float("nan"))
-    sorted_gemm(x, w13, rows, out, gather=True, route_weights=rw, bias=b13, activation=spec, config=cfg)
-    product = sorted_gemm(x, w13, rows, gather=True, route_weights=rw, bias=b13)  # unfused, fp32
+    out = torch.full((1, t * k, i), float("nan"), dtype=x.dtype)
+    sorted_gemm(x, w13, rows, out, b_scale=scale, gather=True, route_weights=rw, bias=b13, activation=spec, config=cfg)
+    product = sorted_gemm(x.float(), w13.float() if scale is None else dequantize_blockwise(w13, scale), rows,
+                          gather=True, route_weights=rw, bias=b13)  # unfused, fp32
     total = rows.total.item()
     want = spec.apply(product[0, :total])
-    torch.testing.assert_close(out[0, :total], want, rtol=1e-4, atol=1e-4)
-    assert torch.isnan(out[0, total:]).all()  # rows past the total are never written
+    torch.testing.assert_close(out[0, :total].float(), want, rtol=tol, atol=tol)
+    assert torch.isnan(out[0, total:].float()).all()  # rows past the total are never written
 
 
 def test_epilogue_refuses_what_it_cannot_compute():
@@ -100,7 +107,10 @@ def test_fuse_activation_is_the_measured_choice(monkeypatch):
     assert fuse_activation(halves, bf16, row_regime(64)) and not fuse_activation(halves, bf16, row_regime(65))
     assert not fuse_activation(halves, bf16, None)  # unknown size: the separate kernel
     assert all(fuse_activation(s, bf16, r) for s in (interleaved, SPECS["relu2_not_gated"]) for r in (0, 4, None))
-    assert not any(fuse_activation(s, fp8, 0) for s in SPECS.values())
+    # fp8 weights: the epilogue where the activations stay bf16 (decode, W8A16), never where GEMM2 needs them
+    # quantised (the activation kernel's job)
+    assert all(fuse_activation(s, fp8, r) for s in (interleaved, SPECS["relu2_not_gated"]) for r in (0, 1))
+    assert not any(fuse_activation(s, fp8, r) for s in SPECS.values() for r in (2, 3, 4, None))
     monkeypatch.setattr(pipeline, "FUSE_ACTIVATION", False)
     assert not fuse_activation(interleaved, bf16, 0)
 

@@ -165,6 +165,74 @@ def test_sorted_layout_fp8_more_slots_than_experts_and_empty_batch():
     assert empty.shape == (0, h)
 
 
+@pytest.mark.parametrize("w8a16_max_rows", [16, 0])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_sorted_layout_fp8_weights_at_decode_size(form, w8a16_max_rows, monkeypatch):
+    """fp8 weights at decode size: bf16 activations x fp8 weights dequantised in the GEMMs (W8A16, the
+    activation in GEMM1's epilogue: no quantisation kernel), and with W8A16 off the quantised pipeline."""
+    from moe_fx.lowering.masked_experts import pipeline
+
+    monkeypatch.setattr(pipeline, "W8A16_MAX_ROWS", w8a16_max_rows)
+    gen = torch.Generator().manual_seed(len(form))
+    t, k, e, h, i = 3, 3, 4, 256 + 64, 128 + 64  # 3 rows per expert (regime 0); K and N tails of 128-wide blocks
+    spec, hidden, ids, w, w13, w2, b13, b2, on_input, identity = _layer(form, t, k, e, h, i, gen)
+    (q13, s13), (q2, s2) = quantize_fp8_blockwise(w13.float()), quantize_fp8_blockwise(w2.float())
+    a = bind_experts(hidden, ids, w, q13, q2, spec.name, on_input, s13, s2, kernel_choice="triton", w13_bias=b13,
+                     w2_bias=b2, gated=spec.gated, gate_up_layout=spec.gate_up_layout, alpha=spec.alpha,
+                     limit=spec.limit, up_offset=spec.up_offset, identity_experts=identity)
+    plan = plan_experts(a)
+    w8a16 = w8a16_max_rows > 0
+    assert plan.bf16_activations_fp8_weights == w8a16 and plan.activation_epilogue == w8a16
+    assert ("bf16 activations x fp8 weights" in plan.summary()) == w8a16
+    out = run_experts(a, plan)
+    err = rel_err(out, reference_of(a))
+    # W8A16 rounds no activation (bf16 products of the dequantised weights); W8A8 quantises both GEMMs' inputs
+    assert err < (2e-2 if w8a16 else 8e-2), err
+
+
+def test_quantize_activations_is_the_measured_choice(monkeypatch):
+    from moe_fx.lowering.masked_experts import pipeline
+    from moe_fx.lowering.problem import ROW_REGIMES, row_regime
+
+    regimes = range(len(ROW_REGIMES) + 1)
+    assert [pipeline.quantize_activations(True, r) for r in regimes] == [False, False, True, True, True]
+    assert not pipeline.quantize_activations(True, row_regime(16)) and pipeline.quantize_activations(True, row_regime(17))
+    assert pipeline.quantize_activations(True, None)  # unknown size: the prefill recipe
+    assert not any(pipeline.quantize_activations(False, r) for r in regimes)  # bf16 weights: nothing to quantise
+    monkeypatch.setattr(pipeline, "W8A16_MAX_ROWS", 0)
+    assert all(pipeline.quantize_activations(True, r) for r in regimes)
+
+
+def test_sorted_gemm_bf16_activations_fp8_weights_matches_dequantised_product():
+    """W8A16: bf16 tokens gathered, fp8 weights with 128x128 scales (K and N tails), routing weights, bias;
+    every tile variant; rows past the total never written."""
+    from moe_fx.lowering.triton.configs import TileConfig
+
+    gen = torch.Generator().manual_seed(8)
+    t, k, e, h, n = 5, 2, 3, 256 + 64, 136 + 64
+    ids = _ids(t, k, e, gen)
+    rows = sort_by_expert(ids, e)
+    x = torch.randn(t, h, generator=gen).bfloat16()
+    wq, ws = quantize_fp8_blockwise(torch.randn(e, n, h, generator=gen) / h**0.5)
+    rw = torch.rand(t, k, generator=gen)
+    bias = torch.randn(e, n, generator=gen).bfloat16()
+    flat = ids.flatten()
+    for cfg in (None, TileConfig(16, 64, 128, 1, 4, 1, 1, swap_ab=True), TileConfig(16, 64, 64, 1, 4, 1, 1, tma=True)):
+        out = torch.full((1, t * k, n), float("nan"), dtype=torch.bfloat16)
+        sorted_gemm(x, wq, rows, out, b_scale=ws, gather=True, route_weights=rw, bias=bias, config=cfg)
+        for s in range(t * k):
+            pos = rows.slot_pos[s].item()
+            if pos >= 0:
+                w_e = dequantize_blockwise(wq[flat[s]], ws[flat[s]])
+                ref = (x[s // k].float() @ w_e.T) * rw[s // k, s % k] + bias[flat[s]].float()
+                assert rel_err(out[0, pos], ref) < 1e-2, (cfg, s)
+        assert torch.isnan(out[0, rows.total.item():].float()).all()
+    with pytest.raises(ValueError, match="a_scale given"):
+        sorted_gemm(x, wq, rows, a_scale=torch.ones(t, 3), b_scale=ws, gather=True)
+    with pytest.raises(TypeError, match="fp8 weights with unquantised activations"):
+        sorted_gemm(x.float(), wq, rows, b_scale=ws, gather=True)
+
+
 @pytest.mark.parametrize("swap_ab,tma", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_sorted_gemm_swapped_and_device_descriptor_variants(swap_ab, tma, fp8):

@@ -24,6 +24,7 @@ from moe_fx.lowering.masked_experts.pipeline import (
     GemmHints,
     empty_scales,
     fuse_activation,
+    quantize_activations,
     run_contiguous_experts,
     run_masked_experts,
     run_sorted_experts,
@@ -78,11 +79,19 @@ class ExpertsPlan:
         return self.layout == "sorted" and fuse_activation(
             self.problem.activation, self.problem.fp8_block is not None, self.problem.regime)
 
+    @property
+    def bf16_activations_fp8_weights(self) -> bool:
+        """fp8 weights meet unquantised bf16 activations (W8A16, sorted layout at decode sizes:
+        :func:`~moe_fx.lowering.masked_experts.pipeline.quantize_activations`, which the run asks too)."""
+        fp8 = self.problem.fp8_block is not None
+        return self.layout == "sorted" and fp8 and not quantize_activations(fp8, self.problem.regime)
+
     def summary(self) -> str:
         """One line: kernel and layout, e.g. ``"triton, sorted layout, activation in GEMM1's epilogue"``."""
         if self.reference:
             return self.experts.kernel
         return f"{self.experts.kernel}, {self.layout} layout" + (
+            ", bf16 activations x fp8 weights" if self.bf16_activations_fp8_weights else "") + (
             ", activation in GEMM1's epilogue" if self.activation_epilogue else "")
 
     def raise_if_unrunnable(self, what: str) -> ExpertsPlan:

@@ -27,8 +27,8 @@ from moe_fx.ops import ExpertActivation
 from moe_fx.ops.masked_experts import dequantize_activations
 from moe_fx.ops.recipe import FP8_DTYPE
 
-__all__ = ["FUSE_ACTIVATION", "ExpertWeights", "GemmHints", "MaskedGemms", "fuse_activation", "run_masked_experts",
-           "run_sorted_experts"]
+__all__ = ["FUSE_ACTIVATION", "W8A16_MAX_ROWS", "ExpertWeights", "GemmHints", "MaskedGemms", "fuse_activation",
+           "quantize_activations", "run_masked_experts", "run_sorted_experts"]
 
 #: Whether the sorted layout may apply the activation in GEMM1's epilogue (where :func:`fuse_activation`
 #: says it wins). Read when a call runs (so when a graph is compiled, for compiled code); benchmarks set
@@ -36,6 +36,9 @@ __all__ = ["FUSE_ACTIVATION", "ExpertWeights", "GemmHints", "MaskedGemms", "fuse
 FUSE_ACTIVATION = True
 #: Rows per expert up to which a gate/up-halves GEMM1 takes the epilogue (see :func:`fuse_activation`).
 FUSE_HALVES_MAX_ROWS = 64
+#: Rows per expert up to which fp8 weights meet unquantised bf16 activations on the sorted layout (W8A16,
+#: see :func:`quantize_activations`); 0 quantises at every size (benchmarks set it to time both).
+W8A16_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,27 @@ def run_masked_experts(
     return y
 
 
+def quantize_activations(fp8: bool, regime: int | None) -> bool:
+    """Whether a sorted-layout call with fp8 weights (``fp8``) quantises its activations per 1x128 group
+    (W8A8: fp8 tensor-core products) or keeps them in bf16 (W8A16: each weight tile dequantised in the
+    GEMM's registers, products in bf16).
+
+    At decode sizes (up to :data:`W8A16_MAX_ROWS` rows per expert) the GEMMs stream weights and the MMA
+    rate does not matter: W8A16 moves the same fp8 weight bytes, runs no quantisation kernel before
+    either GEMM, lets GEMM1 apply the activation in its epilogue (sort -> GEMM1 -> GEMM2 -> combine, as
+    bf16 layers run, instead of six launches), and does not round the activations. At prefill sizes the
+    fp8 MMAs' rate wins. ``regime`` None (unknown size): quantised.
+    """
+    from moe_fx.lowering.problem import regime_bounds
+
+    if not fp8:
+        return False
+    if regime is None:
+        return True
+    hi = regime_bounds(regime)[1]
+    return hi is None or hi > W8A16_MAX_ROWS
+
+
 def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bool:
     """Whether the sorted layout's GEMM1 applies ``spec`` in its epilogue, as measured on the H200
     (bench/results/fused_activation_2026-12-03.md, one layer, CUDA graphs, fused / unfused).
@@ -177,13 +201,14 @@ def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bo
     Halves (Qwen3, Mixtral) keep two accumulators of half the tuned tile: 1.01-1.06x up to 64 rows per
     expert, 0.95-0.98x at prefill sizes (Mixtral T >= 1024, Qwen3 T = 4096), where the separate kernel
     stays. Not gated: the unfused tile and one accumulator, only the store and a launch saved. fp8
-    weights never: GEMM2 needs the activation quantised per 1x128 group, the activation kernel's job.
+    weights with quantised activations (:func:`quantize_activations`) never: GEMM2 needs the activation
+    quantised per 1x128 group, the activation kernel's job; with bf16 activations (W8A16) as bf16 weights.
     ``fp8``: fp8 weights. ``regime``: the call's rows-per-expert regime (None, unknown: halves keep the
     separate kernel). The plan explain reports asks the same function (``ExpertsPlan.activation_epilogue``).
     """
     from moe_fx.lowering.problem import regime_bounds
 
-    if not FUSE_ACTIVATION or fp8:
+    if not FUSE_ACTIVATION or quantize_activations(fp8, regime):
         return False
     if not spec.gated or spec.gate_up_layout == "interleaved":
         return True
@@ -206,7 +231,8 @@ def run_sorted_experts(
     """Every slot's expert MLP on the contiguous layout: ``y[row] = expert_e(x_t)`` for each sorted row.
 
     Args:
-        hidden: ``[T, H]`` tokens, read in place by GEMM1 (fp8 weights: quantised 1x128 once, T rows).
+        hidden: ``[T, H]`` tokens, read in place by GEMM1 (fp8 weights: quantised 1x128 once, T rows, where
+            :func:`quantize_activations` says so; else read as bf16 by GEMMs that dequantise the weights).
         rows: :class:`~moe_fx.lowering.triton.grouped_gemm.SortedRows` of the call.
         weights, spec, gemms, hints: as in :func:`run_masked_experts` (``gemms`` must run ``"sorted"``).
         route_weights: ``[T, K]`` routing weights applied to the expert's input (``weights_on_input``);
@@ -222,21 +248,24 @@ def run_sorted_experts(
     if "sorted" not in gemms.layouts:
         raise ValueError(f"run_sorted_experts: {gemms.name} GEMMs do not run the sorted layout")
     x, x_scale = hidden, None
-    if weights.fp8:
+    quantized = quantize_activations(weights.fp8, hints.regime)
+    if quantized:
         x, x_scale = quantize_rows(hidden)
+    elif weights.fp8:  # W8A16: bf16 activations, the GEMMs dequantise the weight tiles
+        x = hidden.to(torch.bfloat16)
     elif hidden.dtype != weights.w13.dtype:
         x = hidden.to(weights.w13.dtype)
     # GEMM1's bias is per expert: added in its epilogue (after the routing weight, as (w x) W^T + b)
     if fuse_activation(spec, weights.fp8, hints.regime):
         # the activation in GEMM1's epilogue: the [N, 2I] product is never stored, one launch fewer
-        a2 = gemms.sorted_gemm(x, None, weights.w13, None, rows, bias=weights.w13_bias, hints=hints,
+        a2 = gemms.sorted_gemm(x, None, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias, hints=hints,
                                gather=True, route_weights=route_weights, activation=spec)
         a2_scale = None
-    else:  # the separate activation kernel (fp8: it quantises its output per 1x128 group for GEMM2)
+    else:  # the separate activation kernel (W8A8: it quantises its output per 1x128 group for GEMM2)
         gate_up = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias,
                                     hints=hints, gather=True, route_weights=route_weights)
         # the activation kernel sees the sorted rows [1, N, N1] as one group of all valid rows (the scratch's total)
-        a2, a2_scale = expert_activation(gate_up, rows.scratch, spec, quant_fp8=weights.fp8,
+        a2, a2_scale = expert_activation(gate_up, rows.scratch, spec, quant_fp8=quantized,
                                          max_total_m=rows.num_rows, masked_m_offset=rows.num_experts)
     return gemms.sorted_gemm(a2, a2_scale, weights.w2, weights.w2_scale, rows, bias=weights.w2_bias, hints=hints,
                              gather=False, route_weights=None)

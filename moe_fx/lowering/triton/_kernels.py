@@ -113,6 +113,22 @@ def _mma(acc, a, b, SWAP_AB: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, SWAP_AB: tl.constexpr, IEEE: tl.constexpr):
+    """``a @ b`` as a new fp32 tile (``b^T a^T`` with SWAP_AB): one k step's product, scaled before it joins
+    the accumulator."""
+    if SWAP_AB:
+        if IEEE:
+            out = tl.dot(tl.trans(b), tl.trans(a), input_precision="ieee")
+        else:
+            out = tl.dot(tl.trans(b), tl.trans(a))
+    elif IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
 def masked_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -161,8 +177,18 @@ def masked_gemm_kernel(
     alpha=1.0,
     limit=0.0,
     up_offset=0.0,
+    bs_ptr=None,
+    s_bsg=0,
+    s_bsn=0,
+    s_bsk=0,
+    B_FP8: tl.constexpr = False,
 ):
     """c[g, :m_g, :] = a[g, :m_g, :] @ b[g]^T (+ bias[g]), fp32 accumulation, stored in c's dtype.
+
+    B_FP8 (fp8 weights, bf16 activations: W8A16): ``b`` is float8_e4m3fn with fp32 128x128 block scales
+    ``bs[g, n // 128, k // 128]``; each k step (BLOCK_K divides 128: one scale group) converts the weight
+    tile to a's dtype in registers and scales its product per column before it joins the accumulator.
+    The weight bytes are the fp8 ones and the activations are never quantised.
 
     With TMA, ``a_ptr`` / ``b_ptr`` are 3-D tensor descriptors (blocks ``[1, BLOCK_M, BLOCK_K]`` /
     ``[1, BLOCK_N, BLOCK_K]``): the copy engine zero-fills past the tensor's edges, so tails need
@@ -261,11 +287,21 @@ def masked_gemm_kernel(
             if UPCAST:  # the CPU interpreter's dot mis-reads bf16 / fp8 operands; fp32 is exact there
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = _mma(acc, a, b, SWAP_AB, IEEE or UPCAST)
-            if HALVES:
-                if UPCAST:
+                if HALVES:
                     u = u.to(tl.float32)
-                acc_u = _mma(acc_u, a, u, SWAP_AB, IEEE or UPCAST)
+            if B_FP8:  # W8A16: the fp8 weight tile in a's dtype, its product scaled per column (one k group)
+                bs_k = bs_ptr + e64 * s_bsg + (k0 // 128) * s_bsk
+                bsc = tl.load(bs_k + (offs_n // 128) * s_bsn, mask=mask_n, other=0.0)
+                bsc = bsc[:, None] if SWAP_AB else bsc[None, :]
+                acc = tl.fma(_dot(a, b.to(a.dtype), SWAP_AB, IEEE or UPCAST), bsc, acc)
+                if HALVES:
+                    usc = tl.load(bs_k + ((N + offs_n) // 128) * s_bsn, mask=mask_n, other=0.0)
+                    usc = usc[:, None] if SWAP_AB else usc[None, :]
+                    acc_u = tl.fma(_dot(a, u.to(a.dtype), SWAP_AB, IEEE or UPCAST), usc, acc_u)
+            else:
+                acc = _mma(acc, a, b, SWAP_AB, IEEE or UPCAST)
+                if HALVES:
+                    acc_u = _mma(acc_u, a, u, SWAP_AB, IEEE or UPCAST)
             if not (TMA and not GATHER_A):
                 a_ptrs += BLOCK_K * s_ak
             if not TMA:

@@ -1,6 +1,7 @@
 """Tile configurations of the masked grouped GEMMs, by shape bucket, with a tuning cache on disk.
 
-A problem is keyed by the GEMM kind (``"bf16"`` covers bf16/fp16/fp32, ``"fp8"``), ``N``, ``K`` and a
+A problem is keyed by the GEMM kind (``"bf16"`` covers bf16/fp16/fp32, ``"fp8"``, ``"w8a16"``: bf16
+activations times fp8 weights, which falls back to the ``"fp8"`` entries: the same weight stream), ``N``, ``K`` and a
 bucket of the expected rows per expert (``expected_m``, a host-side estimate such as
 ``ceil(T * K / E)``; never read from ``masked_m``, which stays on the device): powers of two from
 16 to 4096; decode buckets (up to 32 rows) also by a bucket of the experts hit (``min(E, T * K)``:
@@ -85,7 +86,7 @@ def m_bucket(expected_m: int) -> int:
 def _heuristic(
     kind: str, n: int, k: int, bucket: int, active_groups: int | None = None, num_sms: int = 132
 ) -> TileConfig:
-    fp8 = kind == "fp8"
+    fp8 = kind in ("fp8", "w8a16")  # fp8 weights: k steps of one 128-wide scale group
     bk = 128 if fp8 else 64
     if bucket <= 32:
         # Decode: weights stream through 16/32-row tiles. 64-column tiles, two programs per SM,
@@ -345,11 +346,13 @@ def get_config(
     cfg = _memory.get(mkey)
     if cfg is None:
         keys: tuple[str, ...] = ()
-        if regime is not None:
-            keys += (regime_key(name, kind, n, k, layout, regime),)
-        keys += (_key(name, kind, n, k, bucket, active_groups, ptr=not allow_tma), _key(name, kind, n, k, bucket, ptr=not allow_tma))
-        if not allow_tma:
-            keys += (_key(name, kind, n, k, bucket, active_groups), _key(name, kind, n, k, bucket))
+        for kd in (kind, "fp8") if kind == "w8a16" else (kind,):  # w8a16 streams the fp8 weights' bytes
+            if regime is not None:
+                keys += (regime_key(name, kd, n, k, layout, regime),)
+            keys += (_key(name, kd, n, k, bucket, active_groups, ptr=not allow_tma),
+                     _key(name, kd, n, k, bucket, ptr=not allow_tma))
+            if not allow_tma:
+                keys += (_key(name, kd, n, k, bucket, active_groups), _key(name, kd, n, k, bucket))
         raw = next((table[key] for table in (_disk(), _shipped()) for key in keys if key in table), None)
         cfg = _from_dict(raw) if raw else _heuristic(kind, n, k, bucket, active_groups, num_sms)
         if not allow_tma and layout == "masked":  # the sorted layout makes its descriptors on the device

@@ -234,7 +234,7 @@ def _gemm_config(kind: str, a: torch.Tensor, n: int, k: int, hints: dict, layout
         allow_tma=not is_traced(a), layout=layout, regime=hints.get("regime"),
         symbolic=not isinstance(hints.get("expected_m"), (int, type(None))),
     )
-    return configs.fit_smem(cfg, a.element_size()) if kind == "bf16" else cfg
+    return configs.fit_smem(cfg, a.element_size()) if kind in ("bf16", "w8a16") else cfg
 
 
 def _launch_gemm(
@@ -242,7 +242,9 @@ def _launch_gemm(
     cfg: configs.TileConfig, tile_bound: object, *, a_strides: tuple, as_strides: tuple, c_strides: tuple,
     bias, sorted_rows: SortedRows | None, gather: bool, route_weights, epilogue: dict | None = None,
 ) -> None:
-    """One launch of the masked / sorted GEMM kernel of ``kind`` (the layouts differ only in row offsets).
+    """One launch of the masked / sorted GEMM kernel of ``kind`` (the layouts differ only in row offsets):
+    ``"bf16"`` (bf16/fp16/fp32 operands), ``"fp8"`` (fp8 x fp8, 1x128 / 128x128 scales) or ``"w8a16"``
+    (bf16 activations x fp8 weights with 128x128 scales, dequantised in the kernel).
 
     ``epilogue``: the activation's kernel arguments (:func:`moe_fx.lowering.triton.act_args.epilogue_args`)
     when GEMM1 applies it (bf16 kinds only)."""
@@ -276,29 +278,38 @@ def _launch_gemm(
             SCALAR_BS=FP8_BLOCK % cfg.block_n == 0, **common,
         )  # fmt: skip
     else:
+        w8a16 = {} if kind != "w8a16" else dict(
+            bs_ptr=b_scale, s_bsg=b_scale.stride(0), s_bsn=b_scale.stride(1), s_bsk=b_scale.stride(2), B_FP8=True)
         launch(
             "masked_gemm_kernel", a.device, (nprog,),
             a_in, b_in, out, masked_m,
             groups, m, n, k,
             *a_strides, *b.stride(), *c_strides,
-            IEEE=a.dtype == torch.float32, **common, **(epilogue or {}),
+            IEEE=a.dtype == torch.float32, **common, **(epilogue or {}), **w8a16,
         )  # fmt: skip
 
 
-def _check_operands(name: str, a: torch.Tensor, b: torch.Tensor, fp8: bool, a_dim: int, grouped: bool = True) -> None:
+def _check_operands(name: str, a: torch.Tensor, b: torch.Tensor, fp8: bool, a_dim: int, grouped: bool = True,
+                    *, w8a16: bool = False) -> None:
     if a.dim() != a_dim or b.dim() != 3 or a.shape[-1] != b.shape[2] or (grouped and a.shape[0] != b.shape[0]):
         want = "a [G, M, K]" if grouped else "a [T, K] or [1, N, K]"
         raise ValueError(f"{name}: want {want} and b [G, N, K], got {list(a.shape)} and {list(b.shape)}")
     if fp8:
         if a.dtype != _FP8 or b.dtype != _FP8:
             raise TypeError(f"{name}: a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    elif w8a16:
+        if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != _FP8:
+            raise TypeError(f"{name}: fp8 weights with unquantised activations need a bf16/fp16 and b float8_e4m3fn, "
+                            f"got {a.dtype} and {b.dtype}")
     elif a.dtype not in _FLOATS or b.dtype != a.dtype:
         raise TypeError(f"{name}: a and b must share a dtype of {_FLOATS}, got {a.dtype} and {b.dtype}")
 
 
-def _check_scales(name: str, a_scale: torch.Tensor, a_shape: tuple, b_scale: torch.Tensor, g: int, n: int, k: int):
+def _check_scales(name: str, a_scale: torch.Tensor | None, a_shape: tuple, b_scale: torch.Tensor, g: int, n: int,
+                  k: int):
+    """fp32 1x128 scales of a (``None``: a is not quantised) and 128x128 block scales of b."""
     kb = cdiv(k, FP8_BLOCK)
-    if tuple(a_scale.shape) != (*a_shape, kb) or a_scale.dtype != torch.float32:
+    if a_scale is not None and (tuple(a_scale.shape) != (*a_shape, kb) or a_scale.dtype != torch.float32):
         raise ValueError(f"{name}: a_scale must be float32 {[*a_shape, kb]}, got {a_scale.dtype} {list(a_scale.shape)}")
     nb = cdiv(n, FP8_BLOCK)
     if tuple(b_scale.shape) != (g, nb, kb) or b_scale.dtype != torch.float32:
@@ -437,7 +448,8 @@ def sorted_gemm(
 
     Args:
         a: tokens ``[T, K]`` (gather) or sorted rows ``[1, N, K]``; bf16/fp16/fp32, or float8_e4m3fn.
-        b: ``[E, N_out, K]`` weights, any strides.
+        b: ``[E, N_out, K]`` weights, any strides; float8_e4m3fn with ``b_scale`` (with a bf16/fp16 ``a`` and no
+            ``a_scale``: W8A16, the weight tiles dequantised in registers, the activations never quantised).
         rows: the layout (:class:`SortedRows`), ``N = rows.num_rows``.
         out: optional ``[1, N, N_out]`` (a's dtype, bf16 for fp8); rows past the total are not written.
         a_scale: fp32 ``[T, K/128]`` or ``[1, N, K/128]`` (a's rows), any strides.
@@ -452,9 +464,10 @@ def sorted_gemm(
     Returns:
         ``[1, N, N_out]`` (``N_out / 2`` columns with a gated ``activation``).
     """
-    fp8 = b_scale is not None
+    w8a16 = b_scale is not None and a.dtype != _FP8
+    fp8 = b_scale is not None and not w8a16
     name = "sorted_gemm"
-    _check_operands(name, a, b, fp8, 2 if gather else 3, grouped=False)
+    _check_operands(name, a, b, fp8, 2 if gather else 3, grouped=False, w8a16=w8a16)
     e, n, k = b.shape
     num_rows = rows.num_rows
     if rows.num_experts != e or rows.scratch.dtype != torch.int32 or rows.scratch.device != a.device:
@@ -463,9 +476,12 @@ def sorted_gemm(
     if not gather and tuple(a.shape[:2]) != (1, num_rows):
         raise ValueError(f"{name}: sorted rows must be [1, {num_rows}, K], got {list(a.shape)}")
     _check_bias(name, bias, e, n, a.device)
-    if fp8:
-        if a_scale is None:
-            raise ValueError(f"{name}: fp8 weights need a_scale")
+    if fp8 and a_scale is None:
+        raise ValueError(f"{name}: fp8 activations need a_scale")
+    if w8a16 and a_scale is not None:
+        raise ValueError(f"{name}: a_scale given for {a.dtype} activations (fp8 weights take bf16 activations "
+                         "unscaled, or fp8 activations with their scales)")
+    if b_scale is not None:
         _check_scales(name, a_scale, tuple(a.shape[:-1]), b_scale, e, n, k)
     if route_weights is not None and (route_weights.dim() != 2 or route_weights.shape[1] != rows.topk):
         raise ValueError(f"{name}: route_weights must be [T, {rows.topk}], got {list(route_weights.shape)}")
@@ -483,10 +499,10 @@ def sorted_gemm(
     check_offsets(name, a if a.dim() == 3 else a.unsqueeze(0), out)
     if _known_empty(num_rows, n):
         return out
-    kind = "fp8" if fp8 else "bf16"
+    kind = "fp8" if fp8 else "w8a16" if w8a16 else "bf16"
     hints = {"expected_m": expected_m, "active_groups": active_groups, "regime": regime}
     cfg = config or _gemm_config(kind, a, n, k, hints, "sorted")
-    if fp8:
+    if b_scale is not None:
         _check_fp8_block_k(name, cfg)
     if epilogue is not None and activation.gated:
         cfg = _split_columns(cfg, activation.gate_up_layout)
