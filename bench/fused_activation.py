@@ -75,8 +75,8 @@ SWITCHES = {
     "epilogue": ("FUSE_ACTIVATION", True, False, False,
                  "GEMM1 with the activation in its epilogue (on) vs the separate activation kernel (off), bf16"),
     "w8a16": ("W8A16_MAX_ROWS", 16, 0, True,
-              "fp8 weights: bf16 activations up to 16 rows per expert (on, W8A16) vs activations quantised 1x128 "
-              "at every size (off, W8A8)"),
+              ("fp8 weights: bf16 activations up to 16 rows per expert (on, W8A16) vs activations quantised 1x128 "
+               "at every size (off, W8A8)")),
 }
 
 

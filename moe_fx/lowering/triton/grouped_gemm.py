@@ -278,8 +278,8 @@ def _launch_gemm(
             SCALAR_BS=FP8_BLOCK % cfg.block_n == 0, **common,
         )  # fmt: skip
     else:
-        w8a16 = {} if kind != "w8a16" else dict(
-            bs_ptr=b_scale, s_bsg=b_scale.stride(0), s_bsn=b_scale.stride(1), s_bsk=b_scale.stride(2), B_FP8=True)
+        w8a16 = {} if kind != "w8a16" else {"bs_ptr": b_scale, "s_bsg": b_scale.stride(0), "s_bsn": b_scale.stride(1),
+                                            "s_bsk": b_scale.stride(2), "B_FP8": True}
         launch(
             "masked_gemm_kernel", a.device, (nprog,),
             a_in, b_in, out, masked_m,
