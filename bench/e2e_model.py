@@ -9,7 +9,8 @@ The whole-model check of issues 10 and 16. Models are transformers 5.x causal LM
 with ``--layers`` decoder layers (default 2), bf16, random weights (nothing is downloaded) and a reduced
 vocabulary (``--vocab``, default 32000). Every MoE model, backend and mode gets its own copy of the same
 weights, so a rewrite by moe_fx can never touch what plain Inductor runs. ``--layers full`` builds each
-model at its released depth (Qwen3-30B-A3B 48, OLMoE 16, Mixtral-8x7B 32, GPT-OSS-20B 24 layers; random
+model at its released depth (Qwen3-30B-A3B 48, OLMoE 16, Mixtral-8x7B 32, GPT-OSS-20B 24 layers, DeepSeek-V3 61,
+which does not fit one GPU; random
 weights made on the GPU: about 61, 14, 93 and 42 GB of bf16) and implies ``--share-weights``: each side
 gets its own module tree on the one model's tensors (one copy of the weights on the GPU), and the run
 checks at the end that no tensor of that model changed (storage, version counter; meta
@@ -133,6 +134,10 @@ MODELS = {
     "mixtral": ModelSpec("mixtral", 8, 2, 4096, 14336, 32, 8, 128, depth=32),
     # GPT-OSS-20B's layer: biased experts, clamped interleaved SwiGLU with alpha, H = 2880 (Triton only)
     "gpt_oss": ModelSpec("gpt_oss", 32, 4, 2880, 2880, 64, 8, 64, depth=24),
+    # DeepSeek-V3's MoE layer (256 routed experts of I = 2048, one shared expert, grouped top-k, MLA attention
+    # whose ranks scale with head_dim: q 1536, kv 512 at 64); 22.5 GB of experts per layer: its 61 layers do
+    # not fit one H200, a few do
+    "deepseek_v3": ModelSpec("deepseek_v3", 256, 8, 7168, 2048, 128, 128, 64, depth=61),
 }
 #: What the expert weights are (``--weights``): the moe_fx side and the plain side of each row.
 WEIGHTS = {
@@ -186,6 +191,14 @@ def build_config(spec: ModelSpec, layers: int, vocab: int):
             intermediate_size=spec.intermediate, num_local_experts=spec.experts, head_dim=spec.head_dim,
             layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2),
             **common,
+        )
+    elif spec.family == "deepseek_v3":
+        hd = spec.head_dim
+        cfg = transformers.DeepseekV3Config(
+            moe_intermediate_size=spec.intermediate, intermediate_size=9 * spec.intermediate,
+            n_routed_experts=spec.experts, n_shared_experts=1, n_group=min(8, spec.experts // 2), topk_group=min(4, spec.experts // 4),
+            first_k_dense_replace=0, q_lora_rank=24 * hd, kv_lora_rank=8 * hd, qk_rope_head_dim=hd,
+            qk_nope_head_dim=2 * hd, v_head_dim=2 * hd, **{**common, "num_key_value_heads": spec.heads},  # MLA: no GQA
         )
     else:
         raise ValueError(f"unknown family {spec.family!r}")
