@@ -9,6 +9,8 @@ Hopper MMA (wgmma) for 64+ row tiles, async copies (pipelined loads), no local-m
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -305,8 +307,10 @@ def test_bf16_activations_fp8_weights_gemm_compiles(form, bm, bn, bk, warps, sta
         del consts["bias_ptr"]
         consts["HAS_BIAS"] = True
     ptx = _compile(fn, types, consts, warps, stages).asm["ptx"]
-    # wgmma where the MMA's M (the weight rows of a swapped tile, else the rows) is 64 or more
-    assert ("wgmma.mma_async" in ptx) == (swap_ab or bm >= 64) and ".bf16" in ptx, "bf16 MMAs expected"
-    assert "e4m3" in ptx, "the fp8 weight tile is converted in the kernel"
+    # wgmma where the MMA's M (the weight rows of a swapped tile, else the rows) is 64 or more; fp16 operands
+    assert ("wgmma.mma_async" in ptx) == (swap_ab or bm >= 64), "Hopper MMA expected exactly for 64+ row MMAs"
+    assert re.search(r"(wgmma\.mma_async|mma)\.sync\.aligned\.[\w.]*f16\.f16", ptx), "fp16 MMAs expected"
+    # the weight tile converts once per pair of codes, straight to fp16 (no second conversion to bf16)
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx
     assert ("cp.async.bulk.tensor" if device_tma else "cp.async") in ptx, "main loop not pipelined"
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
