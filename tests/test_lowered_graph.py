@@ -103,14 +103,18 @@ def test_experts_op_becomes_kernel_launches(sm90, t):
         _assert_every_parameter_passed(node)
 
 
-def test_fp8_weights_trace_to_fp8_kernels(sm90):
-    # prefill (128 rows per expert): tokens quantised 1x128, fp8 MMAs, the activation kernel quantises GEMM2's input
-    gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), t=512, fp8=True))
-    names = [_kernel_name(n) for n in _launches(gm)]
-    assert names == ["expert_counts_kernel", "sort_slots_kernel", "quantize_rows_kernel", "masked_gemm_fp8_kernel",
-                     "activation_kernel", "masked_gemm_fp8_kernel", "unpermute_kernel"]
-    assert "moe_fx.experts" not in gm.code
-    # decode (<= 16 rows per expert): bf16 activations x fp8 weights, the bf16 pipeline's four launches
+def test_fp8_weights_trace_to_fp8_kernels(sm90, monkeypatch):
+    from moe_fx.lowering.masked_experts import pipeline
+
+    # tokens quantised 1x128, fp8 MMAs, the activation kernel quantises GEMM2's input (decode and prefill sizes)
+    for t, sort in ((16, ["sort_small_kernel"]), (512, ["expert_counts_kernel", "sort_slots_kernel"])):
+        gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), t=t, fp8=True))
+        names = [_kernel_name(n) for n in _launches(gm)]
+        assert names == [*sort, "quantize_rows_kernel", "masked_gemm_fp8_kernel", "activation_kernel",
+                         "masked_gemm_fp8_kernel", "unpermute_kernel"]
+        assert "moe_fx.experts" not in gm.code
+    # W8A16 on request (<= 16 rows per expert): bf16 activations x fp8 weights, the bf16 pipeline's four launches
+    monkeypatch.setattr(pipeline, "W8A16_MAX_ROWS", 16)
     for t in (16, 64):
         gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), t=t, fp8=True))
         launches = _launches(gm)

@@ -205,7 +205,13 @@ def test_explain_says_layout_and_kernel_per_regime():
                            "(local_permute: local_sorted preferred); rows per expert 65..: triton, sorted layout "
                            "(local_permute: local_sorted preferred)"), why.regimes
     fp8 = _explain(2048, 768, e=128, caps=no_dg, fp8=True)
-    # fp8 weights: bf16 activations (no quantisation, the activation epilogue) up to 16 rows per expert
+    assert fp8.regimes == "rows per expert 1..: triton, sorted layout (local_permute: local_sorted preferred)"
+    # W8A16 on request: bf16 activations (no quantisation, the activation epilogue) up to 16 rows per expert
+    with pytest.MonkeyPatch.context() as mp:
+        from moe_fx.lowering.masked_experts import pipeline
+
+        mp.setattr(pipeline, "W8A16_MAX_ROWS", 16)
+        fp8 = _explain(2048, 768, e=128, caps=no_dg, fp8=True)
     assert fp8.regimes == ("rows per expert 1..16: triton, sorted layout, bf16 activations x fp8 weights, activation "
                            "in GEMM1's epilogue (local_permute: local_sorted preferred); rows per expert 17..: triton, "
                            "sorted layout (local_permute: local_sorted preferred)"), fp8.regimes

@@ -107,8 +107,10 @@ def test_fuse_activation_is_the_measured_choice(monkeypatch):
     assert fuse_activation(halves, bf16, row_regime(64)) and not fuse_activation(halves, bf16, row_regime(65))
     assert not fuse_activation(halves, bf16, None)  # unknown size: the separate kernel
     assert all(fuse_activation(s, bf16, r) for s in (interleaved, SPECS["relu2_not_gated"]) for r in (0, 4, None))
-    # fp8 weights: the epilogue where the activations stay bf16 (decode, W8A16), never where GEMM2 needs them
-    # quantised (the activation kernel's job)
+    # fp8 weights: never where GEMM2 needs its input quantised (the activation kernel's job: the shipped choice
+    # at every size); where the activations stay bf16 (W8A16 at decode sizes, on request), as bf16 weights
+    assert not any(fuse_activation(s, fp8, r) for s in SPECS.values() for r in (0, 1, 2, 3, 4, None))
+    monkeypatch.setattr(pipeline, "W8A16_MAX_ROWS", 16)
     assert all(fuse_activation(s, fp8, r) for s in (interleaved, SPECS["relu2_not_gated"]) for r in (0, 1))
     assert not any(fuse_activation(s, fp8, r) for s in SPECS.values() for r in (2, 3, 4, None))
     monkeypatch.setattr(pipeline, "FUSE_ACTIVATION", False)

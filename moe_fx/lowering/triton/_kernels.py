@@ -452,8 +452,11 @@ def masked_gemm_fp8_kernel(
             if TMA and not GATHER_A:
                 a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
                 b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-            elif TMA:
-                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            elif TMA:  # gathered A through pointers (masked at a K tail, as TMA zero-fills b's), b through TMA
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
                 b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
             elif EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
