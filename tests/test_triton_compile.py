@@ -198,18 +198,21 @@ def test_sort_kernels_compile():
     from moe_fx.lowering.triton.sort import DECODE_PAIRWISE_SLOTS, pairwise_slots
 
     k = _kernels()
-    for e_pow2 in (8, 128, 512):
+    for e_pow2 in (8, 128, 256, 512):  # 256: DeepSeek-V3's experts
         block = max(16, min(1024, 16384 // e_pow2))
         consts = {"TOPK": 8, "BLOCK": block, "E_POW2": e_pow2}
         _compile(k.expert_counts_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32"}, consts)
         ptx = _compile(k.sort_slots_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
                                              "pos_ptr": "*i64"}, consts).asm["ptx"]
         assert "atom.global" in ptx and "ld.local" not in ptx
-        ptx = _compile(k.sort_small_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
-                                             "pos_ptr": "*i64"}, {"TOPK": 8, "CHUNK": max(16, min(64, 8192 // e_pow2)),
-                                                                  "E_POW2": e_pow2, "PAIRS": pairwise_slots(e_pow2),
-                                                                  "DECODE_PAIRS": DECODE_PAIRWISE_SLOTS}).asm["ptx"]
-        assert "atom.global" not in ptx and "ld.local" not in ptx  # one program: no atomics, no spills
+        small = {"TOPK": 8, "CHUNK": max(16, min(64, 8192 // e_pow2)), "E_POW2": e_pow2, "PAIRS": pairwise_slots(e_pow2),
+                 "DECODE_PAIRS": DECODE_PAIRWISE_SLOTS, "PAIRWISE": True}
+        # the slot count as a run-time value, and as a constant (a static shape; the constant that decides the
+        # pairwise branches when the frontend folds them: a name bound in a folded branch must not reach the loops)
+        for n in (None, 20, 40, 128):
+            ptx = _compile(k.sort_small_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
+                                                 "pos_ptr": "*i64"}, small if n is None else {**small, "N": n}).asm["ptx"]
+            assert "atom.global" not in ptx and "ld.local" not in ptx  # one program: no atomics, no spills
     _compile(k.quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
              {"BLOCK_T": 8, "INTERP": False})
 

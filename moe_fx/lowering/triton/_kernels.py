@@ -959,17 +959,20 @@ def sort_small_kernel(
     A/B of ``bench/kernel_breakdown.py --sort-ab``).
     """
     offs_e = tl.arange(0, E_POW2)
+    # Each block's tensors have names of their own: triton 3.6 carries a name bound in an `if` that returns
+    # into the loops below, and a tile of another size there fails to compile ("Loop-carried variable offs has
+    # initial type <[64]> but is re-assigned to <[32]>": DeepSeek-V3's 256 experts, 64 pairs, 32-slot chunks).
     if PAIRWISE:
         # two tile sizes, picked from N at run time: the tiles' size is most of the time of a small sort
         if N <= DECODE_PAIRS:
-            offs = tl.arange(0, DECODE_PAIRS)
-            ids = tl.load(ids_ptr + _slot_offsets(offs, s_it, s_ik, TOPK), mask=offs < N, other=-1).to(tl.int32)
-            _store_pairwise_rows(ids, offs, N, E, offs_e, counts_ptr, sorted_ptr, pos_ptr)
+            d_offs = tl.arange(0, DECODE_PAIRS)
+            d_ids = tl.load(ids_ptr + _slot_offsets(d_offs, s_it, s_ik, TOPK), mask=d_offs < N, other=-1).to(tl.int32)
+            _store_pairwise_rows(d_ids, d_offs, N, E, offs_e, counts_ptr, sorted_ptr, pos_ptr)
             return
         if N <= PAIRS:
-            offs = tl.arange(0, PAIRS)
-            ids = tl.load(ids_ptr + _slot_offsets(offs, s_it, s_ik, TOPK), mask=offs < N, other=-1).to(tl.int32)
-            _store_pairwise_rows(ids, offs, N, E, offs_e, counts_ptr, sorted_ptr, pos_ptr)
+            p_offs = tl.arange(0, PAIRS)
+            p_ids = tl.load(ids_ptr + _slot_offsets(p_offs, s_it, s_ik, TOPK), mask=p_offs < N, other=-1).to(tl.int32)
+            _store_pairwise_rows(p_ids, p_offs, N, E, offs_e, counts_ptr, sorted_ptr, pos_ptr)
             return
     counts = tl.full((E_POW2,), 0, tl.int32)
     for c0 in range(0, N, CHUNK):
