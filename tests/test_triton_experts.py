@@ -22,7 +22,8 @@ def triton_experts(*args, **kwargs):
 # a Qwen3-like and a Mixtral-like decode shape.
 SHAPES = {
     "cpu": [(6, 136, 72, 5, 2)],
-    "cuda": [(96, 2880, 1408, 60, 6), (300, 2048, 768, 128, 8), (3, 4096, 1024, 8, 2)],
+    # GPT-OSS's layer at 64 rows per expert: H = 2880 leaves a K tail beside the table's TMA tile for GEMM1
+    "cuda": [(96, 2880, 1408, 60, 6), (300, 2048, 768, 128, 8), (3, 4096, 1024, 8, 2), (512, 2880, 2880, 32, 4)],
 }
 
 

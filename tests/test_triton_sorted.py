@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _triton_util import rel_err
+from _triton_util import devices, rel_err
 
 from moe_fx.lowering.experts import plan_experts, run_experts
 from moe_fx.lowering.quant import quantize_fp8_blockwise, quantize_fp8_per_token_group
@@ -98,6 +98,40 @@ def test_sorted_fp8_gemm_matches_dequantised_product():
             ref = x32[s // k] @ dequantize_blockwise(wq[flat[s]], ws[flat[s]]).T
             assert rel_err(out[pos], ref) < 2e-2
     assert torch.isnan(out[rows.total.item():].float()).all()
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("tma", [False, True])
+def test_sorted_fp8_gemm_reads_no_token_bytes_past_k(tma, device):
+    """GEMM1 gathers token rows through pointers beside TMA-loaded weights: at a K tail (K % 128, GPT-OSS's
+    H = 2880) it must mask the rows' loads, not read on into the next row. Here the next row is a token no
+    slot names, all NaN codes; on the H200 such reads turned GPT-OSS fp8 layers of 17..64 rows per expert
+    into garbage once its clamp had made the NaN products finite (relative error 1.9). Only the GPU run
+    catches an unmasked load: the interpreter reads e4m3 NaN codes as finite values (times the zeros TMA
+    fills in past K)."""
+    from moe_fx.lowering.triton.configs import TileConfig
+
+    gen = torch.Generator().manual_seed(9)
+    t, k, e, h, n = 6, 2, 3, 320, 128  # h: a 64-wide tail after two 128-wide steps
+    ids = torch.randint(0, e, (t, k), generator=gen)
+    ids[1] = ids[t - 1] = -1  # tokens 1 and 5 send no row (5: nothing is read past the last row either)
+    xq, xs = quantize_rows(torch.randn(t, h, generator=gen).bfloat16())
+    xq[1] = torch.tensor(float("nan")).to(torch.float8_e4m3fn)  # what token 0's tail would read
+    wq, ws = quantize_fp8_blockwise(torch.randn(e, n, h, generator=gen) / h**0.5)
+    rows = sort_by_expert(ids.to(device), e)
+    out = sorted_gemm(xq.to(device), wq.to(device), rows, a_scale=xs.to(device), b_scale=ws.to(device), gather=True,
+                      config=TileConfig(16, 64, 128, 1, 4, 1, 1, tma=tma))[0].cpu()
+    slot_pos = rows.slot_pos.cpu()
+    x32 = xq.float() * xs.repeat_interleave(128, -1)[:, :h]
+    flat = ids.flatten()
+    checked = 0
+    for s in range(t * k):
+        pos = slot_pos[s].item()
+        if pos >= 0:
+            ref = x32[s // k] @ dequantize_blockwise(wq[flat[s]], ws[flat[s]]).T
+            assert torch.isfinite(out[pos].float()).all() and rel_err(out[pos], ref) < 2e-2, s
+            checked += s // k == 0
+    assert checked == k  # token 0, whose tail the unmasked load read, was checked
 
 
 def test_quantize_rows_is_the_recipe():
