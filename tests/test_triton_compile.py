@@ -260,6 +260,21 @@ def test_sorted_gemm_swap_and_device_descriptors_compile(fp8, swap_ab, device_tm
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
 
 
+def _activation_gemm(form: str, bm: int, bn: int, bk: int, device_tma: bool, swap_ab: bool, **act):
+    """(kernel, types, constants) of a sorted-layout GEMM with the activation ``form`` in its epilogue (GEMM1,
+    gathering; GPT-OSS with its biases and clamp), or of GEMM2 for ``form="none"``; ``act``: more constants."""
+    if form != "none":
+        act = {"ACT_FUSED": True, "ACT": 4 if form == "relu2" else 0, "GATED": form != "relu2",
+               "INTERLEAVED": form == "gpt_oss", "HAS_LIMIT": form == "gpt_oss", **act}
+    fn, types, consts = _sorted_gemm(False, form != "none", act=act, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    consts.update(TMA=device_tma, SWAP_AB=swap_ab, DEVICE_TMA=device_tma)
+    if form == "gpt_oss":
+        types["bias_ptr"] = "*bf16"
+        del consts["bias_ptr"]
+        consts["HAS_BIAS"] = True
+    return fn, types, consts
+
+
 @pytest.mark.parametrize(
     "form,bm,bn,bk,warps,stages,device_tma,swap_ab",
     [
@@ -274,15 +289,7 @@ def test_sorted_gemm_swap_and_device_descriptors_compile(fp8, swap_ab, device_tm
 )
 def test_gemm_with_activation_epilogue_compiles_pipelined(form, bm, bn, bk, warps, stages, device_tma, swap_ab):
     """GEMM1 with the activation in its epilogue: both accumulators on wgmma, pipelined loads, no spills."""
-    gated = form != "relu2"
-    act = {"ACT_FUSED": True, "ACT": 4 if form == "relu2" else 0, "GATED": gated,
-           "INTERLEAVED": form == "gpt_oss", "HAS_LIMIT": form == "gpt_oss"}
-    fn, types, consts = _sorted_gemm(False, True, act=act, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-    consts.update(TMA=device_tma, SWAP_AB=swap_ab, DEVICE_TMA=device_tma)
-    if form == "gpt_oss":
-        types["bias_ptr"] = "*bf16"
-        del consts["bias_ptr"]
-        consts["HAS_BIAS"] = True
+    fn, types, consts = _activation_gemm(form, bm, bn, bk, device_tma, swap_ab)
     ptx = _compile(fn, types, consts, warps, stages).asm["ptx"]
     assert "wgmma.mma_async" in ptx, "Hopper MMA expected"
     assert ("cp.async.bulk.tensor" if device_tma else "cp.async") in ptx, "main loop not pipelined"
@@ -301,14 +308,7 @@ def test_gemm_with_activation_epilogue_compiles_pipelined(form, bm, bn, bk, warp
 def test_bf16_activations_fp8_weights_gemm_compiles(form, bm, bn, bk, warps, stages, swap_ab, device_tma):
     """W8A16 (masked_gemm_kernel's B_FP8): fp8 weight tiles converted in registers feed wgmma, loads stay
     pipelined, no spills; GEMM1 with the activation in its epilogue, GEMM2 without."""
-    act = {"B_FP8": True} if form == "none" else {"ACT_FUSED": True, "ACT": 0, "GATED": True, "B_FP8": True,
-                                                  "INTERLEAVED": form == "gpt_oss", "HAS_LIMIT": form == "gpt_oss"}
-    fn, types, consts = _sorted_gemm(False, form != "none", act=act, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-    consts.update(TMA=device_tma, SWAP_AB=swap_ab, DEVICE_TMA=device_tma)
-    if form == "gpt_oss":
-        types["bias_ptr"] = "*bf16"
-        del consts["bias_ptr"]
-        consts["HAS_BIAS"] = True
+    fn, types, consts = _activation_gemm(form, bm, bn, bk, device_tma, swap_ab, B_FP8=True)
     ptx = _compile(fn, types, consts, warps, stages).asm["ptx"]
     # wgmma where the MMA's M (the weight rows of a swapped tile, else the rows) is 64 or more; fp16 operands
     assert ("wgmma.mma_async" in ptx) == (swap_ab or bm >= 64), "Hopper MMA expected exactly for 64+ row MMAs"
