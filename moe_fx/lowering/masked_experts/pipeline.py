@@ -38,7 +38,7 @@ FUSE_ACTIVATION = True
 FUSE_HALVES_MAX_ROWS = 64
 #: Rows per expert up to which fp8 weights meet unquantised bf16 activations on the sorted layout (W8A16,
 #: see :func:`quantize_activations`). 0: activations are quantised at every size, the measured choice
-#: (W8A16 decode ran 1.3-1.8x slower on the H200, bench/results/w8a16_2026-12-04_fp16.md); benchmarks and
+#: (W8A16 decode ran 1.3-1.8x slower on the H200, bench/results/w8a16_2026-12-04.md); benchmarks and
 #: tests set it to 16 to run W8A16 (13x lower error against the fp32 reference).
 W8A16_MAX_ROWS = 0
 
@@ -176,14 +176,14 @@ def run_masked_experts(
 
 def quantize_activations(fp8: bool, regime: int | None) -> bool:
     """Whether a sorted-layout call with fp8 weights (``fp8``) quantises its activations per 1x128 group
-    (W8A8: fp8 tensor-core products) or keeps them in bf16 (W8A16: each weight tile dequantised in the
-    GEMM's registers, products in bf16).
+    (W8A8: fp8 tensor-core products) or keeps them unquantised (W8A16: each weight tile converted in the
+    GEMM's registers, fp16 products scaled per row and column).
 
     W8A16 (up to :data:`W8A16_MAX_ROWS` rows per expert) moves the same fp8 weight bytes, runs no
     quantisation kernel before either GEMM, lets GEMM1 apply the activation in its epilogue (sort -> GEMM1
     -> GEMM2 -> combine, as bf16 layers run, instead of six launches) and does not round the activations
     to fp8 (relative error 3e-3 against the fp32 reference where W8A8 has 4e-2). Measured on the H200 it
-    loses at decode sizes all the same (1.3-1.8x slower, bench/results/w8a16_2026-12-04_fp16.md): converting
+    loses at decode sizes all the same (1.3-1.8x slower, bench/results/w8a16_2026-12-04.md): converting
     the weight tiles in registers costs more than the two launches it saves, so the bound is 0 (off).
     ``regime`` None (unknown size): quantised.
     """
