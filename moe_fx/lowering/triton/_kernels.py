@@ -471,21 +471,15 @@ def masked_gemm_fp8_kernel(
                     scale = (a_s * tl.load(bs_ptrs + kg * s_bsk))[None, :]
                 else:
                     scale = tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)[:, None] * a_s[None, :]
-                if UPCAST:
-                    step = tl.dot(tl.trans(b).to(tl.float32), tl.trans(a).to(tl.float32), input_precision="ieee")
-                else:
-                    step = tl.dot(tl.trans(b), tl.trans(a))
-                acc = tl.fma(step, scale, acc)
+            elif SCALAR_BS:
+                scale = (a_s * tl.load(bs_ptrs + kg * s_bsk))[:, None]
             else:
-                if SCALAR_BS:
-                    scale = (a_s * tl.load(bs_ptrs + kg * s_bsk))[:, None]
-                else:
-                    scale = a_s[:, None] * tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)[None, :]
-                # an explicit FMA: Triton stops fusing a multiply and an add by default after 3.9
-                if UPCAST:
-                    acc = tl.fma(tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee"), scale, acc)
-                else:
-                    acc = tl.fma(tl.dot(a, b), scale, acc)
+                scale = a_s[:, None] * tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)[None, :]
+            if UPCAST:  # the CPU interpreter's dot mis-reads fp8 operands; fp32 is exact there
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            # an explicit FMA: Triton stops fusing a multiply and an add by default after 3.9
+            acc = tl.fma(_dot(a, b, SWAP_AB, UPCAST), scale, acc)
             if not (TMA and not GATHER_A):
                 a_ptrs += BLOCK_K * s_ak
             if not TMA:
