@@ -196,7 +196,8 @@ def build_config(spec: ModelSpec, layers: int, vocab: int):
         hd = spec.head_dim
         cfg = transformers.DeepseekV3Config(
             moe_intermediate_size=spec.intermediate, intermediate_size=9 * spec.intermediate,
-            n_routed_experts=spec.experts, n_shared_experts=1, n_group=min(8, spec.experts // 2), topk_group=min(4, spec.experts // 4),
+            n_routed_experts=spec.experts, n_shared_experts=1, n_group=min(8, spec.experts // 2),
+            topk_group=min(4, spec.experts // 4),
             first_k_dense_replace=0, q_lora_rank=24 * hd, kv_lora_rank=8 * hd, qk_rope_head_dim=hd,
             qk_nope_head_dim=2 * hd, v_head_dim=2 * hd, **{**common, "num_key_value_heads": spec.heads},  # MLA: no GQA
         )
