@@ -40,6 +40,7 @@ from moe_layer import (
     bench_meta,
     capture_graphs,
     replay_us,
+    replayed_outputs,
     results_stem,
     routing_sets,
     row_metrics,
@@ -172,8 +173,8 @@ def main(argv: list[str] | None = None) -> None:
                 for name, gr in order:
                     times[name].append(time_us(gr))
             on_us, off_us = statistics.median(times["on"]), statistics.median(times["off"])
-            # each variant's output on the first set (its graph's buffer, written by the replays just timed)
-            # against the fp32 reference
+            # each variant's outputs, each read right after its own graph's replay (the graphs share a pool)
+            out_on, out_off = replayed_outputs(g_on, out_on), replayed_outputs(g_off, out_off)
             ref = experts_reference(*sets[0], w["w13"], w["w2"], **kw)
             errs = {"on": rel(out_on[0], ref), "off": rel(out_off[0], ref)}
             row = {"shape": shape, "T": t, "on_us": on_us, "off_us": off_us,

@@ -48,6 +48,8 @@ SHAPES = {  # name: (transformers family, E, K, H, I)
     # and up + 1 (timed against transformers' eager loop only: its grouped_mm path transposes the
     # weights inside the model's experts module, compared whole in bench/e2e_model.py)
     "gpt_oss": ("gpt_oss", 32, 4, 2880, 2880),
+    # OLMoE-1B-7B: its experts have Qwen3-MoE's form (SwiGLU, gate and up halves, no biases)
+    "olmoe": ("qwen3_moe", 64, 8, 2048, 1024),
 }
 #: Per family, the op's extra arguments (activation spec; biases are made per shape) and the transformers
 #: experts implementations that exist for it.
@@ -187,7 +189,11 @@ def time_rotating(fn, sets) -> float:
 
 def capture_graphs(fn, sets) -> tuple[list, list]:
     """CUDA graphs of ``fn`` on each input set (warmed up outside the capture, one memory pool) and the
-    outputs each graph writes."""
+    outputs each graph writes.
+
+    The pool is shared, so a later graph may place its output where an earlier graph keeps temporaries:
+    ``outs[s]`` holds set s's result only right after ``graphs[s]`` replays (:func:`replayed_outputs`).
+    """
     graphs, outs = [], []
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -203,6 +209,15 @@ def capture_graphs(fn, sets) -> tuple[list, list]:
             outs.append(fn(*s))
         graphs.append(gr)
     return graphs, outs
+
+
+def replayed_outputs(graphs: list, outs: list) -> list:
+    """Each graph's output read right after its own replay (copies), for comparisons after timing."""
+    got = []
+    for gr, out in zip(graphs, outs):
+        gr.replay()
+        got.append(out.clone())
+    return got
 
 
 def replay_us(graphs: list) -> float:

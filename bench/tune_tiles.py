@@ -56,7 +56,12 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=0, help="--sorted: compile the candidates in this many processes first")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "i/n": one compile-only worker
     ap.add_argument("--tag", default="")
+    ap.add_argument("--ship-slots", nargs="+", metavar="JSON", help="no GPU: add the static-size entries of saved "
+                    "--sorted runs (their report JSON) to the shipped table")
     args = ap.parse_args()
+    if args.ship_slots:
+        ship_slots(args.ship_slots)
+        return
     if args.sorted:
         tune_sorted(args)
         return
@@ -206,6 +211,7 @@ def tune_sorted(args) -> None:
     import triton
     import triton.testing
 
+    from moe_fx.lowering.problem import rows_per_expert
     from moe_fx.lowering.triton import configs
     from moe_fx.lowering.triton.configs import pick_regime_config, regime_candidates, regime_key
 
@@ -222,6 +228,7 @@ def tune_sorted(args) -> None:
         print(f"warm compile: {time.time() - t0:.0f}s in {args.warm} processes", flush=True)
     name = torch.cuda.get_device_name()
     timings: dict = {}  # (shape, kind, gemm, regime) -> {T: {cfg: ms}}
+    before: dict = {}  # (shape, kind, gemm, regime) -> {T: (the table's tile before this run, ms)}
     meta: dict = {}
     cache: dict = {}
     for shape, t, kind, gemm in _sorted_jobs(args):
@@ -237,6 +244,14 @@ def tune_sorted(args) -> None:
                 per[cfg] = _graph_ms(lambda: run(cfg))
             except (RuntimeError, ValueError) as err:
                 print(f"{shape} T={t} {kind} gemm{gemm} {cfg} failed: {str(err).splitlines()[0][:120]}", flush=True)
+        # what the lookup gave before this run (the shipped table, or for an untuned shape its fallback)
+        e, topk = SHAPES[shape][1], SHAPES[shape][2]
+        table_cfg = configs.get_config(kind, n_, k_, rows_per_expert(t, topk, e), torch.device(DEVICE),
+                                       layout="sorted", regime=regime, symbolic=True)
+        try:
+            before.setdefault(key, {})[t] = (table_cfg, per.get(table_cfg) or _graph_ms(lambda: run(table_cfg)))
+        except (RuntimeError, ValueError) as err:
+            print(f"{shape} T={t} {kind} gemm{gemm} table tile {table_cfg} failed: {str(err).splitlines()[0][:120]}")
         best = min(per, key=per.get) if per else None
         print(f"{shape} T={t} {kind} gemm{gemm} r{regime}: best {best} {per.get(best, 0) * 1e3:.1f}us "
               f"({flops / max(per.get(best, 1), 1e-9) / 1e9:.0f} TFLOP/s)", flush=True)
@@ -250,7 +265,12 @@ def tune_sorted(args) -> None:
             rows.append({"shape": shape, "kind": kind, "gemm": gemm, "N": n_, "K": k_, "regime": regime, "T": t,
                          "best": _tile(best), "best_us": per[best] * 1e3, "chosen": _tile(cfg),
                          "chosen_us": per[cfg] * 1e3, "ratio": per[cfg] / per[best],
+                         "before": _tile(before[(shape, kind, gemm, regime)][t][0])
+                         if t in before.get((shape, kind, gemm, regime), {}) else None,
+                         "before_us": before[(shape, kind, gemm, regime)][t][1] * 1e3
+                         if t in before.get((shape, kind, gemm, regime), {}) else None,
                          "all_us": {_tile(c): v * 1e3 for c, v in per.items()}})
+    entries.update(slot_entries(rows, name))
     configs.store(entries)
     stamp = datetime.datetime.now(datetime.timezone.utc)
     os.makedirs(args.out, exist_ok=True)
@@ -263,12 +283,15 @@ def tune_sorted(args) -> None:
     lines = [f"# Sorted-layout GEMM tiles per regime, {head['date']} · {name} · torch {head['torch']} · "
              f"triton {head['triton']}", "",
              "µs: CUDA-graph replays of one GEMM on a real routing (random top-k). chosen = the regime's tile "
-             "(best worst case over the regime's T); ratio = chosen / best at that T.", "",
-             "| shape | kind | GEMM | N x K | regime | T | best | µs | chosen | µs | ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(best worst case over the regime's T); ratio = chosen / best at that T; before = the tile the lookup "
+             "gave before this run (the shipped table, or an untuned shape's fallback) and its µs.", "",
+             "| shape | kind | GEMM | N x K | regime | T | best | µs | chosen | µs | ratio | before | µs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        prior = f"{r['before']} | {r['before_us']:.1f}" if r["before"] else "— | —"
         lines.append(f"| {r['shape']} | {r['kind']} | {r['gemm']} | {r['N']} x {r['K']} | {r['regime']} | {r['T']} | "
-                     f"{r['best']} | {r['best_us']:.1f} | {r['chosen']} | {r['chosen_us']:.1f} | {r['ratio']:.2f} |")
+                     f"{r['best']} | {r['best_us']:.1f} | {r['chosen']} | {r['chosen_us']:.1f} | {r['ratio']:.2f} | "
+                     f"{prior} |")
     worst = max((r["ratio"] for r in rows), default=1.0)
     lines += ["", f"Worst ratio over every row: {worst:.2f}."]
     with open(base + ".md", "w") as f:
@@ -313,9 +336,56 @@ def _graph_ms(fn, target_ms: float = 2.0, replays: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+#: a static token count gets its own tile (``configs.regime_key(..., slots)``) where the best at that T
+#: beats the regime's by more than this factor
+SLOT_MARGIN = 1.03
+
+
+def slot_entries(rows: list[dict], device_name: str, margin: float = SLOT_MARGIN) -> dict:
+    """``{regime_key(..., slots=T*K): best tile}`` for the report rows where the regime's tile loses by > ``margin``."""
+    from moe_fx.lowering.triton.configs import regime_key
+
+    out = {}
+    for r in rows:
+        if r["chosen_us"] > margin * r["best_us"]:
+            slots = r["T"] * SHAPES[r["shape"]][2]
+            out[regime_key(device_name, r["kind"], r["N"], r["K"], "sorted", r["regime"], slots)] = parse_tile(r["best"])
+    return out
+
+
+def ship_slots(paths: list[str]) -> None:
+    """--ship-slots: merge the static-size entries of saved ``--sorted`` reports into ``tuned_tiles.json``."""
+    from moe_fx.lowering.triton import configs
+
+    dst = os.path.join(os.path.dirname(configs.__file__), "tuned_tiles.json")
+    with open(dst) as f:
+        shipped = json.load(f)
+    added = {}
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        added.update(slot_entries(run["rows"], run["meta"]["gpu"]))
+    shipped.update({k: dataclasses.asdict(v) for k, v in added.items()})
+    with open(dst, "w") as f:
+        json.dump(shipped, f, indent=1, sort_keys=True)
+    print(f"shipped {len(added)} static-size entries to {dst} ({len(shipped)} entries)")
+
+
+def parse_tile(label: str):
+    """The ``TileConfig`` of a :func:`_tile` label (reports name tiles by label)."""
+    from moe_fx.lowering.triton.configs import TileConfig
+
+    flags = label.split("+")
+    dims, warps, stages, ppsm, *group = flags[0].split("/")
+    bm, bn, bk = map(int, dims.split("x"))
+    return TileConfig(bm, bn, bk, int(group[0].removeprefix("g")) if group else 1, int(warps), int(stages), int(ppsm),
+                      tma="tma" in flags[1:], swap_ab="swap" in flags[1:])
+
+
 def _tile(cfg) -> str:
+    # every field that tells two candidates apart (a swapped tile and its plain twin differ only there)
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/{cfg.num_warps}/{cfg.num_stages}/{cfg.programs_per_sm}"
-            f"{'+tma' if cfg.tma else ''}")
+            f"{f'/g{cfg.group_m}' if cfg.group_m != 1 else ''}{'+tma' if cfg.tma else ''}{'+swap' if cfg.swap_ab else ''}")
 
 
 if __name__ == "__main__":

@@ -155,7 +155,69 @@ def test_regime_candidates_fit_and_cover_uneven_loads():
             cands = configs.regime_candidates(kind, regime)
             assert len(set(cands)) == len(cands) >= 2
             assert all(c.smem_bytes(1 if kind == "fp8" else 2) <= configs.SMEM_BUDGET for c in cands)
+            # the programs of a persistent grid are resident side by side
+            assert all(c.smem_bytes(1 if kind == "fp8" else 2) * c.programs_per_sm <= configs.SM_SMEM_BUDGET
+                       for c in cands), (kind, regime)
             if kind == "fp8":
                 assert all(128 % c.block_k == 0 for c in cands)
         # a regime of up to 16 expected rows also tries 32-row tiles (real loads exceed the mean)
         assert any(c.block_m >= 32 for c in configs.regime_candidates(kind, 1))
+
+
+def test_untuned_shape_takes_the_nearest_tuned_shapes_regime_entry(fresh, monkeypatch):
+    near, far, other_regime = TileConfig(16, 128, 128, 1, 4, 3, 3), TileConfig(32, 64, 128), TileConfig(128, 256, 64)
+    fp8_only = TileConfig(16, 32, 128, 1, 4, 5, 4)
+    shipped = {
+        configs.regime_key("FakeGPU", "bf16", 1536, 2048, "sorted", 0): asdict(near),  # Qwen3's GEMM1
+        configs.regime_key("FakeGPU", "bf16", 28672, 4096, "sorted", 0): asdict(far),  # Mixtral's
+        configs.regime_key("FakeGPU", "bf16", 2048, 2048, "sorted", 3): asdict(other_regime),
+        configs.regime_key("FakeGPU", "fp8", 2048, 2048, "sorted", 0): asdict(fp8_only),
+        configs.regime_key("OtherGPU", "bf16", 2048, 2048, "sorted", 0): asdict(far),
+    }
+    monkeypatch.setattr(configs, "_shipped", lambda: shipped)
+    # OLMoE's GEMM1 (2048 x 2048): no entry of its own; Qwen3's is nearest (same K, N 1536 against 2048)
+    assert configs.get_config("bf16", 2048, 2048, 1, GPU, layout="sorted", regime=0, symbolic=True) == near
+    # another regime, another kind: their own nearest entries; never another device's
+    assert configs.get_config("bf16", 2048, 2048, 300, GPU, layout="sorted", regime=3, symbolic=True) == other_regime
+    assert configs.get_config("fp8", 2048, 1024, 1, GPU, layout="sorted", regime=0, symbolic=True) == fp8_only
+    # W8A16 streams fp8 weights: with no bf16-activation entry it takes the fp8 one
+    assert configs.get_config("w8a16", 2048, 2048, 1, GPU, layout="sorted", regime=0, symbolic=True) == fp8_only
+    # a regime nobody tuned on this device: the heuristic
+    heuristic = configs._heuristic("bf16", 2048, 2048, configs.regime_bucket(1))
+    assert configs.get_config("bf16", 2048, 2048, 10, GPU, layout="sorted", regime=1, symbolic=True) == heuristic
+    # the user's own tuning counts as one more tuned shape: the nearest wins, wherever it is
+    mine, closer = TileConfig(16, 64, 64, 1, 4, 4, 4), TileConfig(16, 64, 128, 1, 4, 4, 2, swap_ab=True)
+    configs.store({configs.regime_key("FakeGPU", "bf16", 4096, 4096, "sorted", 0): mine})
+    assert configs.get_config("bf16", 2048, 2048, 2, GPU, layout="sorted", regime=0, symbolic=True) == near
+    configs.store({configs.regime_key("FakeGPU", "bf16", 2048, 2560, "sorted", 0): closer})
+    assert configs.get_config("bf16", 2048, 2048, 3, GPU, layout="sorted", regime=0, symbolic=True) == closer
+
+
+def test_static_sizes_take_their_own_tile_and_dynamic_ones_the_regimes(fresh):
+    regime_tile, one_token = TileConfig(16, 128, 128, 1, 4, 3, 3, swap_ab=True), TileConfig(16, 64, 128, 1, 4, 5, 2)
+    configs.store({configs.regime_key("FakeGPU", "fp8", 1536, 2048, "sorted", 0): regime_tile,
+                   configs.regime_key("FakeGPU", "fp8", 1536, 2048, "sorted", 0, slots=8): one_token})
+    kw = {"layout": "sorted", "regime": 0}
+    assert configs.get_config("fp8", 1536, 2048, 1, GPU, slots=8, **kw) == one_token  # T=1, K=8: specialised
+    assert configs.get_config("fp8", 1536, 2048, 1, GPU, slots=16, **kw) == regime_tile  # no entry of its own
+    assert configs.get_config("fp8", 1536, 2048, 1, GPU, **kw) == regime_tile
+    # a symbolic token count never reads a size-specific entry (its hint is only the traced size)
+    assert configs.get_config("fp8", 1536, 2048, 1, GPU, slots=8, symbolic=True, **kw) == regime_tile
+    # W8A16 streams the fp8 weights: the fp8 entry of its size
+    assert configs.get_config("w8a16", 1536, 2048, 1, GPU, slots=8, **kw) == one_token
+
+
+def test_tune_report_labels_name_every_field():
+    from helpers import load_bench
+
+    tune = load_bench("tune_tiles")
+    for regime in range(5):
+        for kind in ("bf16", "fp8"):
+            for cfg in configs.regime_candidates(kind, regime):
+                assert tune.parse_tile(tune._tile(cfg)) == cfg
+    rows = [{"shape": "qwen3", "kind": "fp8", "N": 1536, "K": 2048, "regime": 0, "T": t, "best": best,
+             "best_us": 9.3, "chosen_us": chosen} for t, best, chosen in ((1, "16x64x128/4/5/2+swap", 10.7),
+                                                                         (2, "16x64x128/4/4/4/g4+tma", 9.5))]
+    got = tune.slot_entries(rows, "FakeGPU")  # only T=1 loses more than the margin; Qwen3 has K=8
+    assert got == {configs.regime_key("FakeGPU", "fp8", 1536, 2048, "sorted", 0, 8):
+                   TileConfig(16, 64, 128, 1, 4, 5, 2, swap_ab=True)}

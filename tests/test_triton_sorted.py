@@ -301,3 +301,48 @@ def test_sorted_gemm_swapped_and_device_descriptor_variants(swap_ab, tma, fp8):
         flat = ids.flatten()
         s = int((rows.slot_pos >= 0).nonzero()[0])
         assert torch.isfinite(out[rows.slot_pos[s]].float()).all() and flat[s] >= 0
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("fp8", [False, True])
+def test_every_regime_candidate_is_correct(fp8, device):
+    """Every tile ``bench/tune_tiles.py --sorted`` may ship computes the sorted layout's GEMMs (gathered and not).
+
+    The reference is torch on each slot's token and expert, not another tile. On CPU the interpreter checks
+    the tile shapes' index logic (swapped products, device descriptors, row tails, k steps), one candidate
+    per distinct shape; on the GPU every candidate runs with its warps, stages and programs per SM.
+    """
+    from moe_fx.lowering.triton.configs import regime_candidates
+
+    gen = torch.Generator().manual_seed(12)
+    t, k, e, h, n = (300, 4, 8, 640, 320) if device == "cuda" else (10, 2, 3, 256, 136)
+    ids = _ids(t, k, e, gen).to(device)
+    rows = sort_by_expert(ids, e)
+    x = torch.randn(t, h, generator=gen).bfloat16().to(device)
+    a2 = torch.randn(1, t * k, h, generator=gen).bfloat16().to(device)
+    w = (torch.randn(e, n, h, generator=gen) / h**0.5).to(device)
+    if fp8:
+        w, ws = quantize_fp8_blockwise(w)
+        (xq, xs), (aq, as_) = quantize_rows(x), quantize_rows(a2[0])
+        args1, args2 = (xq, w), (aq[None], w)
+        kw1, kw2 = {"a_scale": xs, "b_scale": ws}, {"a_scale": as_[None], "b_scale": ws}
+        x32, a32 = xq.float() * xs.repeat_interleave(128, -1)[:, :h], aq.float() * as_.repeat_interleave(128, -1)[:, :h]
+        w32 = dequantize_blockwise(w, ws).float()
+    else:
+        w = w.bfloat16()
+        args1, args2, kw1, kw2 = (x, w), (a2, w), {}, {}
+        x32, a32, w32 = x.float(), a2[0].float(), w.float()
+    slots = (rows.slot_pos >= 0).nonzero()[:, 0]
+    pos, experts = rows.slot_pos[slots].long(), ids.flatten()[slots].long()
+    ref1 = torch.einsum("sh,snh->sn", x32[slots // k], w32[experts])
+    ref2 = torch.einsum("sh,snh->sn", a32[pos], w32[experts])
+    cands = {c for regime in range(5) for c in regime_candidates("fp8" if fp8 else "bf16", regime)}
+    if device == "cpu":  # warps, stages and programs per SM do not change what the interpreter runs
+        cands = {(c.block_m, c.block_n, c.block_k, c.swap_ab, c.tma): c for c in sorted(cands, key=str)}.values()
+    total = rows.total.item()
+    for cfg in sorted(cands, key=str):
+        for args, kw, gather, ref in ((args1, kw1, True, ref1), (args2, kw2, False, ref2)):
+            out = torch.full((1, t * k, n), float("nan"), dtype=torch.bfloat16, device=device)
+            sorted_gemm(*args, rows, out, gather=gather, config=cfg, **kw)
+            assert rel_err(out[0, pos], ref) < (2e-2 if fp8 else 1e-2), (cfg, gather)
+            assert torch.isnan(out[0, total:].float()).all(), cfg

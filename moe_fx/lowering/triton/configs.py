@@ -7,7 +7,8 @@ bucket of the expected rows per expert (``expected_m``, a host-side estimate suc
 16 to 4096; decode buckets (up to 32 rows) also by a bucket of the experts hit (``min(E, T * K)``:
 Mixtral at T=1 hits 2 of 8 experts, Qwen3 8 of 128, and the best tile differs). Lookup order for a key: this process's memory, the user cache file
 (``$MOE_FX_CACHE_DIR`` or ``~/.cache/moe_fx``, ``triton_tiles.json``), the table shipped with the
-package (``tuned_tiles.json``, measured on an H200), then a Hopper heuristic (decode: 16-row tiles
+package (``tuned_tiles.json``, measured on an H200), then the regime entry of the nearest tuned
+shape on the same device, then a Hopper heuristic (decode: 16-row tiles
 that stream the weights; prefill: 128-row tiles). :func:`tune` benchmarks the candidates of a
 bucket and writes the winner to the user cache, so a second run does not tune again.
 """
@@ -24,8 +25,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-__all__ = ["TileConfig", "cache_path", "candidates", "fit_smem", "get_config", "m_bucket", "pick_regime_config",
-           "regime_bucket", "regime_candidates", "regime_key", "store", "tune"]
+__all__ = ["TileConfig", "cache_path", "candidates", "fit_smem", "get_config", "m_bucket", "nearest_regime_entry",
+           "pick_regime_config", "regime_bucket", "regime_candidates", "regime_key", "store", "tune"]
 
 log = logging.getLogger("moe_fx.lowering.triton")
 
@@ -57,6 +58,9 @@ class TileConfig:
 
 #: shared memory a program's pipelined tiles may take (Hopper has 227 KB per SM; Triton adds a little)
 SMEM_BUDGET = 200 * 1024
+#: what the programs resident on one SM may take together (``programs_per_sm`` of them): a persistent
+#: grid whose programs do not fit side by side runs its last ones as a second wave
+SM_SMEM_BUDGET = 200 * 1024
 
 
 def fit_smem(cfg: TileConfig, elem_bytes: int) -> TileConfig:
@@ -173,35 +177,45 @@ def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
     T = TileConfig
     if hi is not None and hi <= 4:  # decode: the weights stream; bytes in flight per SM decide
         if fp8:
+            # 3-4 resident programs of 16x64 / 16x128 tiles: vLLM's H200 decode tiles (16x128x128, 3 stages)
+            # run ~4 CTAs per SM, twice the weight bytes in flight of two programs (Qwen3 fp8 T=64: 181 vs 218 µs)
             return [T(16, 64, 128, 1, 4, 5, 2), T(16, 128, 128, 1, 4, 5, 1), T(16, 32, 128, 1, 4, 5, 4),
-                    T(16, 64, 128, 1, 4, 5, 2, swap_ab=True), T(16, 128, 128, 1, 4, 4, 1, swap_ab=True)]
+                    T(16, 64, 128, 1, 4, 5, 2, swap_ab=True), T(16, 128, 128, 1, 4, 4, 1, swap_ab=True),
+                    T(16, 128, 128, 1, 4, 3, 3), T(16, 128, 128, 1, 4, 3, 3, swap_ab=True),
+                    T(16, 64, 128, 1, 4, 4, 4, swap_ab=True)]
         return [T(16, 64, 128, 1, 4, 4, 2), T(16, 32, 256, 1, 4, 4, 2), T(16, 128, 128, 1, 4, 4, 1),
-                T(16, 64, 256, 1, 4, 3, 1), T(16, 64, 128, 1, 4, 4, 2, swap_ab=True)]
+                T(16, 64, 256, 1, 4, 3, 1), T(16, 64, 128, 1, 4, 4, 2, swap_ab=True),
+                T(16, 64, 64, 1, 4, 4, 4), T(16, 128, 64, 1, 4, 3, 3, swap_ab=True)]
     if hi is not None and hi <= 16:
         if fp8:
             return [T(16, 64, 128, 1, 4, 5, 2), T(32, 128, 128, 4, 4, 4, 2), T(32, 64, 128, 1, 4, 4, 2, swap_ab=True),
-                    T(16, 128, 128, 1, 4, 4, 1, swap_ab=True)]
+                    T(16, 128, 128, 1, 4, 4, 1, swap_ab=True), T(16, 128, 128, 1, 4, 3, 3),
+                    T(32, 128, 128, 1, 4, 3, 3, swap_ab=True)]
         return [T(16, 64, 128, 1, 4, 4, 2), T(16, 32, 256, 1, 4, 4, 2), T(32, 64, 128, 1, 4, 4, 2),
-                T(32, 128, 128, 1, 4, 3, 1), T(32, 64, 128, 1, 4, 4, 2, swap_ab=True)]
+                T(32, 128, 128, 1, 4, 3, 1), T(32, 64, 128, 1, 4, 4, 2, swap_ab=True), T(16, 64, 64, 1, 4, 4, 4),
+                T(32, 128, 64, 1, 4, 3, 3, swap_ab=True)]
     if hi is not None and hi <= 64:
         if fp8:
             return [T(32, 128, 128, 4, 4, 4, 2), T(64, 128, 128, 4, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1),
-                    T(64, 128, 128, 4, 4, 4, 2, tma=True)]
-        # 128x256: vLLM's tuned H200 tile at these sizes (Mixtral T=256: 737 against 865 µs, 2026-12-04)
-        return [T(32, 64, 128, 4, 4, 4, 2), T(64, 128, 64, 4, 4, 4, 1), T(64, 64, 128, 4, 4, 4, 2),
+                    T(64, 128, 128, 4, 4, 4, 2, tma=True), T(32, 128, 128, 1, 4, 3, 3)]
+        # 128x256: vLLM's tuned H200 tile at these sizes (Mixtral T=256: 737 against 865 µs, 2026-12-04), which
+        # runs 4 stages (196 KB)
+        return [T(32, 64, 128, 4, 4, 4, 2), T(64, 128, 64, 4, 4, 4, 1), T(64, 64, 128, 4, 4, 3, 2),
                 T(128, 128, 64, 8, 8, 4, 1), T(64, 128, 64, 4, 4, 4, 1, tma=True), T(128, 256, 64, 8, 8, 3, 1),
-                T(128, 256, 64, 8, 8, 3, 1, tma=True)]
+                T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 256, 64, 1, 8, 4, 1), T(128, 256, 64, 1, 8, 4, 1, tma=True)]
     if hi is not None:
         if fp8:
             return [T(64, 128, 128, 8, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1), T(128, 128, 128, 8, 8, 4, 1, tma=True),
                     T(64, 128, 128, 8, 4, 4, 2, tma=True)]
         return [T(64, 128, 64, 8, 4, 4, 2), T(128, 128, 64, 8, 8, 4, 1), T(128, 256, 64, 8, 8, 3, 1),
-                T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True)]
+                T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True),
+                T(128, 256, 64, 8, 8, 4, 1, tma=True)]
     if fp8:
         return [T(128, 128, 128, 8, 8, 4, 1), T(64, 128, 128, 8, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1, tma=True),
                 T(64, 128, 128, 8, 4, 4, 2, tma=True)]
     return [T(128, 256, 64, 8, 8, 3, 1), T(128, 128, 64, 8, 8, 4, 1), T(128, 128, 64, 8, 4, 3, 2),
-            T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 4, 3, 2, tma=True)]
+            T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 4, 3, 2, tma=True),
+            T(128, 256, 64, 8, 8, 4, 1, tma=True)]
 
 
 def pick_regime_config(timings: dict[int, dict[TileConfig, float]]) -> tuple[TileConfig, float]:
@@ -305,9 +319,46 @@ def regime_bucket(regime: int) -> int:
     return m_bucket(hi if hi is not None else 4 * lo)
 
 
-def regime_key(device_name: str, kind: str, n: int, k: int, layout: str, regime: int) -> str:
-    """Key of a regime's tuned tile: one configuration for every token count of the regime."""
-    return f"{device_name}|{kind}|N{n}|K{k}|{layout}|r{regime}"
+def regime_key(device_name: str, kind: str, n: int, k: int, layout: str, regime: int, slots: int | None = None) -> str:
+    """Key of a regime's tuned tile: one configuration for every token count of the regime.
+
+    With ``slots`` (``T * K``, the sorted rows of a call whose token count is static): the key of the
+    best tile at exactly that size, shipped where it beats the regime's by a margin (a graph Dynamo
+    specialised, such as every T=1 decode step, then runs it).
+    """
+    return f"{device_name}|{kind}|N{n}|K{k}|{layout}|r{regime}" + (f"|s{slots}" if slots is not None else "")
+
+
+def nearest_regime_entry(
+    tables: tuple[dict[str, dict], ...], device_name: str, kinds: tuple[str, ...], n: int, k: int, layout: str,
+    regime: int,
+) -> dict | None:
+    """The regime entry of the tuned GEMM shape nearest to ``N x K`` (same device, kind, layout and regime).
+
+    Distance is ``|log2(N / N')| + |log2(K / K')|``, the first kind of ``kinds`` before the others; ties go
+    to the earlier table (the user cache before the shipped one), then the first key in sorted order.
+    Tiles transfer between nearby shapes far better than the heuristic guesses: OLMoE's GEMMs (2048 x 2048,
+    2048 x 1024), untuned, ran 3-30% (bf16) and 14-45% (fp8) slower per regime than tuned with the
+    heuristic's tiles, and within 0-6% (bf16) and 0-16% (fp8) with Qwen3-MoE's
+    (bench/results/tune_tiles_sorted_2026-12-04_olmoe.md). ``None`` when no entry qualifies.
+    """
+    import math
+
+    best: tuple[float, int, str, dict] | None = None
+    for order, table in enumerate(tables):
+        for key, raw in table.items():
+            parts = key.split("|")
+            if (len(parts) != 6 or parts[0] != device_name or parts[1] not in kinds or parts[4] != layout
+                    or parts[5] != f"r{regime}"):
+                continue
+            try:
+                n2, k2 = int(parts[2].removeprefix("N")), int(parts[3].removeprefix("K"))
+            except ValueError:
+                continue
+            dist = abs(math.log2(n / n2)) + abs(math.log2(k / k2)) + kinds.index(parts[1]) * 1e3
+            if best is None or (dist, order, key) < best[:3]:
+                best = (dist, order, key, raw)
+    return best[3] if best else None
 
 
 def get_config(
@@ -323,17 +374,21 @@ def get_config(
     layout: str = "masked",
     regime: int | None = None,
     symbolic: bool = False,
+    slots: int | None = None,
 ) -> TileConfig:
     """The tile configuration for a grouped GEMM of ``kind`` ("bf16" / "fp8") on ``device``.
 
     Lookup: the regime's entry (``layout`` "masked" or "sorted", tuned over every token count of the
     regime by ``bench/tune_tiles.py``) when ``regime`` is given; else the rows bucket of
     ``expected_m`` — the regime's bucket when the token count is ``symbolic`` (never the size a graph
-    happened to be traced with) — in the user cache, then the shipped table; then the heuristic.
+    happened to be traced with) — in the user cache, then the shipped table; then, with a regime, the
+    entry of the nearest tuned shape (:func:`nearest_regime_entry`); then the heuristic.
     ``active_groups`` (host-side estimate of the groups with rows, ``min(E, T * K)``) keys decode
     buckets. ``allow_tma=False`` (compiled graphs, see ``grouped_gemm._operands``) prefers, for the
     masked layout (host-made descriptors), the best tuned tile that loads through pointers, and never
     returns a TMA tile there; the sorted layout makes its descriptors on the device and keeps its tile.
+    ``slots`` (a static ``T * K``, with a regime and a static token count only) looks up the tile tuned for
+    exactly that size first (:func:`regime_key`).
     """
     if device.type == "cpu":
         # Interpreter: few, small programs keep the emulation quick; speed is not measured there.
@@ -344,18 +399,25 @@ def get_config(
     if symbolic and regime is not None:
         expected_m, active_groups = regime_bucket(regime), None
     bucket = m_bucket(expected_m or 1)
-    mkey = _key(name, kind, n, k, bucket, active_groups, ptr=not allow_tma) + f"|{layout}|r{regime}"
+    if symbolic or regime is None:
+        slots = None
+    mkey = _key(name, kind, n, k, bucket, active_groups, ptr=not allow_tma) + f"|{layout}|r{regime}|s{slots}"
     cfg = _memory.get(mkey)
     if cfg is None:
         keys: tuple[str, ...] = ()
         for kd in (kind, "fp8") if kind == "w8a16" else (kind,):  # w8a16 streams the fp8 weights' bytes
             if regime is not None:
+                if slots is not None:
+                    keys += (regime_key(name, kd, n, k, layout, regime, slots),)
                 keys += (regime_key(name, kd, n, k, layout, regime),)
             keys += (_key(name, kd, n, k, bucket, active_groups, ptr=not allow_tma),
                      _key(name, kd, n, k, bucket, ptr=not allow_tma))
             if not allow_tma:
                 keys += (_key(name, kd, n, k, bucket, active_groups), _key(name, kd, n, k, bucket))
         raw = next((table[key] for table in (_disk(), _shipped()) for key in keys if key in table), None)
+        if raw is None and regime is not None:  # a shape nobody tuned: the tile of the nearest one that was
+            raw = nearest_regime_entry((_disk(), _shipped()), name, (kind, "fp8") if kind == "w8a16" else (kind,),
+                                       n, k, layout, regime)
         cfg = _from_dict(raw) if raw else _heuristic(kind, n, k, bucket, active_groups, num_sms)
         if not allow_tma and layout == "masked":  # the sorted layout makes its descriptors on the device
             cfg = replace(cfg, tma=False)

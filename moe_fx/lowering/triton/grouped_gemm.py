@@ -233,6 +233,7 @@ def _gemm_config(kind: str, a: torch.Tensor, n: int, k: int, hints: dict, layout
         kind, n, k, _hint(hints.get("expected_m")), a.device, _hint(hints.get("active_groups")), _sms(a.device),
         allow_tma=not is_traced(a), layout=layout, regime=hints.get("regime"),
         symbolic=not isinstance(hints.get("expected_m"), (int, type(None))),
+        slots=hints["slots"] if isinstance(hints.get("slots"), int) else None,
     )
     return configs.fit_smem(cfg, a.element_size()) if kind in ("bf16", "w8a16") else cfg
 
@@ -500,7 +501,7 @@ def sorted_gemm(
     if _known_empty(num_rows, n):
         return out
     kind = "fp8" if fp8 else "w8a16" if w8a16 else "bf16"
-    hints = {"expected_m": expected_m, "active_groups": active_groups, "regime": regime}
+    hints = {"expected_m": expected_m, "active_groups": active_groups, "regime": regime, "slots": num_rows}
     cfg = config or _gemm_config(kind, a, n, k, hints, "sorted")
     if b_scale is not None:
         _check_fp8_block_k(name, cfg)
