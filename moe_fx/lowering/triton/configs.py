@@ -52,8 +52,13 @@ class TileConfig:
     swap_ab: bool = False
 
     def smem_bytes(self, elem_bytes: int) -> int:
-        """Shared memory the pipelined A and B tiles take (the kernel's dominant use)."""
-        return (self.block_m + self.block_n) * self.block_k * elem_bytes * self.num_stages
+        """Shared memory the pipelined A and B tiles take (the kernel's dominant use).
+
+        fp32 operands take one more half-size buffer: 128x256x64 at 2 stages asked for 240 KB, 48 KB
+        over its 192 KB of tiles (triton 3.6 on an H200, 2026-12-04).
+        """
+        tiles = (self.block_m + self.block_n) * self.block_k * elem_bytes * self.num_stages
+        return tiles + ((self.block_m + self.block_n) * self.block_k * 2 if elem_bytes >= 4 else 0)
 
 
 #: shared memory a program's pipelined tiles may take (Hopper has 227 KB per SM; Triton adds a little)
@@ -329,13 +334,19 @@ def regime_key(device_name: str, kind: str, n: int, k: int, layout: str, regime:
     return f"{device_name}|{kind}|N{n}|K{k}|{layout}|r{regime}" + (f"|s{slots}" if slots is not None else "")
 
 
+#: how far (``|log2 N ratio| + |log2 K ratio|``) a tuned shape's tile is carried to an untuned one: a tile
+#: tuned for 2048-wide GEMMs is no guide for a 128-wide test layer (nor does it fit its fp32 operands)
+NEAREST_MAX_DISTANCE = 2.0
+
+
 def nearest_regime_entry(
     tables: tuple[dict[str, dict], ...], device_name: str, kinds: tuple[str, ...], n: int, k: int, layout: str,
     regime: int,
 ) -> dict | None:
     """The regime entry of the tuned GEMM shape nearest to ``N x K`` (same device, kind, layout and regime).
 
-    Distance is ``|log2(N / N')| + |log2(K / K')|``, the first kind of ``kinds`` before the others; ties go
+    Distance is ``|log2(N / N')| + |log2(K / K')|``, at most :data:`NEAREST_MAX_DISTANCE`, the first kind of
+    ``kinds`` before the others; ties go
     to the earlier table (the user cache before the shipped one), then the first key in sorted order.
     Tiles transfer between nearby shapes far better than the heuristic guesses: OLMoE's GEMMs (2048 x 2048,
     2048 x 1024), untuned, ran 3-30% (bf16) and 14-45% (fp8) slower per regime than tuned with the
@@ -355,7 +366,10 @@ def nearest_regime_entry(
                 n2, k2 = int(parts[2].removeprefix("N")), int(parts[3].removeprefix("K"))
             except ValueError:
                 continue
-            dist = abs(math.log2(n / n2)) + abs(math.log2(k / k2)) + kinds.index(parts[1]) * 1e3
+            dist = abs(math.log2(n / n2)) + abs(math.log2(k / k2))
+            if dist > NEAREST_MAX_DISTANCE:
+                continue
+            dist += kinds.index(parts[1]) * 1e3
             if best is None or (dist, order, key) < best[:3]:
                 best = (dist, order, key, raw)
     return best[3] if best else None
