@@ -151,6 +151,8 @@ def _sorted_cell(shape: str, t: int, kind: str, gemm: int, cache: dict):
     _, e, k, h, i = SHAPES[shape]
     if cache.get("shape") != shape:
         cache.clear()
+        if DEVICE == "cuda":  # the last shape's weights and fp32 quantisation temporaries stay reserved otherwise:
+            torch.cuda.empty_cache()  # ten warm-up workers each holding the largest shape's ran the H200 out of memory
         g = torch.Generator(device=DEVICE).manual_seed(1)
         cache["shape"] = shape
         w13 = torch.randn(e, 2 * i, h, device=DEVICE, generator=g, dtype=torch.bfloat16) / h**0.5
