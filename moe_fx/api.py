@@ -176,6 +176,8 @@ def _explain_ops(gm: torch.fx.GraphModule, reports: list[RegionReport], first: i
             kernel = "triton (interpreted on CPU)"
         if why.regimes:
             reasons["layout"] = why.regimes
+        if why.tiles:
+            reasons["tiles"] = why.tiles
         for r in targets:
             r.kernel, r.layout, r.kernel_reasons = kernel, plan.layout, reasons
             if not r.tokens and "hidden" in a:  # a captured module: its T as traced

@@ -265,6 +265,25 @@ def test_dynamic_graph_tiles_are_the_regimes_not_the_traced_size(sm90, monkeypat
             assert set(node.kwargs["tensors_to_clone"]) == {"c_ptr"}, node.kwargs["tensors_to_clone"]
 
 
+def test_static_graph_runs_its_sizes_own_tile_and_a_dynamic_one_the_regimes(sm90, monkeypatch):
+    """A static token count (Dynamo always specialises T=1) launches the tile tuned for its exact slot count
+    (``...|s<T*K>`` entries); a graph with a symbolic T never does, whatever size it was traced with."""
+    from moe_fx.lowering.triton import configs
+
+    regime = {"block_m": 32, "block_n": 64, "block_k": 128, "swap_ab": True}
+    own = {"block_m": 16, "block_n": 128, "block_k": 128, "num_stages": 3, "programs_per_sm": 3}
+    table = {"NVIDIA H200|bf16|N256|K256|sorted|r2": regime, "NVIDIA H200|bf16|N256|K256|sorted|r2|s400": own}
+    monkeypatch.setattr(configs, "_shipped", lambda: table)
+    monkeypatch.setattr(configs, "_memory", {})
+    monkeypatch.setattr(configs, "_disk_loaded", {})
+    # T=200, K=2: 400 slots, 50 rows per expert (regime 2); GEMM2 (N=256, K=256) reads the table
+    static = _gemm_tiles(_trace(_experts, _inputs(FakeTensorMode(), t=200)))[1]
+    other = _gemm_tiles(_trace(_experts, _inputs(FakeTensorMode(), t=160)))[1]
+    dynamic = _gemm_tiles(_trace(_experts, _symbolic_inputs(200)))[1]
+    assert static == (16, 128, 128, False, False), static
+    assert other == dynamic == (32, 64, 128, True, False), (other, dynamic)
+
+
 def test_activation_epilogue_where_it_measured_faster(sm90):
     """Gate/up halves take GEMM1's activation epilogue up to 64 rows per expert and the separate kernel at
     prefill sizes (where the split tile measured slower); interleaved gate/up (GPT-OSS) take it at every size."""

@@ -378,3 +378,27 @@ def test_deepgemm_runtime_failure_warns_once_demotes_and_computes_with_triton(mo
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "NVCC compilation failed" in warnings[0] and "long compiler log" not in warnings[0]
     assert "failed at run time" in problem_mod._runtime_unusable["deepgemm"]
+
+
+def test_explain_names_the_gemm_shapes_nobody_tuned(monkeypatch, tmp_path):
+    """A Triton plan on a GPU says which GEMM shapes have no tuned tiles there and what they take instead."""
+    from moe_fx.lowering.triton import configs
+
+    monkeypatch.setenv("MOE_FX_CACHE_DIR", str(tmp_path))  # the shipped table only, not this machine's cache
+    monkeypatch.setattr(configs, "_disk_loaded", None)
+    h200 = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "x", 132, "NVIDIA H200")
+    # Qwen3-30B-A3B's GEMMs (1536 x 2048 and 2048 x 768) are in the shipped table: nothing to say
+    assert _explain(2048, 768, e=128, t=16, caps=h200).tiles == ""
+    # I=1408 (DeepSeek-V2-Lite's experts): no entries; OLMoE's tuned shapes are the nearest
+    why = _explain(2048, 1408, e=64, t=16, caps=h200)
+    assert why.kernel == "triton" and why.tiles == (
+        "2816x2048: none tuned on NVIDIA H200, the nearest tuned shape's (2048x2048); "
+        "2048x1408: none tuned on NVIDIA H200, the nearest tuned shape's (2048x1024) "
+        "(tune them: docs/triton.md, Tile configs)"), why.tiles
+    # a tiny layer is far from every tuned shape: a heuristic's tiles
+    assert _explain(64, 32, t=16, caps=h200).tiles.startswith("64x64: none tuned on NVIDIA H200, a heuristic's")
+    # another GPU: nothing tuned there at all
+    h100 = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "x", 132, "NVIDIA H100")
+    assert "1536x2048: none tuned on NVIDIA H100, a heuristic's" in _explain(2048, 768, e=128, t=16, caps=h100).tiles
+    # the reference and CPU plans have no tiles to speak of
+    assert _explain(32, 16, t=5, kernel="triton", caps=CPU, device="cpu", dtype=torch.float32).tiles == ""

@@ -34,6 +34,7 @@ from moe_fx.lowering.problem import (
     Capabilities,
     ExpertsProblem,
     dtype_name,
+    probe_capabilities,
     regime_bounds,
     row_regime,
     rows_per_expert,
@@ -253,11 +254,15 @@ class ExpertsExplanation:
         regimes: ``"rows per expert 1..4: triton, sorted layout; 5..: ..."``: the plans of every regime a
             graph compiled for a dynamic token count may run (runs of equal plans), or ``""`` for the reference.
         reasons: ``{kernel: why not taken}`` of the plan's experts choice.
+        tiles: for Triton on a GPU, the GEMM shapes nobody tuned there and the tiles they take instead
+            (:func:`~moe_fx.lowering.triton.configs.tile_source`), or ``""``.
     """
 
     plan: ExpertsPlan
     regimes: str = ""
     reasons: dict[str, str] = field(default_factory=dict)
+    #: where the Triton GEMMs' tiles come from when their shapes were never tuned on this GPU ("" if tuned)
+    tiles: str = ""
 
     @property
     def kernel(self) -> str:
@@ -288,7 +293,26 @@ def explain_experts(a: dict, *, caps: Capabilities | None = None) -> ExpertsExpl
     traced = row_regime(rows) if rows is not None else len(ROW_REGIMES)
     plan = plans[traced]
     regimes = "" if plan.reference or plan.error is not None else _regime_summary(plans)
-    return ExpertsExplanation(plan, regimes, dict(plan.experts.reasons))
+    return ExpertsExplanation(plan, regimes, dict(plan.experts.reasons), _untuned_tiles(a, plan, caps))
+
+
+def _untuned_tiles(a: dict, plan: ExpertsPlan, caps: Capabilities | None) -> str:
+    """explain's note on a Triton plan whose GEMM shapes have no tuned tiles on the GPU (see ExpertsExplanation)."""
+    if plan.error is not None or plan.experts.kernel != "triton" or plan.problem.device_type != "cuda":
+        return ""
+    from moe_fx.lowering.triton.configs import tile_source
+
+    name = (caps or probe_capabilities(torch.device("cuda"))).device_name
+    if not name or name == "cuda":  # no GPU to name (a CPU-only trace of CUDA tensors)
+        return ""
+    kind = "fp8" if plan.problem.fp8_block is not None else "bf16"
+    layout = "sorted" if plan.layout == "sorted" else "masked"
+    w13, w2 = a["w13"], a["w2"]
+    notes = [tile_source(kind, int(w.shape[1]), int(w.shape[2]), name, layout) for w in (w13, w2)]
+    notes = [n for n in notes if n]
+    if not notes:
+        return ""
+    return "; ".join(notes) + " (tune them: docs/triton.md, Tile configs)"
 
 
 def _hint(v: object) -> int | None:

@@ -29,7 +29,8 @@ class RegionReport:
             lowering's own plan of the op node: :func:`moe_fx.lowering.experts.explain_experts`).
         layout: the row layout that kernel runs on (``"sorted"``, ``"masked"``, ``"reference"``).
         kernel_reasons: why the other kernels were not picked (and ``"layout"``: the plan of every
-            token-count regime).
+            token-count regime; ``"tiles"``: the Triton GEMM shapes never tuned on this GPU and the tiles
+            they take instead).
         entry: for a rewritten region, which entry rewrites it: ``"any"`` (``torch.compile(model,
             backend="moe_fx")`` and ``moe_fx.compile``) or ``"moe_fx.compile"`` (a capture step patched
             the module before tracing; a backend never sees modules).

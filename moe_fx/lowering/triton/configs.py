@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 __all__ = ["TileConfig", "cache_path", "candidates", "fit_smem", "get_config", "m_bucket", "nearest_regime_entry",
-           "pick_regime_config", "regime_bucket", "regime_candidates", "regime_key", "store", "tune"]
+           "pick_regime_config", "regime_bucket", "regime_candidates", "regime_key", "store", "tile_source", "tune"]
 
 log = logging.getLogger("moe_fx.lowering.triton")
 
@@ -342,8 +342,8 @@ NEAREST_MAX_DISTANCE = 2.0
 def nearest_regime_entry(
     tables: tuple[dict[str, dict], ...], device_name: str, kinds: tuple[str, ...], n: int, k: int, layout: str,
     regime: int,
-) -> dict | None:
-    """The regime entry of the tuned GEMM shape nearest to ``N x K`` (same device, kind, layout and regime).
+) -> tuple[str, dict] | None:
+    """The regime entry (key, tile) of the tuned GEMM shape nearest to ``N x K`` (same device, kind, layout and regime).
 
     Distance is ``|log2(N / N')| + |log2(K / K')|``, at most :data:`NEAREST_MAX_DISTANCE`, the first kind of
     ``kinds`` before the others; ties go
@@ -372,7 +372,28 @@ def nearest_regime_entry(
             dist += kinds.index(parts[1]) * 1e3
             if best is None or (dist, order, key) < best[:3]:
                 best = (dist, order, key, raw)
-    return best[3] if best else None
+    return (best[2], best[3]) if best else None
+
+
+def tile_source(kind: str, n: int, k: int, device_name: str, layout: str = "sorted") -> str | None:
+    """What a ``N x K`` GEMM's tiles come from when nobody tuned that shape on ``device_name``; ``None`` if tuned.
+
+    For ``moe_fx.explain``: ``"2048x2048: none tuned on <gpu>, the nearest tuned shape's (1536x2048)"`` or
+    ``"...: none tuned on <gpu>, a heuristic's"``.
+    """
+    tables = (_disk(), _shipped())
+    prefix = f"{device_name}|{kind}|N{n}|K{k}|{layout}|r"
+    if any(key.startswith(prefix) for table in tables for key in table):
+        return None
+    from moe_fx.lowering.problem import ROW_REGIMES
+
+    near = None
+    for regime in range(len(ROW_REGIMES) + 1):  # the first regime with a nearby tuned shape names it
+        near = near or nearest_regime_entry(tables, device_name, (kind,), n, k, layout, regime)
+    if near is None:
+        return f"{n}x{k}: none tuned on {device_name}, a heuristic's"
+    parts = near[0].split("|")
+    return f"{n}x{k}: none tuned on {device_name}, the nearest tuned shape's ({parts[2][1:]}x{parts[3][1:]})"
 
 
 def get_config(
@@ -430,8 +451,9 @@ def get_config(
                 keys += (_key(name, kd, n, k, bucket, active_groups), _key(name, kd, n, k, bucket))
         raw = next((table[key] for table in (_disk(), _shipped()) for key in keys if key in table), None)
         if raw is None and regime is not None:  # a shape nobody tuned: the tile of the nearest one that was
-            raw = nearest_regime_entry((_disk(), _shipped()), name, (kind, "fp8") if kind == "w8a16" else (kind,),
-                                       n, k, layout, regime)
+            near = nearest_regime_entry((_disk(), _shipped()), name, (kind, "fp8") if kind == "w8a16" else (kind,),
+                                        n, k, layout, regime)
+            raw = near[1] if near else None
         cfg = _from_dict(raw) if raw else _heuristic(kind, n, k, bucket, active_groups, num_sms)
         if not allow_tma and layout == "masked":  # the sorted layout makes its descriptors on the device
             cfg = replace(cfg, tma=False)
