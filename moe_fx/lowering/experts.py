@@ -298,7 +298,9 @@ def explain_experts(a: dict, *, caps: Capabilities | None = None) -> ExpertsExpl
 
 def _untuned_tiles(a: dict, plan: ExpertsPlan, caps: Capabilities | None) -> str:
     """explain's note on a Triton plan whose GEMM shapes have no tuned tiles on the GPU (see ExpertsExplanation)."""
-    if plan.error is not None or plan.experts.kernel != "triton" or plan.problem.device_type != "cuda":
+    # the sorted layout's tiles are looked up per regime (the masked layout's by rows bucket: not said here)
+    if (plan.error is not None or plan.experts.kernel != "triton" or plan.problem.device_type != "cuda"
+            or plan.layout != "sorted"):
         return ""
     from moe_fx.lowering.triton.configs import tile_source
 
@@ -306,9 +308,7 @@ def _untuned_tiles(a: dict, plan: ExpertsPlan, caps: Capabilities | None) -> str
     if not name or name == "cuda":  # no GPU to name (a CPU-only trace of CUDA tensors)
         return ""
     kind = "fp8" if plan.problem.fp8_block is not None else "bf16"
-    layout = "sorted" if plan.layout == "sorted" else "masked"
-    w13, w2 = a["w13"], a["w2"]
-    notes = [tile_source(kind, int(w.shape[1]), int(w.shape[2]), name, layout) for w in (w13, w2)]
+    notes = [tile_source(kind, int(w.shape[1]), int(w.shape[2]), name) for w in (a["w13"], a["w2"])]
     notes = [n for n in notes if n]
     if not notes:
         return ""
