@@ -189,6 +189,11 @@ def test_untuned_shape_takes_the_nearest_tuned_shapes_regime_entry(fresh, monkey
     # a shape far from every tuned one (a tiny test layer): the heuristic, not a 2048-wide GEMM's tile
     tiny = configs._heuristic("bf16", 128, 64, configs.regime_bucket(0))
     assert configs.get_config("bf16", 128, 64, 4, GPU, layout="sorted", regime=0, symbolic=True) == tiny
+    # the tables' other keys (rows buckets) are no regime entries
+    assert configs._regime_key_fields(configs.regime_key("G", "fp8", 1536, 2048, "sorted", 3, 8)) == (
+        "G", "fp8", 1536, 2048, "sorted", 3, 8)
+    assert all(configs._regime_key_fields(configs._key("G", "bf16", 2048, 2048, 16, 8, ptr=ptr)) is None
+               for ptr in (False, True))
     # a regime nobody tuned on this device: the heuristic
     heuristic = configs._heuristic("bf16", 2048, 2048, configs.regime_bucket(1))
     assert configs.get_config("bf16", 2048, 2048, 10, GPU, layout="sorted", regime=1, symbolic=True) == heuristic

@@ -358,18 +358,14 @@ def nearest_regime_entry(
     best: tuple[float, int, str, dict] | None = None
     for order, table in enumerate(tables):
         for key, raw in table.items():
-            parts = key.split("|")
-            if (len(parts) != 6 or parts[0] != device_name or parts[1] not in kinds or parts[4] != layout
-                    or parts[5] != f"r{regime}"):
+            f = _regime_key_fields(key)
+            if (f is None or f[0] != device_name or f[1] not in kinds or f[4] != layout or f[5] != regime
+                    or f[6] is not None):
                 continue
-            try:
-                n2, k2 = int(parts[2].removeprefix("N")), int(parts[3].removeprefix("K"))
-            except ValueError:
-                continue
-            dist = abs(math.log2(n / n2)) + abs(math.log2(k / k2))
+            dist = abs(math.log2(n / f[2])) + abs(math.log2(k / f[3]))
             if dist > NEAREST_MAX_DISTANCE:
                 continue
-            dist += kinds.index(parts[1]) * 1e3
+            dist += kinds.index(f[1]) * 1e3
             if best is None or (dist, order, key) < best[:3]:
                 best = (dist, order, key, raw)
     return (best[2], best[3]) if best else None
@@ -382,8 +378,7 @@ def tile_source(kind: str, n: int, k: int, device_name: str, layout: str = "sort
     ``"...: none tuned on <gpu>, a heuristic's"``.
     """
     tables = (_disk(), _shipped())
-    prefix = f"{device_name}|{kind}|N{n}|K{k}|{layout}|r"
-    if any(key.startswith(prefix) for table in tables for key in table):
+    if any((f := _regime_key_fields(key)) and f[:5] == (device_name, kind, n, k, layout) for t in tables for key in t):
         return None
     from moe_fx.lowering.problem import ROW_REGIMES
 
@@ -392,8 +387,21 @@ def tile_source(kind: str, n: int, k: int, device_name: str, layout: str = "sort
         near = near or nearest_regime_entry(tables, device_name, (kind,), n, k, layout, regime)
     if near is None:
         return f"{n}x{k}: none tuned on {device_name}, a heuristic's"
-    parts = near[0].split("|")
-    return f"{n}x{k}: none tuned on {device_name}, the nearest tuned shape's ({parts[2][1:]}x{parts[3][1:]})"
+    _, _, n2, k2, *_ = _regime_key_fields(near[0])
+    return f"{n}x{k}: none tuned on {device_name}, the nearest tuned shape's ({n2}x{k2})"
+
+
+def _regime_key_fields(key: str) -> tuple[str, str, int, int, str, int, int | None] | None:
+    """``(device, kind, N, K, layout, regime, slots or None)`` of a :func:`regime_key`; ``None`` for other keys."""
+    parts = key.split("|")
+    if len(parts) not in (6, 7) or parts[5][:1] != "r" or (len(parts) == 7 and parts[6][:1] != "s"):
+        return None
+    try:
+        n, k, regime = int(parts[2].removeprefix("N")), int(parts[3].removeprefix("K")), int(parts[5][1:])
+        slots = int(parts[6][1:]) if len(parts) == 7 else None
+    except ValueError:
+        return None
+    return parts[0], parts[1], n, k, parts[4], regime, slots
 
 
 def get_config(
