@@ -264,13 +264,11 @@ def tune_sorted(args) -> None:
         entries[regime_key(name, kind, n_, k_, "sorted", regime)] = cfg
         for t, per in sorted(per_t.items()):
             best = min(per, key=per.get)
+            prior = before.get((shape, kind, gemm, regime), {}).get(t)
             rows.append({"shape": shape, "kind": kind, "gemm": gemm, "N": n_, "K": k_, "regime": regime, "T": t,
                          "best": _tile(best), "best_us": per[best] * 1e3, "chosen": _tile(cfg),
                          "chosen_us": per[cfg] * 1e3, "ratio": per[cfg] / per[best],
-                         "before": _tile(before[(shape, kind, gemm, regime)][t][0])
-                         if t in before.get((shape, kind, gemm, regime), {}) else None,
-                         "before_us": before[(shape, kind, gemm, regime)][t][1] * 1e3
-                         if t in before.get((shape, kind, gemm, regime), {}) else None,
+                         "before": _tile(prior[0]) if prior else None, "before_us": prior[1] * 1e3 if prior else None,
                          "all_us": {_tile(c): v * 1e3 for c, v in per.items()}})
     entries.update(slot_entries(rows, name))
     configs.store(entries)
