@@ -56,9 +56,13 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=0, help="--sorted: compile the candidates in this many processes first")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "i/n": one compile-only worker
     ap.add_argument("--tag", default="")
+    ap.add_argument("--add-shape", action="append", default=[], metavar="NAME=E,K,H,I", type=parse_shape,
+                    help="tune a layer that is not in bench/moe_layer.py's SHAPES (your model's): E experts, top-K, "
+                         "hidden H, expert intermediate I; name it in --shapes too")
     ap.add_argument("--ship-slots", nargs="+", metavar="JSON", help="no GPU: add the static-size entries of saved "
                     "--sorted runs (their report JSON) to the shipped table")
     args = ap.parse_args()
+    SHAPES.update(dict(args.add_shape))
     if args.ship_slots:
         ship_slots(args.ship_slots)
         return
@@ -224,6 +228,8 @@ def tune_sorted(args) -> None:
     if args.warm:
         cmd = [sys.executable, os.path.abspath(__file__), "--sorted", "--shapes", args.shapes, "--tokens", args.tokens,
                "--kinds", args.kinds]
+        for name, (_, e, k, h, i) in args.add_shape:  # the workers need the user's shapes too
+            cmd += ["--add-shape", f"{name}={e},{k},{h},{i}"]
         procs = [subprocess.Popen(cmd + ["--worker", f"{w}/{args.warm}"]) for w in range(args.warm)]
         for p in procs:
             p.wait()
@@ -334,6 +340,18 @@ def _graph_ms(fn, target_ms: float = 2.0, replays: int = 5) -> float:
         times.append(start.elapsed_time(end) / calls)
     del graph
     return sorted(times)[len(times) // 2]
+
+
+def parse_shape(text: str) -> tuple[str, tuple]:
+    """``"mine=64,8,2048,1408"`` -> ``("mine", ("custom", 64, 8, 2048, 1408))``: a SHAPES entry (E, K, H, I)."""
+    name, _, dims = text.partition("=")
+    try:
+        e, k, h, i = (int(v) for v in dims.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=E,K,H,I (four integers), got {text!r}") from None
+    if not name or min(e, k, h, i) < 1 or k > e:
+        raise argparse.ArgumentTypeError(f"expected NAME=E,K,H,I with 1 <= K <= E and H, I >= 1, got {text!r}")
+    return name, ("custom", e, k, h, i)
 
 
 #: a static token count gets its own tile (``configs.regime_key(..., slots)``) where the best at that T

@@ -233,3 +233,15 @@ def test_tune_report_labels_name_every_field():
     got = tune.slot_entries(rows, "FakeGPU")  # only T=1 loses more than the margin; Qwen3 has K=8
     assert got == {configs.regime_key("FakeGPU", "fp8", 1536, 2048, "sorted", 0, 8):
                    TileConfig(16, 64, 128, 1, 4, 5, 2, swap_ab=True)}
+
+
+def test_tune_takes_a_users_layer_shape():
+    import argparse
+
+    from helpers import load_bench
+
+    tune = load_bench("tune_tiles")
+    assert tune.parse_shape("mine=64,8,2048,1408") == ("mine", ("custom", 64, 8, 2048, 1408))
+    for bad in ("mine=64,8,2048", "=64,8,2048,1408", "mine=8,64,2048,1408", "mine=64,8,2048,x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            tune.parse_shape(bad)
