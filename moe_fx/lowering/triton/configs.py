@@ -448,7 +448,9 @@ def get_config(
     cfg = _memory.get(mkey)
     if cfg is None:
         keys: tuple[str, ...] = ()
-        for kd in (kind, "fp8") if kind == "w8a16" else (kind,):  # w8a16 streams the fp8 weights' bytes
+        tables = (_disk(), _shipped())
+        kinds = (kind, "fp8") if kind == "w8a16" else (kind,)  # w8a16 streams the fp8 weights' bytes
+        for kd in kinds:
             if regime is not None:
                 if slots is not None:
                     keys += (regime_key(name, kd, n, k, layout, regime, slots),)
@@ -457,10 +459,9 @@ def get_config(
                      _key(name, kd, n, k, bucket, ptr=not allow_tma))
             if not allow_tma:
                 keys += (_key(name, kd, n, k, bucket, active_groups), _key(name, kd, n, k, bucket))
-        raw = next((table[key] for table in (_disk(), _shipped()) for key in keys if key in table), None)
+        raw = next((table[key] for table in tables for key in keys if key in table), None)
         if raw is None and regime is not None:  # a shape nobody tuned: the tile of the nearest one that was
-            near = nearest_regime_entry((_disk(), _shipped()), name, (kind, "fp8") if kind == "w8a16" else (kind,),
-                                        n, k, layout, regime)
+            near = nearest_regime_entry(tables, name, kinds, n, k, layout, regime)
             raw = near[1] if near else None
         cfg = _from_dict(raw) if raw else _heuristic(kind, n, k, bucket, active_groups, num_sms)
         if not allow_tma and layout == "masked":  # the sorted layout makes its descriptors on the device
