@@ -27,9 +27,8 @@ from moe_fx.ops import ExpertActivation
 from moe_fx.ops.masked_experts import dequantize_activations
 from moe_fx.ops.recipe import FP8_DTYPE
 
-__all__ = ["FUSE_ACTIVATION", "FUSE_FP8_MAX_ROWS", "W8A16_MAX_ROWS", "ExpertWeights", "GemmHints", "MaskedGemms",
-           "fuse_activation", "quantize_activations", "quantize_tokens_in_gemm", "run_masked_experts",
-           "run_sorted_experts"]
+__all__ = ["FUSE_ACTIVATION", "W8A16_MAX_ROWS", "ExpertWeights", "GemmHints", "MaskedGemms", "fuse_activation",
+           "quantize_activations", "run_masked_experts", "run_sorted_experts"]
 
 #: Whether the sorted layout may apply the activation in GEMM1's epilogue (where :func:`fuse_activation`
 #: says it wins). Read when a call runs (so when a graph is compiled, for compiled code); benchmarks set
@@ -42,12 +41,6 @@ FUSE_HALVES_MAX_ROWS = 64
 #: (W8A16 decode ran 1.3-1.8x slower on the H200, bench/results/w8a16_2026-12-04.md); benchmarks and
 #: tests set it to 16 to run W8A16 (13x lower error against the fp32 reference).
 W8A16_MAX_ROWS = 0
-#: Rows per expert up to which fp8 weights with quantised activations (W8A8) on the sorted layout
-#: quantise the tokens inside GEMM1 (:func:`quantize_tokens_in_gemm`) and apply the activation and its
-#: quantisation in GEMM1's epilogue (:func:`fuse_activation`): sort -> GEMM1 -> GEMM2 -> combine, four
-#: launches as bf16 layers run, instead of six. Above it each GEMM1 column tile would quantise its
-#: tokens again, on the CUDA cores that already bound fp8 prefill GEMMs.
-FUSE_FP8_MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -204,23 +197,6 @@ def quantize_activations(fp8: bool, regime: int | None) -> bool:
     return hi is None or hi > W8A16_MAX_ROWS
 
 
-def _fp8_fused(fp8: bool, regime: int | None) -> bool:
-    """A W8A8 sorted-layout call of at most :data:`FUSE_FP8_MAX_ROWS` rows per expert (regime known)."""
-    from moe_fx.lowering.problem import regime_bounds
-
-    if not quantize_activations(fp8, regime) or regime is None:
-        return False
-    hi = regime_bounds(regime)[1]
-    return hi is not None and hi <= FUSE_FP8_MAX_ROWS
-
-
-def quantize_tokens_in_gemm(fp8: bool, regime: int | None) -> bool:
-    """Whether a W8A8 sorted-layout call (:func:`quantize_activations`) quantises its tokens inside GEMM1
-    (each k step's 1x128 group, ``sorted_gemm(quantize_a=True)``) instead of in a kernel of its own first:
-    up to :data:`FUSE_FP8_MAX_ROWS` rows per expert. ``regime`` None (unknown size): the separate kernel."""
-    return _fp8_fused(fp8, regime)
-
-
 def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bool:
     """Whether the sorted layout's GEMM1 applies ``spec`` in its epilogue, as measured on the H200
     (bench/results/fused_activation_2026-12-03.md, one layer, CUDA graphs, fused / unfused).
@@ -229,19 +205,15 @@ def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bo
     Halves (Qwen3, Mixtral) keep two accumulators of half the tuned tile: 1.01-1.06x up to 64 rows per
     expert, 0.95-0.98x at prefill sizes (Mixtral T >= 1024, Qwen3 T = 4096), where the separate kernel
     stays. Not gated: the unfused tile and one accumulator, only the store and a launch saved. fp8
-    weights with quantised activations (:func:`quantize_activations`, W8A8): up to
-    :data:`FUSE_FP8_MAX_ROWS` rows per expert, every form, the epilogue also quantising the activation per
-    1x128 group for GEMM2 (``sorted_gemm(quantize_out=True)``); above it the activation kernel does both.
-    With bf16 activations (W8A16) as bf16 weights.
+    weights with quantised activations (:func:`quantize_activations`) never: GEMM2 needs the activation
+    quantised per 1x128 group, the activation kernel's job; with bf16 activations (W8A16) as bf16 weights.
     ``fp8``: fp8 weights. ``regime``: the call's rows-per-expert regime (None, unknown: halves keep the
     separate kernel). The plan explain reports asks the same function (``ExpertsPlan.activation_epilogue``).
     """
     from moe_fx.lowering.problem import regime_bounds
 
-    if not FUSE_ACTIVATION:
+    if not FUSE_ACTIVATION or quantize_activations(fp8, regime):
         return False
-    if quantize_activations(fp8, regime):
-        return _fp8_fused(fp8, regime)
     if not spec.gated or spec.gate_up_layout == "interleaved":
         return True
     if regime is None:
@@ -281,10 +253,7 @@ def run_sorted_experts(
         raise ValueError(f"run_sorted_experts: {gemms.name} GEMMs do not run the sorted layout")
     x, x_scale = hidden, None
     quantized = quantize_activations(weights.fp8, hints.regime)
-    tokens_in_gemm = quantize_tokens_in_gemm(weights.fp8, hints.regime)
-    if tokens_in_gemm:  # GEMM1 quantises each token group it reads
-        x = hidden.to(torch.bfloat16)
-    elif quantized:
+    if quantized:
         x, x_scale = quantize_rows(hidden)
     elif weights.fp8:  # W8A16: bf16 activations, the GEMMs dequantise the weight tiles
         x = hidden.to(torch.bfloat16)
@@ -293,14 +262,12 @@ def run_sorted_experts(
     # GEMM1's bias is per expert: added in its epilogue (after the routing weight, as (w x) W^T + b)
     if fuse_activation(spec, weights.fp8, hints.regime):
         # the activation in GEMM1's epilogue: the [N, 2I] product is never stored, one launch fewer
-        # (W8A8: quantised there per 1x128 group for GEMM2)
-        a2 = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias, hints=hints,
-                               gather=True, route_weights=route_weights, activation=spec,
-                               quantize_a=tokens_in_gemm, quantize_out=quantized)
-        a2, a2_scale = a2 if quantized else (a2, None)
+        a2 = gemms.sorted_gemm(x, None, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias, hints=hints,
+                               gather=True, route_weights=route_weights, activation=spec)
+        a2_scale = None
     else:  # the separate activation kernel (W8A8: it quantises its output per 1x128 group for GEMM2)
         gate_up = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias,
-                                    hints=hints, gather=True, route_weights=route_weights, quantize_a=tokens_in_gemm)
+                                    hints=hints, gather=True, route_weights=route_weights)
         # the activation kernel sees the sorted rows [1, N, N1] as one group of all valid rows (the scratch's total)
         a2, a2_scale = expert_activation(gate_up, rows.scratch, spec, quant_fp8=quantized,
                                          max_total_m=rows.num_rows, masked_m_offset=rows.num_experts)

@@ -99,18 +99,14 @@ class TritonGemms:
         gather: bool,
         route_weights: torch.Tensor | None,
         activation: ExpertActivation | None = None,
-        quantize_a: bool = False,
-        quantize_out: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         """The contiguous layout's GEMM (:func:`~moe_fx.lowering.triton.grouped_gemm.sorted_gemm`): ``[T * K, N]``
-        (``activation``: applied in the epilogue, ``[T * K, I]``; ``quantize_a`` / ``quantize_out``: fp8
-        input / output quantised in the kernel, the output then ``(codes, scales)``)."""
+        (``activation``: applied in the epilogue, ``[T * K, I]``)."""
         from moe_fx.lowering.triton.grouped_gemm import sorted_gemm
 
         return sorted_gemm(a, w, rows, a_scale=a_scale, b_scale=w_scale, gather=gather, route_weights=route_weights,
                            bias=bias, expected_m=hints.expected_m, active_groups=hints.active_groups,
-                           regime=hints.regime, activation=activation, quantize_a=quantize_a,
-                           quantize_out=quantize_out)
+                           regime=hints.regime, activation=activation)
 
 
 GEMMS = TritonGemms()

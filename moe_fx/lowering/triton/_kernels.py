@@ -389,19 +389,6 @@ def masked_gemm_fp8_kernel(
     ROUTE_W: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False,
     DEVICE_TMA: tl.constexpr = False,
-    ACT_FUSED: tl.constexpr = False,
-    ACT: tl.constexpr = 0,
-    GATED: tl.constexpr = False,
-    INTERLEAVED: tl.constexpr = False,
-    HAS_LIMIT: tl.constexpr = False,
-    alpha=1.0,
-    limit=0.0,
-    up_offset=0.0,
-    QUANT_A: tl.constexpr = False,
-    QUANT_OUT: tl.constexpr = False,
-    cs_ptr=None,
-    s_csm=0,
-    s_csn=0,
 ):
     """fp8 x fp8 -> bf16 (+ bias[g]): a with 1x128 per-row group scales, b with 128x128 block scales.
 
@@ -411,26 +398,13 @@ def masked_gemm_fp8_kernel(
     scales first, so promoting the step costs one FMA per accumulator element instead of three:
     that promotion runs on the CUDA cores beside the tensor cores and bounds this kernel's speed.
     TMA, SORTED, GATHER_A, ROUTE_W: as in :func:`masked_gemm_kernel` (``as`` rows follow ``a``'s).
-
-    QUANT_A (the first GEMM of the sorted layout, BLOCK_K = 128): ``a`` holds bf16 tokens that each k step
-    quantises to fp8 with its own 1x128 group scale (:func:`_quant_groups`, the recipe of the
-    quantisation kernel, so the same codes and scales): no quantised copy of the tokens, one launch fewer.
-    ACT_FUSED: the expert activation in the epilogue, as in :func:`masked_gemm_kernel` (halves: a second
-    accumulator over the up rows, with their own weight scales). QUANT_OUT: the output is fp8 with one
-    fp32 scale per 1x128 group of each row, written to ``cs[row, col // 128]`` (an output tile spans whole
-    groups: BLOCK_N, or BLOCK_N / 2 interleaved, a multiple of 128): what GEMM2 reads, without the
-    activation kernel.
     """
     # Written out in both GEMM kernels on purpose: a pointer handed to a helper counts as written in
     # Inductor's mutation analysis, which would then copy the weights before every launch.
     if DEVICE_TMA:  # tensor descriptors made on the device (what Inductor-launched kernels can use)
         # the unit last stride is written as a literal (the host checked it): TMA needs it static
-        if ACT_FUSED and GATED:  # gate and up: 2N rows
-            b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, 2 * N, K], strides=[s_bg, s_bn, 1],
-                                              block_shape=[1, BLOCK_N, BLOCK_K])
-        else:
-            b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[s_bg, s_bn, 1],
-                                              block_shape=[1, BLOCK_N, BLOCK_K])
+        b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[s_bg, s_bn, 1],
+                                          block_shape=[1, BLOCK_N, BLOCK_K])
         if not GATHER_A:
             if SORTED:  # one group of rows (its group stride is never used)
                 a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[1, M, K], strides=[M * s_am, s_am, 1],
@@ -438,26 +412,21 @@ def masked_gemm_fp8_kernel(
             else:
                 a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[E, M, K], strides=[s_ag, s_am, 1],
                                                   block_shape=[1, BLOCK_M, BLOCK_K])
-    HALVES: tl.constexpr = ACT_FUSED and GATED and not INTERLEAVED
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
     rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
-    if ACT_FUSED and INTERLEAVED:  # tiles walk b's 2N rows; each gives BLOCK_N // 2 output columns
-        NB = 2 * N
-    else:
-        NB = N
-    num_n = (NB + BLOCK_N - 1) // BLOCK_N
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
     starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
     for t in range(pid, total, nprog):
         e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
         e64 = e.to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # b's rows of the tile (halves: the gate's)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < m_e
-        mask_n = offs_n < NB
+        mask_n = offs_n < N
         srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
         c_idx = srow.to(tl.int64)
         if GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
@@ -470,127 +439,67 @@ def masked_gemm_fp8_kernel(
             a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
         if not TMA:
             b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
-            if HALVES:
-                u_ptrs = b_ptrs + N * s_bn
-        if not QUANT_A:
-            as_ptrs = as_ptr + e64 * s_asg + a_idx * s_asm  # a's scales follow a's rows
+        as_ptrs = as_ptr + e64 * s_asg + a_idx * s_asm  # a's scales follow a's rows
         if SCALAR_BS:
             bs_ptrs = bs_ptr + e64 * s_bsg + ((pid_n * BLOCK_N) // 128) * s_bsn
-            if HALVES:
-                us_ptrs = bs_ptr + e64 * s_bsg + ((N + pid_n * BLOCK_N) // 128) * s_bsn
         else:
             bs_ptrs = bs_ptr + e64 * s_bsg + (offs_n // 128) * s_bsn
-            if HALVES:
-                us_ptrs = bs_ptr + e64 * s_bsg + ((N + offs_n) // 128) * s_bsn
         if SWAP_AB:  # acc^T = b^T a^T: the weight tile is the MMA's M (wgmma needs 64+), the few rows its N
             acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
         else:
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        if HALVES:  # the up accumulator (acc + 0.0: a new tensor of its shape)
-            acc_u = acc + 0.0
         for k0 in range(0, K, BLOCK_K):
             if TMA and not GATHER_A:
                 a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
+                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif TMA:  # gathered A through pointers (masked at a K tail, as TMA zero-fills b's), b through TMA
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
             elif EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
             else:
                 a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-            if TMA:  # TMA zero-fills past b's edges
-                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-                if HALVES:
-                    u = b_ptr.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-            elif EVEN_K:
-                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-                if HALVES:
-                    u = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
-            else:
                 b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
-                if HALVES:
-                    u = tl.load(u_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
             kg = k0 // 128
-            if QUANT_A:  # the tokens' 1x128 group of this step (BLOCK_K = 128), quantised here
-                a, a_s = _quant_groups(a.to(tl.float32), BLOCK_M, BLOCK_K, UPCAST)
-                a_s = tl.reshape(a_s, (BLOCK_M,))
-                if not UPCAST:
-                    a = a.to(b.dtype)
+            a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_m, other=0.0)
+            if SWAP_AB:  # the same step transposed: rows are the accumulator's columns
+                if SCALAR_BS:
+                    scale = (a_s * tl.load(bs_ptrs + kg * s_bsk))[None, :]
+                else:
+                    scale = tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)[:, None] * a_s[None, :]
+            elif SCALAR_BS:
+                scale = (a_s * tl.load(bs_ptrs + kg * s_bsk))[:, None]
             else:
-                a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_m, other=0.0)
-            scale = _fp8_step_scale(a_s, bs_ptrs + kg * s_bsk, mask_n, SWAP_AB, SCALAR_BS)
-            if HALVES:
-                scale_u = _fp8_step_scale(a_s, us_ptrs + kg * s_bsk, mask_n, SWAP_AB, SCALAR_BS)
+                scale = a_s[:, None] * tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)[None, :]
             if UPCAST:  # the CPU interpreter's dot mis-reads fp8 operands; fp32 is exact there
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-                if HALVES:
-                    u = u.to(tl.float32)
             # an explicit FMA: Triton stops fusing a multiply and an add by default after 3.9
             acc = tl.fma(_dot(a, b, SWAP_AB, UPCAST), scale, acc)
-            if HALVES:
-                acc_u = tl.fma(_dot(a, u, SWAP_AB, UPCAST), scale_u, acc_u)
             if not (TMA and not GATHER_A):
                 a_ptrs += BLOCK_K * s_ak
             if not TMA:
                 b_ptrs += BLOCK_K * s_bk
-                if HALVES:
-                    u_ptrs += BLOCK_K * s_bk
         if SWAP_AB:
             acc = tl.trans(acc)
-            if HALVES:
-                acc_u = tl.trans(acc_u)
         if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)
-            rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0).to(tl.float32)
-            acc = acc * rw[:, None]
-            if HALVES:
-                acc_u = acc_u * rw[:, None]
-        if HAS_BIAS:  # bias [G, rows of b], contiguous along them
+            rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0)
+            acc = acc * rw.to(tl.float32)[:, None]
+        if HAS_BIAS:  # bias [G, N], contiguous along N
             acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            if HALVES:
-                acc_u += tl.load(bias_ptr + e64 * s_biasg + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if ACT_FUSED and GATED and INTERLEAVED:  # columns (2j, 2j + 1) of the tile: (gate, up) of output column j
-            g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-            acc = _act_epilogue(g, u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
-            offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            mask_n = offs_n < N
-        elif HALVES:
-            acc = _act_epilogue(acc, acc_u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
-        elif ACT_FUSED:
-            acc = _act_epilogue(acc, acc, alpha, limit, up_offset, ACT, False, HAS_LIMIT, UPCAST)
-        mask_c = mask_m[:, None] & mask_n[None, :]
         c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
-        if QUANT_OUT:  # the groups of the tile's output columns (padding columns count as 0)
-            if ACT_FUSED and GATED and INTERLEAVED:
-                OUT_N: tl.constexpr = BLOCK_N // 2
-            else:
-                OUT_N: tl.constexpr = BLOCK_N
-            q, qs = _quant_groups(tl.where(mask_c, acc, 0.0), BLOCK_M, OUT_N, UPCAST)
-            tl.store(c_ptrs, q.to(c_ptr.dtype.element_ty), mask=mask_c)
-            offs_g = (pid_n * OUT_N) // 128 + tl.arange(0, OUT_N // 128)
-            tl.store(cs_ptr + c_idx[:, None] * s_csm + offs_g[None, :] * s_csn, qs, mask=mask_m[:, None])
-        else:
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
-
-
-@triton.jit
-def _fp8_step_scale(a_s, bs_k_ptrs, mask_n, SWAP_AB: tl.constexpr, SCALAR_BS: tl.constexpr):
-    """The scale of one k step's partial product in the accumulator's orientation: a's row scales times b's
-    column scales (``bs_k_ptrs``: each column's scale of the step, or the tile's one with SCALAR_BS)."""
-    if SWAP_AB:  # the same step transposed: rows are the accumulator's columns
-        if SCALAR_BS:
-            scale = (a_s * tl.load(bs_k_ptrs))[None, :]
-        else:
-            scale = tl.load(bs_k_ptrs, mask=mask_n, other=0.0)[:, None] * a_s[None, :]
-    elif SCALAR_BS:
-        scale = (a_s * tl.load(bs_k_ptrs))[:, None]
-    else:
-        scale = a_s[:, None] * tl.load(bs_k_ptrs, mask=mask_n, other=0.0)[None, :]
-    return scale
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def _quant_groups(v, ROWS: tl.constexpr, COLS: tl.constexpr, INTERP: tl.constexpr):
     """fp32 ``v [ROWS, COLS]`` (COLS a multiple of 128) as e4m3 values (still fp32) and the fp32 scale of
     each 1x128 group, ``[ROWS, COLS // 128]``: ``scale = max(amax, floor) / 448`` (moe_fx.ops.recipe). The
-    one quantisation of activations in the kernels: tokens before GEMM1, the activation before GEMM2."""
+    one activation quantisation of the kernels (quantize_rows, the activation kernel, the masked permute)."""
     v3 = tl.reshape(v, (ROWS, COLS // 128, 128))
     amax = tl.reduce(tl.abs(v3), 2, _maxf)
     scale = tl.maximum(amax, SCALE_FLOOR) / FP8_MAX

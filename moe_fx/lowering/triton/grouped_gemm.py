@@ -247,9 +247,8 @@ def _launch_gemm(
     ``"bf16"`` (bf16/fp16/fp32 operands), ``"fp8"`` (fp8 x fp8, 1x128 / 128x128 scales) or ``"w8a16"``
     (bf16 activations x fp8 weights with 128x128 scales, dequantised in the kernel).
 
-    ``epilogue``: extra kernel arguments of GEMM1: the activation's
-    (:func:`moe_fx.lowering.triton.act_args.epilogue_args`) when it applies it, and for ``"fp8"`` the
-    in-kernel quantisation of its input (``QUANT_A``) and output (``QUANT_OUT`` and its scales)."""
+    ``epilogue``: the activation's kernel arguments (:func:`moe_fx.lowering.triton.act_args.epilogue_args`)
+    when GEMM1 applies it (bf16 kinds only)."""
     nprog = num_programs(a.device, cfg, tile_bound)
     device_tma = sorted_rows is not None and cfg.tma and _device_tma_ok(a, b, gather)
     if device_tma:
@@ -277,7 +276,7 @@ def _launch_gemm(
             a_in, a_scale, b_in, b_scale, out, masked_m,
             groups, m, n, k,
             *a_strides, *as_strides, *b.stride(), *b_scale.stride(), *c_strides,
-            SCALAR_BS=_scalar_weight_scale(cfg, n, epilogue), **common, **(epilogue or {}),
+            SCALAR_BS=FP8_BLOCK % cfg.block_n == 0, **common,
         )  # fmt: skip
     else:
         w8a16 = {} if kind != "w8a16" else {"bs_ptr": b_scale, "s_bsg": b_scale.stride(0), "s_bsn": b_scale.stride(1),
@@ -289,14 +288,6 @@ def _launch_gemm(
             *a_strides, *b.stride(), *c_strides,
             IEEE=a.dtype == torch.float32, **common, **(epilogue or {}), **w8a16,
         )  # fmt: skip
-
-
-def _scalar_weight_scale(cfg: configs.TileConfig, n: int, epilogue: dict | None) -> bool:
-    """Whether every column tile of an fp8 launch lies in one 128-row block of weight scales (the kernel's
-    SCALAR_BS): tiles of at most 128 rows that divide 128, and with gate/up halves in the epilogue the up
-    rows (``n`` below the gate's) aligned as well."""
-    halves = bool(epilogue) and epilogue.get("GATED", False) and not epilogue.get("INTERLEAVED", False)
-    return FP8_BLOCK % cfg.block_n == 0 and (not halves or n % cfg.block_n == 0)
 
 
 def _check_operands(name: str, a: torch.Tensor, b: torch.Tensor, fp8: bool, a_dim: int, grouped: bool = True,
@@ -447,9 +438,7 @@ def sorted_gemm(
     regime: int | None = None,
     config: configs.TileConfig | None = None,
     activation: ExpertActivation | None = None,
-    quantize_a: bool = False,
-    quantize_out: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Grouped GEMM on the contiguous layout: each sorted row times its expert's ``b[e]^T``.
 
     ``out[0, start[e] + r] = A[row] @ b[e]^T (* w) (+ bias[e])`` for ``r < counts[e]``, where ``A[row]``
@@ -467,33 +456,19 @@ def sorted_gemm(
         a_scale: fp32 ``[T, K/128]`` or ``[1, N, K/128]`` (a's rows), any strides.
         route_weights: ``[T, K]`` routing weights that multiply each row (weights on the input).
         bias: float ``[E, N_out]``. expected_m, active_groups, regime, config: as in :func:`masked_gemm`.
-        activation: the expert activation, applied in the epilogue: the output is then
-            ``[1, N, N_out / 2]`` of ``act(gate) * (up + up_offset)`` (gated; ``b`` holds gate and up rows,
-            ``bias`` too) or ``[1, N, N_out]`` of ``act(h)``, from the fp32 products: the GEMM1 product is
-            never stored and the activation kernel does not run. ``config`` is then the unfused GEMM's
-            tile (:func:`_split_columns` / :func:`_quantized_output_tile` make the launch's from it).
-            fp8 GEMMs take it with ``quantize_out`` only.
-        quantize_a: ``a`` holds bf16/fp16 tokens (``gather``, no ``a_scale``) for fp8 weights: W8A8,
-            each token quantised 1x128 as :func:`~moe_fx.lowering.triton.sort.quantize_rows` does, inside
-            the GEMM when the tile's k step is one group (128), else by that kernel first.
-        quantize_out: (fp8, with ``activation``) the output is fp8 with one fp32 scale per 1x128 group of
-            each row, as the activation kernel writes it for GEMM2.
+        activation: the expert activation, applied in the epilogue (bf16/fp16/fp32 only): the output
+            is then ``[1, N, N_out / 2]`` of ``act(gate) * (up + up_offset)`` (gated; ``b`` holds gate and
+            up rows, ``bias`` too) or ``[1, N, N_out]`` of ``act(h)``, from the fp32 products: the GEMM1
+            product is never stored and the activation kernel does not run. ``config`` is then the
+            unfused GEMM's tile (:func:`_split_columns` makes the launch's from it).
 
     Returns:
-        ``[1, N, N_out]`` (``N_out / 2`` columns with a gated ``activation``); with ``quantize_out`` the
-        pair ``(codes, scales [1, N, ceil(columns / 128)])``.
+        ``[1, N, N_out]`` (``N_out / 2`` columns with a gated ``activation``).
     """
-    name = "sorted_gemm"
-    if quantize_a:
-        if b_scale is None or a_scale is not None or not gather or a.dtype == _FP8:
-            raise ValueError(f"{name}: quantize_a takes unquantised tokens (gather, no a_scale) and fp8 weights")
-    w8a16 = b_scale is not None and a.dtype != _FP8 and not quantize_a
+    w8a16 = b_scale is not None and a.dtype != _FP8
     fp8 = b_scale is not None and not w8a16
-    if quantize_out and (not fp8 or activation is None):
-        raise ValueError(f"{name}: quantize_out needs fp8 weights and activations and an activation to apply")
-    # tokens to quantise meet fp8 weights as W8A16's bf16 activations do
-    _check_operands(name, a, b, fp8 and not quantize_a, 2 if gather else 3, grouped=False,
-                    w8a16=w8a16 or quantize_a)
+    name = "sorted_gemm"
+    _check_operands(name, a, b, fp8, 2 if gather else 3, grouped=False, w8a16=w8a16)
     e, n, k = b.shape
     num_rows = rows.num_rows
     if rows.num_experts != e or rows.scratch.dtype != torch.int32 or rows.scratch.device != a.device:
@@ -502,7 +477,7 @@ def sorted_gemm(
     if not gather and tuple(a.shape[:2]) != (1, num_rows):
         raise ValueError(f"{name}: sorted rows must be [1, {num_rows}, K], got {list(a.shape)}")
     _check_bias(name, bias, e, n, a.device)
-    if fp8 and a_scale is None and not quantize_a:
+    if fp8 and a_scale is None:
         raise ValueError(f"{name}: fp8 activations need a_scale")
     if w8a16 and a_scale is not None:
         raise ValueError(f"{name}: a_scale given for {a.dtype} activations (fp8 weights take bf16 activations "
@@ -515,65 +490,33 @@ def sorted_gemm(
         raise ValueError(f"{name}: route_weights apply to the gathered GEMM (the first) only")
     epilogue, n_out = None, n
     if activation is not None:
-        if fp8 and not quantize_out:
-            raise ValueError(f"{name}: an fp8 GEMM applies the activation only with quantize_out (GEMM2's input)")
+        if fp8:
+            raise ValueError(f"{name}: the activation epilogue runs on bf16/fp16/fp32 GEMMs, not fp8")
         if activation.gated and n % 2:
             raise ValueError(f"{name}: a gated activation needs an even number of weight rows, got {n}")
         epilogue = epilogue_args(activation, name)
         n_out = n // 2 if activation.gated else n
-    out = _out(name, out, (1, num_rows, n_out), _FP8 if quantize_out else torch.bfloat16 if fp8 else a.dtype,
-               a.device)
-    out_scale = (_out(name, None, (1, num_rows, cdiv(n_out, FP8_BLOCK)), torch.float32, a.device)
-                 if quantize_out else None)
+    out = _out(name, out, (1, num_rows, n_out), torch.bfloat16 if fp8 else a.dtype, a.device)
     check_offsets(name, a if a.dim() == 3 else a.unsqueeze(0), out)
     if _known_empty(num_rows, n):
-        return (out, out_scale) if quantize_out else out
+        return out
     kind = "fp8" if fp8 else "w8a16" if w8a16 else "bf16"
     hints = {"expected_m": expected_m, "active_groups": active_groups, "regime": regime, "slots": num_rows}
     cfg = config or _gemm_config(kind, a, n, k, hints, "sorted")
     if b_scale is not None:
         _check_fp8_block_k(name, cfg)
-    if quantize_out:
-        cfg = _quantized_output_tile(cfg, activation)
-    elif epilogue is not None and activation.gated:
+    if epilogue is not None and activation.gated:
         cfg = _split_columns(cfg, activation.gate_up_layout)
-    quant_a = quantize_a and cfg.block_k == FP8_BLOCK
-    if quantize_a and not quant_a:  # the k step spans part of a group: the tokens are quantised first
-        from moe_fx.lowering.triton.sort import quantize_rows
-
-        a, a_scale = quantize_rows(a)
     # group strides 0: row offsets come from the expert's start (the kernels' SORTED mode)
     a_strides = (0, *a.stride()) if gather else (0, *a.stride()[1:])
-    as_strides = (() if not fp8 else (0, 0, 0) if quant_a else (0, *a_scale.stride()) if gather
-                  else (0, *a_scale.stride()[1:]))
+    as_strides = () if not fp8 else (0, *a_scale.stride()) if gather else (0, *a_scale.stride()[1:])
     # the grid's tile columns: interleaved epilogue tiles walk b's rows (2 per output column)
     tile_cols = n if epilogue is not None and epilogue["INTERLEAVED"] else n_out
-    if quantize_out:
-        epilogue = {**epilogue, "QUANT_OUT": True, "cs_ptr": out_scale, "s_csm": out_scale.stride(1),
-                    "s_csn": out_scale.stride(2)}
-    if quant_a:
-        epilogue = {**(epilogue or {}), "QUANT_A": True}
     _launch_gemm(kind, a, a_scale, b, b_scale, rows.scratch, out, e, num_rows, n_out, k, cfg,
                  _tile_bound(e, num_rows, tile_cols, cfg, num_rows), a_strides=a_strides, as_strides=as_strides,
                  c_strides=(0, *out.stride()[1:]), bias=bias, sorted_rows=rows, gather=gather,
                  route_weights=route_weights, epilogue=epilogue)
-    return (out, out_scale) if quantize_out else out
-
-
-def _quantized_output_tile(cfg: configs.TileConfig, activation: ExpertActivation) -> configs.TileConfig:
-    """The tile of an fp8 GEMM1 launch that applies ``activation`` and quantises its output, from the unfused
-    GEMM's (``cfg``): each tile's output columns must be whole 1x128 groups, so the tile is widened to 128
-    output columns (interleaved gate/up: 256 of b's rows) where it is narrower, and halves keep their width
-    (two accumulators, gate and up, instead of :func:`_split_columns`' halving); stages are dropped until
-    the pipelined tiles (A, B and with halves the up rows) fit the shared-memory budget.
-    """
-    halves = activation.gated and activation.gate_up_layout != "interleaved"
-    width = 2 * FP8_BLOCK if activation.gated and not halves else FP8_BLOCK
-    cfg = replace(cfg, block_n=max(cfg.block_n, width))
-    b_tiles = 2 if halves else 1
-    while cfg.num_stages > 2 and (cfg.block_m + b_tiles * cfg.block_n) * cfg.block_k * cfg.num_stages > configs.SMEM_BUDGET:
-        cfg = replace(cfg, num_stages=cfg.num_stages - 1)
-    return cfg
+    return out
 
 
 def _split_columns(cfg: configs.TileConfig, gate_up_layout: str) -> configs.TileConfig:
