@@ -499,7 +499,8 @@ def masked_gemm_fp8_kernel(
 def _quant_groups(v, ROWS: tl.constexpr, COLS: tl.constexpr, INTERP: tl.constexpr):
     """fp32 ``v [ROWS, COLS]`` (COLS a multiple of 128) as e4m3 values (still fp32) and the fp32 scale of
     each 1x128 group, ``[ROWS, COLS // 128]``: ``scale = max(amax, floor) / 448`` (moe_fx.ops.recipe). The
-    one activation quantisation of the kernels (quantize_rows, the activation kernel, the masked permute)."""
+    activation quantisation of quantize_rows and the activation kernel (the masked permute's one-row copy
+    is written out: it quantises a vector, and its GPU build was not re-checked)."""
     v3 = tl.reshape(v, (ROWS, COLS // 128, 128))
     amax = tl.reduce(tl.abs(v3), 2, _maxf)
     scale = tl.maximum(amax, SCALE_FLOOR) / FP8_MAX
@@ -731,9 +732,13 @@ def permute_kernel(
         hmask = offs_h < H
         v = tl.load(h_ptr + t64 * s_ht + offs_h * s_hh, mask=hmask, other=0.0)
         if QUANT:
-            q, scale = _quant_groups(v.to(tl.float32)[None, :], 1, BLOCK_H, INTERP)  # BLOCK_H = 128: one group
-            q = tl.reshape(q, (BLOCK_H,)).to(x_ptr.dtype.element_ty)
-            scale = tl.reduce(tl.reshape(scale, (1,)), 0, _maxf)
+            v = v.to(tl.float32)
+            amax = tl.reduce(tl.abs(v), 0, _maxf)
+            scale = tl.maximum(amax, SCALE_FLOOR) / FP8_MAX
+            q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
+            if INTERP:
+                q = _e4m3_grid(q)
+            q = q.to(x_ptr.dtype.element_ty)
             # q(w * x) has the codes of q(x) and the scale w * scale: quantise once, scale per slot.
             vals = tl.broadcast_to(q[None, :], (K_POW2, BLOCK_H))
             s_val = tl.full((K_POW2,), 1.0, tl.float32) * scale
