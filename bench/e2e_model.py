@@ -93,6 +93,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -386,8 +387,14 @@ def compiling_call(fn: Callable[[], Any], label: str) -> dict[str, Any]:
     before = compile_metrics()
     synchronize()
     start = time.perf_counter()
-    fn()
-    synchronize()
+    try:
+        fn()
+        synchronize()
+    except Exception as err:
+        # the row keeps one line: the log keeps the traceback, and the row says which backend failed
+        progress(f"{label}: failed\n{traceback.format_exc()}")
+        err.add_note(f"in {label}")
+        raise
     first = time.perf_counter() - start
     split = compile_split(before, compile_metrics())
     if split["backend_calls"]:
@@ -736,8 +743,10 @@ def cell_errors() -> tuple[type[BaseException], ...]:
 
 
 def error_text(err: BaseException) -> str:
+    """One line for a results row: the exception's type, its first line and its notes (where it happened)."""
     first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
-    return f"{type(err).__name__}: {first}"
+    notes = "; ".join(getattr(err, "__notes__", ()))
+    return f"{type(err).__name__}: {first}" + (f" ({notes})" if notes else "")
 
 
 def run_benchmark(args: argparse.Namespace) -> None:

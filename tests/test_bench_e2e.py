@@ -90,3 +90,17 @@ def test_e2e_model_fp8_checkpoint_rows_on_shared_weights(tmp_path):
     for backend in ("plain", "moe_fx"):
         assert 0 <= row[backend]["logits_err"] < 1e-3, row[backend]
     assert "| qwen3 | fp8_checkpoint | 1 | default |" in js.with_suffix(".md").read_text()
+
+
+def test_a_failed_first_call_names_its_backend(monkeypatch):
+    """A cell whose compile fails records which backend failed (plain or moe_fx), not only the exception."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import e2e_model
+
+    def broken():
+        raise AssertionError()  # an empty message, as Inductor's assertion errors often have
+
+    with pytest.raises(AssertionError) as info:
+        e2e_model.compiling_call(broken, "forward moe_fx")
+    assert e2e_model.error_text(info.value) == "AssertionError:  (in forward moe_fx)"
+    assert e2e_model.error_text(ValueError("bad\nmore")) == "ValueError: bad"
