@@ -393,7 +393,8 @@ def compiling_call(fn: Callable[[], Any], label: str) -> dict[str, Any]:
     except Exception as err:
         # the row keeps one line: the log keeps the traceback, and the row says which backend failed
         progress(f"{label}: failed\n{traceback.format_exc()}")
-        err.add_note(f"in {label}")
+        if hasattr(err, "add_note"):  # Python 3.11+
+            err.add_note(f"in {label}")
         raise
     first = time.perf_counter() - start
     split = compile_split(before, compile_metrics())
