@@ -102,5 +102,7 @@ def test_a_failed_first_call_names_its_backend(monkeypatch):
 
     with pytest.raises(AssertionError) as info:
         e2e_model.compiling_call(broken, "forward moe_fx")
-    assert e2e_model.error_text(info.value) == "AssertionError:  (in forward moe_fx)"
+    # exceptions take notes from Python 3.11 (the README allows 3.10, where the row has no backend)
+    named = " (in forward moe_fx)" if sys.version_info >= (3, 11) else ""
+    assert e2e_model.error_text(info.value) == "AssertionError: " + named
     assert e2e_model.error_text(ValueError("bad\nmore")) == "ValueError: bad"
