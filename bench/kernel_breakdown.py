@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"{r['gaps_us']:.1f} |\n")
         ab = [r for r in rows if "sort_ab" in r]
         if ab:
-            f.write("\n## The decode sort: pairwise ranks (one chunk) vs two passes, same run, alternating rounds\n\n"
+            f.write("\n## The decode sort: pairwise ranks (one program per block of slots) vs two passes (one program), "
+                    "same run, alternating rounds\n\n"
                     "| shape | dtype | T | replay µs pairwise | replay µs two passes | sort kernel µs pairwise | "
                     "sort kernel µs two passes |\n|---|---|---|---|---|---|---|\n")
             for r in ab:

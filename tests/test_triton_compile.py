@@ -209,10 +209,10 @@ def test_sort_kernels_compile():
                  "DECODE_PAIRS": DECODE_PAIRWISE_SLOTS, "PAIRWISE": True}
         # the slot count as a run-time value, and as a constant (a static shape; the constant that decides the
         # pairwise branches when the frontend folds them: a name bound in a folded branch must not reach the loops)
-        for n in (None, 20, 40, 128):
+        for n in (None, 20, 40, 128, 300, 1024):  # 300, 1024: one program per block of pairwise slots
             ptx = _compile(k.sort_small_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
                                                  "pos_ptr": "*i64"}, small if n is None else {**small, "N": n}).asm["ptx"]
-            assert "atom.global" not in ptx and "ld.local" not in ptx  # one program: no atomics, no spills
+            assert "atom.global" not in ptx and "ld.local" not in ptx  # no atomics, no spills
     _compile(k.quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
              {"BLOCK_T": 8, "INTERP": False})
 

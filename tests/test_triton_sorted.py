@@ -27,9 +27,11 @@ def _ids(t, k, e, gen, extra=0):
 
 
 @pytest.mark.parametrize("small", [False, True])
-@pytest.mark.parametrize("t,k,e", [(9, 3, 5), (4, 6, 3), (1, 1, 1), (0, 2, 4), (40, 2, 3), (64, 2, 5), (70, 2, 3)])
+@pytest.mark.parametrize("t,k,e", [(9, 3, 5), (4, 6, 3), (1, 1, 1), (0, 2, 4), (40, 2, 3), (64, 2, 5), (70, 2, 3),
+                                   (70, 8, 5)])
 def test_sort_by_expert_puts_every_slot_in_its_expert_segment(t, k, e, small):
-    # small: <= 32 slots rank pairwise in the decode tile, <= 128 in the larger one (sort.pairwise_slots at small E), 140 take the two passes
+    # small: <= 32 slots rank pairwise in the decode tile, <= 128 in the larger one (sort.pairwise_slots at small E);
+    # 140 and 560 slots take 2 and 5 programs of 128 (each ranks its block against the earlier ones)
     gen = torch.Generator().manual_seed(t * 100 + k)
     ids = _ids(t, k, e, gen, extra=2)  # 2 ids past E: identity experts or out of range: no row either way
     rows = sort_by_expert(ids.to(torch.int32), e, small=small)
@@ -346,3 +348,22 @@ def test_every_regime_candidate_is_correct(fp8, device):
             sorted_gemm(*args, rows, out, gather=gather, config=cfg, **kw)
             assert rel_err(out[0, pos], ref) < (2e-2 if fp8 else 1e-2), (cfg, gather)
             assert torch.isnan(out[0, total:].float()).all(), cfg
+
+
+@pytest.mark.parametrize("t,k,e", [(70, 8, 5), (64, 8, 128), (33, 5, 256)])
+def test_block_sort_gives_the_two_passes_rows(t, k, e, monkeypatch):
+    """More slots than one pairwise tile: the programs that each rank a block give the rows of the one-program
+    two passes (``PAIRWISE=False``, the other side of bench/kernel_breakdown.py --sort-ab), slot for slot."""
+    from moe_fx.lowering.triton import sort as sort_mod
+
+    gen = torch.Generator().manual_seed(t + k + e)
+    ids = _ids(t, k, e, gen, extra=1).to(torch.int32)
+    assert t * k > sort_mod.pairwise_slots(sort_mod._pow2(e))  # several programs
+    blocks = sort_by_expert(ids, e, small=True)
+    real = sort_mod.launch
+    monkeypatch.setattr(sort_mod, "launch", lambda name, *a, **kw: real(name, *a, **{**kw, "PAIRWISE": False}))
+    passes = sort_by_expert(ids, e, small=True)
+    total = passes.total.item()
+    assert torch.equal(blocks.scratch[: e + 1], passes.scratch[: e + 1])
+    assert torch.equal(blocks.slot_pos, passes.slot_pos)
+    assert torch.equal(blocks.sorted_slots[:total], passes.sorted_slots[:total])

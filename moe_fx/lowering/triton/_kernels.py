@@ -948,16 +948,17 @@ def sort_small_kernel(
     PAIRS: tl.constexpr,
     PAIRWISE: tl.constexpr = True,
 ):
-    """:func:`expert_counts_kernel` + :func:`sort_slots_kernel` in ONE program, for decode-sized batches.
+    """:func:`expert_counts_kernel` + :func:`sort_slots_kernel` in one launch, for decode-sized batches.
 
     No atomics, so no zeroed scratch: the counts are written, not accumulated (one memset and one
-    launch fewer, which is what a decode step pays for). Two passes over the slots in chunks: the
-    counts, then each slot's row ``start[e] + rank`` with its rank among earlier slots of the same
-    expert (a stable counting sort: the row order is deterministic here). When every slot fits in one
-    block of ``DECODE_PAIRS`` or ``PAIRS`` (a decode step) each slot's row comes from comparing the slots pairwise instead: one load, no
-    scan over the experts (the scan of a ``[CHUNK, E_POW2]`` tile is most of this kernel's time at
-    large E); the same rows as the two passes. ``PAIRWISE=False`` keeps the two passes for every N (the
-    A/B of ``bench/kernel_breakdown.py --sort-ab``).
+    launch fewer, which is what a decode step pays for). Each slot's row is ``start[e] + rank`` with its
+    rank among earlier slots of the same expert (a stable counting sort: the row order is deterministic).
+    When every slot fits in one block of ``DECODE_PAIRS`` or ``PAIRS`` (a decode step) one program
+    compares the slots pairwise: one load, no scan over the experts (the scan of a ``[CHUNK, E_POW2]``
+    tile is most of the two passes' time at large E). With more slots the grid has one program per
+    ``PAIRS`` slots (``cdiv(N, PAIRS)``): each counts all slots and ranks its own pairwise against the
+    earlier ones. ``PAIRWISE=False`` makes program 0 run two passes over the slots in chunks (the counts,
+    then the ranks by a scan) for every N, the same rows: the A/B of ``bench/kernel_breakdown.py --sort-ab``.
     """
     offs_e = tl.arange(0, E_POW2)
     # Each block's tensors have names of their own: triton 3.6 carries a name bound in an `if` that returns
@@ -975,6 +976,37 @@ def sort_small_kernel(
             p_ids = tl.load(ids_ptr + _slot_offsets(p_offs, s_it, s_ik, TOPK), mask=p_offs < N, other=-1).to(tl.int32)
             _store_pairwise_rows(p_ids, p_offs, N, E, offs_e, counts_ptr, sorted_ptr, pos_ptr)
             return
+        # More slots than one tile: one program per PAIRS slots (the grid's). Each counts every expert's slots
+        # (a [PAIRS, E_POW2] tile per block of slots), then ranks its own slots pairwise among the earlier
+        # ones: the two passes' rows, from programs that run side by side instead of one program's chunks.
+        b_offs = tl.arange(0, PAIRS)
+        b_counts = tl.full((E_POW2,), 0, tl.int32)
+        for b0 in range(0, N, PAIRS):
+            b_all = b0 + b_offs
+            b_ids = tl.load(ids_ptr + _slot_offsets(b_all, s_it, s_ik, TOPK), mask=b_all < N, other=-1).to(tl.int32)
+            b_hit = (b_ids[:, None] == offs_e[None, :]) & ((b_ids >= 0) & (b_ids < E))[:, None]
+            b_counts += tl.reduce(b_hit.to(tl.int32), 0, _add)
+        pid = tl.program_id(0)
+        if pid == 0:
+            tl.store(counts_ptr + offs_e, b_counts, mask=offs_e < E)
+            tl.store(counts_ptr + E, tl.reduce(b_counts, 0, _add))
+        b_starts = tl.associative_scan(b_counts, 0, _add) - b_counts
+        m_offs = pid * PAIRS + b_offs
+        m_mask = m_offs < N
+        m_ids = tl.load(ids_ptr + _slot_offsets(m_offs, s_it, s_ik, TOPK), mask=m_mask, other=-1).to(tl.int32)
+        m_valid = m_mask & (m_ids >= 0) & (m_ids < E)
+        # a slot's rank: earlier slots of its expert inside its block, then in every block before it
+        m_rank = tl.reduce(((m_ids[:, None] == m_ids[None, :]) & (b_offs[None, :] < b_offs[:, None])).to(tl.int32),
+                           1, _add)
+        for r0 in range(0, pid * PAIRS, PAIRS):
+            r_ids = tl.load(ids_ptr + _slot_offsets(r0 + b_offs, s_it, s_ik, TOPK)).to(tl.int32)  # all below N
+            m_rank += tl.reduce((m_ids[:, None] == r_ids[None, :]).to(tl.int32), 1, _add)
+        m_row = tl.reduce(tl.where(m_ids[:, None] == offs_e[None, :], b_starts[None, :], 0), 1, _add) + m_rank
+        tl.store(sorted_ptr + m_row, m_offs, mask=m_valid)
+        tl.store(pos_ptr + m_offs, tl.where(m_valid, m_row, -1).to(tl.int64), mask=m_mask)
+        return
+    if tl.program_id(0) > 0:  # the two passes run in one program (the grid is sized for the pairwise blocks)
+        return
     counts = tl.full((E_POW2,), 0, tl.int32)
     for c0 in range(0, N, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)

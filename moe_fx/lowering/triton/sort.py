@@ -43,7 +43,7 @@ def pairwise_slots(e_pow2: int) -> int:
     return max(16, min(128, 16384 // e_pow2))
 
 
-#: decode-sized sorts (at most this many slots, or the decode regime) run in one program
+#: decode-sized sorts (at most this many slots, or the decode regime) run in one launch, without atomics
 SMALL_SORT_SLOTS = 1024
 
 
@@ -51,9 +51,10 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, *, small: bool | No
     """Rows of the contiguous layout for ``topk_ids [T, K]`` (int32/int64, any strides).
 
     Returns a :class:`SortedRows` with ``num_rows = T * K``. ``small`` (default: ``T * K <=``
-    :data:`SMALL_SORT_SLOTS` when T is known) sorts in one program, a stable counting sort with no
-    memset (decode: the pipeline passes its regime); otherwise two launches over the slots and one
-    memset, with rows inside an expert in no set order (atomics). Every result is deterministic.
+    :data:`SMALL_SORT_SLOTS` when T is known) sorts in one launch, a stable counting sort with no
+    memset and no atomics (decode: the pipeline passes its regime); otherwise two launches over the
+    slots and one memset, with rows inside an expert in no set order (atomics). Every result is
+    deterministic.
     """
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"sort_by_expert: topk_ids must be int32/int64 [T, K], got {topk_ids.dtype} {list(topk_ids.shape)}")
@@ -69,9 +70,12 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, *, small: bool | No
     slot_pos = torch.empty(n, dtype=torch.int64, device=dev)
     if small:  # counts and total written whole: no memset
         scratch = torch.empty(2 * num_experts + 1, dtype=torch.int32, device=dev)
-        launch("sort_small_kernel", dev, (1,), topk_ids, scratch, sorted_slots, slot_pos, n, num_experts,
+        pairs = pairwise_slots(e_pow2)
+        # one program per block of pairwise slots (one program for a decode step's few slots)
+        grid = (torch.sym_max(1, cdiv(n, pairs)),)
+        launch("sort_small_kernel", dev, grid, topk_ids, scratch, sorted_slots, slot_pos, n, num_experts,
                *topk_ids.stride(), TOPK=int(k), CHUNK=max(16, min(64, 8192 // e_pow2)), E_POW2=e_pow2,
-               DECODE_PAIRS=DECODE_PAIRWISE_SLOTS, PAIRS=pairwise_slots(e_pow2), num_warps=4)
+               DECODE_PAIRS=DECODE_PAIRWISE_SLOTS, PAIRS=pairs, num_warps=4)
         return SortedRows(scratch, sorted_slots, slot_pos, int(k), n, num_experts)
     # counts [E], total, cursors [E]: one buffer, one memset
     scratch = torch.zeros(2 * num_experts + 1, dtype=torch.int32, device=dev)
