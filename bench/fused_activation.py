@@ -2,6 +2,8 @@
 
 * ``--switch epilogue`` (default): GEMM1 with the activation in its epilogue vs the separate activation kernel
   (``moe_fx.lowering.masked_experts.pipeline.FUSE_ACTIVATION``), bf16 weights;
+* ``--switch sort_quant``: fp8 weights at decode sizes, the tokens quantised in the sort's launch vs in a launch of
+  their own (``pipeline.QUANTIZE_TOKENS_IN_SORT``);
 * ``--switch w8a16``: fp8 weights (128x128 blocks) with bf16 activations at decode sizes (W8A16: the GEMMs
   dequantise the weight tiles, GEMM1 applies the activation) vs activations quantised 1x128 as at prefill
   (``pipeline.W8A16_MAX_ROWS`` 16 vs 0).
@@ -13,11 +15,11 @@ kernels), over the same rotating routing sets, and the two are timed alternately
 matmul rate)`` with both limits measured in the same run, and the relative error of each variant against the
 fp32 reference (first routing set of the row), and of one variant against the other at every T.
 
-    python bench/fused_activation.py [--switch epilogue|w8a16] [--shapes qwen3,mixtral,gpt_oss]
+    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16] [--shapes qwen3,mixtral,gpt_oss]
                                      [--tokens 1,16,256,1024,4096] [--rounds 3]
     python bench/fused_activation.py --smoke   # CPU, Triton interpreter, tiny shapes: checks the script end to end
 
-Writes ``fused_activation_<date>[_tag].{md,json}`` (``w8a16_<date>...`` for that switch) to ``--out`` (default
+Writes ``fused_activation_<date>[_tag].{md,json}`` (``<switch>_<date>...`` for the other switches) to ``--out`` (default
 bench/results; smoke: a temp folder).
 """
 
@@ -75,6 +77,9 @@ def layer(shape: str, dims: tuple, device: str, seed: int = 0, fp8: bool = False
 SWITCHES = {
     "epilogue": ("FUSE_ACTIVATION", True, False, False,
                  "GEMM1 with the activation in its epilogue (on) vs the separate activation kernel (off), bf16"),
+    "sort_quant": ("QUANTIZE_TOKENS_IN_SORT", True, False, True,
+                   ("fp8 weights at decode sizes: the tokens quantised by programs of the sort's launch (on) vs by "
+                    "a launch of their own (off)")),
     "w8a16": ("W8A16_MAX_ROWS", 16, 0, True,
               ("fp8 weights: bf16 activations up to 16 rows per expert (on, W8A16) vs activations quantised 1x128 "
                "at every size (off, W8A8)")),

@@ -106,13 +106,26 @@ def test_experts_op_becomes_kernel_launches(sm90, t):
 def test_fp8_weights_trace_to_fp8_kernels(sm90, monkeypatch):
     from moe_fx.lowering.masked_experts import pipeline
 
-    # tokens quantised 1x128, fp8 MMAs, the activation kernel quantises GEMM2's input (decode and prefill sizes)
-    for t, sort in ((16, ["sort_small_kernel"]), (512, ["expert_counts_kernel", "sort_slots_kernel"])):
+    # tokens quantised 1x128 (at decode sizes by programs of the sort's launch), fp8 MMAs, the activation kernel
+    # quantises GEMM2's input (decode and prefill sizes)
+    for t, sort in ((16, ["sort_small_kernel"]), (512, ["expert_counts_kernel", "sort_slots_kernel",
+                                                         "quantize_rows_kernel"])):
         gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), t=t, fp8=True))
-        names = [_kernel_name(n) for n in _launches(gm)]
-        assert names == [*sort, "quantize_rows_kernel", "masked_gemm_fp8_kernel", "activation_kernel",
-                         "masked_gemm_fp8_kernel", "unpermute_kernel"]
+        launches = _launches(gm)
+        names = [_kernel_name(n) for n in launches]
+        assert names == [*sort, "masked_gemm_fp8_kernel", "activation_kernel", "masked_gemm_fp8_kernel",
+                         "unpermute_kernel"]
+        assert launches[0].kwargs["kwargs"].get("QUANT", False) == (t == 16)
+        if t == 16:  # the sort's launch writes the codes and scales, and clones nothing it reads (the tokens)
+            assert set(launches[0].kwargs["tensors_to_clone"]) == {"counts_ptr", "sorted_ptr", "pos_ptr", "q_ptr",
+                                                                   "qs_ptr"}
+            _assert_every_parameter_passed(launches[0])
         assert "moe_fx.experts" not in gm.code
+    # the quantisation's own launch where the switch is off (bench/fused_activation.py --switch sort_quant)
+    monkeypatch.setattr(pipeline, "QUANTIZE_TOKENS_IN_SORT", False)
+    gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), t=16, fp8=True))
+    assert [_kernel_name(n) for n in _launches(gm)][:2] == ["sort_small_kernel", "quantize_rows_kernel"]
+    monkeypatch.setattr(pipeline, "QUANTIZE_TOKENS_IN_SORT", True)
     # W8A16 on request (<= 16 rows per expert): bf16 activations x fp8 weights, the bf16 pipeline's four launches
     monkeypatch.setattr(pipeline, "W8A16_MAX_ROWS", 16)
     for t in (16, 64):

@@ -206,13 +206,20 @@ def test_sort_kernels_compile():
                                              "pos_ptr": "*i64"}, consts).asm["ptx"]
         assert "atom.global" in ptx and "ld.local" not in ptx
         small = {"TOPK": 8, "CHUNK": max(16, min(64, 8192 // e_pow2)), "E_POW2": e_pow2, "PAIRS": pairwise_slots(e_pow2),
-                 "DECODE_PAIRS": DECODE_PAIRWISE_SLOTS, "PAIRWISE": True}
+                 "DECODE_PAIRS": DECODE_PAIRWISE_SLOTS, "PAIRWISE": True, "QUANT": False, "BLOCK_T": 8,
+                 "INTERP": False, "x_ptr": None, "q_ptr": None, "qs_ptr": None}
         # the slot count as a run-time value, and as a constant (a static shape; the constant that decides the
         # pairwise branches when the frontend folds them: a name bound in a folded branch must not reach the loops)
         for n in (None, 20, 40, 128, 300, 1024):  # 300, 1024: one program per block of pairwise slots
             ptx = _compile(k.sort_small_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
                                                  "pos_ptr": "*i64"}, small if n is None else {**small, "N": n}).asm["ptx"]
             assert "atom.global" not in ptx and "ld.local" not in ptx  # no atomics, no spills
+        # the fp8 decode step's launch: the sort's programs, then the token quantisation's
+        quant = {k: v for k, v in small.items() if not k.endswith("_ptr")} | {"QUANT": True}
+        ptx = _compile(k.sort_small_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
+                                             "pos_ptr": "*i64", "x_ptr": "*bf16", "q_ptr": "*fp8e4nv",
+                                             "qs_ptr": "*fp32"}, quant).asm["ptx"]
+        assert "atom.global" not in ptx and "ld.local" not in ptx
     _compile(k.quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
              {"BLOCK_T": 8, "INTERP": False})
 

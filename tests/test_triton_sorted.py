@@ -226,6 +226,48 @@ def test_sorted_layout_fp8_weights_at_decode_size(form, w8a16_max_rows, monkeypa
     assert err < (2e-2 if w8a16 else 8e-2), err
 
 
+@pytest.mark.parametrize("t,k,e,h", [(1, 8, 128, 256), (3, 3, 4, 320), (64, 8, 128, 200), (0, 2, 4, 128)])
+def test_sort_and_quantize_is_the_sort_and_the_quantisation(t, k, e, h):
+    """One launch (the sort's programs, then the tokens' blocks) gives the rows of sort_by_expert(small=True) and
+    the codes and scales of quantize_rows; ids of any strides (a transposed view), more slots than one tile."""
+    from moe_fx.lowering.triton.sort import sort_and_quantize
+
+    gen = torch.Generator().manual_seed(t * 7 + h)
+    ids = _ids(k, t, e, gen, extra=1).to(torch.int32).t()  # [T, K] with strides (1, T)
+    x = (torch.randn(t, h, generator=gen) * torch.rand(t, 1, generator=gen) * 4).bfloat16()
+    rows, q, scales = sort_and_quantize(ids, e, x)
+    want = sort_by_expert(ids, e, small=True)
+    want_q, want_s = quantize_rows(x)
+    total = want.total.item()
+    assert torch.equal(rows.scratch[: e + 1], want.scratch[: e + 1]) and torch.equal(rows.slot_pos, want.slot_pos)
+    assert torch.equal(rows.sorted_slots[:total], want.sorted_slots[:total])
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_s)
+    with pytest.raises(ValueError, match="tokens must be"):
+        sort_and_quantize(ids, e, torch.randn(t + 1, h).bfloat16())
+
+
+@pytest.mark.parametrize("form", ["silu", "gpt_oss"])
+def test_fp8_decode_same_output_with_the_tokens_quantised_in_the_sort(form, monkeypatch):
+    """The op at decode size with fp8 weights: the tokens quantised in the sort's launch or in their own, the
+    same output bit for bit (the same codes and scales reach the same GEMMs)."""
+    from moe_fx.lowering.masked_experts import pipeline
+
+    gen = torch.Generator().manual_seed(11)
+    t, k, e, h, i = 5, 2, 4, 256, 128  # 2.5 rows per expert: regime 0
+    spec, hidden, ids, w, w13, w2, b13, b2, on_input, identity = _layer(form, t, k, e, h, i, gen)
+    (q13, s13), (q2, s2) = quantize_fp8_blockwise(w13.float()), quantize_fp8_blockwise(w2.float())
+    a = bind_experts(hidden.bfloat16(), ids, w, q13, q2, spec.name, on_input, s13, s2, kernel_choice="triton",
+                     w13_bias=b13, w2_bias=b2, gated=spec.gated, gate_up_layout=spec.gate_up_layout,
+                     alpha=spec.alpha, limit=spec.limit, up_offset=spec.up_offset, identity_experts=identity)
+    plan = plan_experts(a)
+    assert plan.layout == "sorted" and pipeline.quantize_tokens_in_sort(True, plan.problem.regime)
+    fused = run_experts(a, plan)
+    monkeypatch.setattr(pipeline, "QUANTIZE_TOKENS_IN_SORT", False)
+    assert not pipeline.quantize_tokens_in_sort(True, plan.problem.regime)
+    assert torch.equal(run_experts(a, plan), fused)
+    assert rel_err(fused, reference_of(a)) < 8e-2
+
+
 def test_quantize_activations_is_the_measured_choice(monkeypatch):
     from moe_fx.lowering.masked_experts import pipeline
     from moe_fx.lowering.problem import ROW_REGIMES, row_regime

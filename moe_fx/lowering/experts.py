@@ -25,6 +25,7 @@ from moe_fx.lowering.masked_experts.pipeline import (
     empty_scales,
     fuse_activation,
     quantize_activations,
+    quantize_tokens_in_sort,
     run_contiguous_experts,
     run_masked_experts,
     run_sorted_experts,
@@ -171,7 +172,7 @@ def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
     Shapes and semantics as in :mod:`moe_fx.ops.experts`; returns ``[T, H]`` in ``hidden.dtype``.
     """
     from moe_fx.lowering.triton.permute import masked_rows_needed, permute_to_masked, unpermute_from_masked
-    from moe_fx.lowering.triton.sort import sort_by_expert
+    from moe_fx.lowering.triton.sort import sort_and_quantize, sort_by_expert
 
     if plan.reference:
         raise ValueError("run_experts: the plan runs the reference, not a kernel pipeline")
@@ -189,13 +190,19 @@ def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
     hints = GemmHints(expected_m=rows, max_total_m=t * k, active_groups=torch.sym_min(e, t * k), regime=regime)
     if plan.layout in ("sorted", "contiguous"):
         # decode (regime 0: at most 4 rows per expert, so T * K <= 4E slots): the one-program sort
-        sorted_rows = sort_by_expert(topk_ids, e, small=(regime == 0) if regime is not None else None)
+        tokens = None
+        if plan.layout == "sorted" and quantize_tokens_in_sort(weights.fp8, regime):
+            # fp8 decode: the tokens quantised by programs of the sort's launch
+            sorted_rows, *tokens = sort_and_quantize(topk_ids, e, hidden)
+        else:
+            sorted_rows = sort_by_expert(topk_ids, e, small=(regime == 0) if regime is not None else None)
         route_weights = topk_weights if weights_on_input else None
         if plan.layout == "contiguous":
             y, slot_pos = run_contiguous_experts(hidden, sorted_rows, topk_ids, weights, spec, gemms,
                                                  route_weights=route_weights)
         else:
-            y = run_sorted_experts(hidden, sorted_rows, weights, spec, gemms, hints, route_weights=route_weights)
+            y = run_sorted_experts(hidden, sorted_rows, weights, spec, gemms, hints, route_weights=route_weights,
+                                   tokens=tokens)
             slot_pos = sorted_rows.slot_pos
     else:
         max_m = gemms.rows(masked_rows_needed(t, k, weights_on_input))

@@ -27,8 +27,9 @@ from moe_fx.ops import ExpertActivation
 from moe_fx.ops.masked_experts import dequantize_activations
 from moe_fx.ops.recipe import FP8_DTYPE
 
-__all__ = ["FUSE_ACTIVATION", "W8A16_MAX_ROWS", "ExpertWeights", "GemmHints", "MaskedGemms", "fuse_activation",
-           "quantize_activations", "run_masked_experts", "run_sorted_experts"]
+__all__ = ["FUSE_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT", "W8A16_MAX_ROWS", "ExpertWeights", "GemmHints",
+           "MaskedGemms", "fuse_activation", "quantize_activations", "quantize_tokens_in_sort", "run_masked_experts",
+           "run_sorted_experts"]
 
 #: Whether the sorted layout may apply the activation in GEMM1's epilogue (where :func:`fuse_activation`
 #: says it wins). Read when a call runs (so when a graph is compiled, for compiled code); benchmarks set
@@ -41,6 +42,10 @@ FUSE_HALVES_MAX_ROWS = 64
 #: (W8A16 decode ran 1.3-1.8x slower on the H200, bench/results/w8a16_2026-12-04.md); benchmarks and
 #: tests set it to 16 to run W8A16 (13x lower error against the fp32 reference).
 W8A16_MAX_ROWS = 0
+#: Whether a decode step with fp8 weights and quantised activations quantises its tokens in the sort's launch
+#: (:func:`quantize_tokens_in_sort`). Read when a call runs; bench/fused_activation.py ``--switch sort_quant``
+#: sets it False to time the separate quantisation launch beside it.
+QUANTIZE_TOKENS_IN_SORT = True
 
 
 @dataclass(frozen=True)
@@ -197,6 +202,14 @@ def quantize_activations(fp8: bool, regime: int | None) -> bool:
     return hi is None or hi > W8A16_MAX_ROWS
 
 
+def quantize_tokens_in_sort(fp8: bool, regime: int | None) -> bool:
+    """Whether a sorted-layout call quantises its tokens (W8A8: :func:`quantize_activations`) in the launch of
+    its sort (:func:`moe_fx.lowering.triton.sort.sort_and_quantize`): in the decode regime (regime 0, the
+    one-launch sort), where a launch and the gap after it are a tenth of the step, while
+    :data:`QUANTIZE_TOKENS_IN_SORT` says so. Not timed on the GPU yet (``--switch sort_quant``)."""
+    return QUANTIZE_TOKENS_IN_SORT and regime == 0 and quantize_activations(fp8, regime)
+
+
 def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bool:
     """Whether the sorted layout's GEMM1 applies ``spec`` in its epilogue, as measured on the H200
     (bench/results/fused_activation_2026-12-03.md, one layer, CUDA graphs, fused / unfused).
@@ -231,6 +244,7 @@ def run_sorted_experts(
     hints: GemmHints,
     *,
     route_weights: torch.Tensor | None = None,
+    tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Every slot's expert MLP on the contiguous layout: ``y[row] = expert_e(x_t)`` for each sorted row.
 
@@ -241,6 +255,8 @@ def run_sorted_experts(
         weights, spec, gemms, hints: as in :func:`run_masked_experts` (``gemms`` must run ``"sorted"``).
         route_weights: ``[T, K]`` routing weights applied to the expert's input (``weights_on_input``);
             GEMM1 multiplies its rows by them before the bias (``(w x) W^T = w (x W^T)``).
+        tokens: ``hidden``'s fp8 codes and 1x128 scales where the sort quantised them already
+            (:func:`quantize_tokens_in_sort`); else quantised here when :func:`quantize_activations` says so.
 
     Returns:
         ``[1, T * K, H]`` in sorted row order (bf16 with fp8 weights, else the weights' dtype); rows past
@@ -254,7 +270,7 @@ def run_sorted_experts(
     x, x_scale = hidden, None
     quantized = quantize_activations(weights.fp8, hints.regime)
     if quantized:
-        x, x_scale = quantize_rows(hidden)
+        x, x_scale = tokens if tokens is not None else quantize_rows(hidden)
     elif weights.fp8:  # W8A16: bf16 activations, the GEMMs dequantise the weight tiles
         x = hidden.to(torch.bfloat16)
     elif hidden.dtype != weights.w13.dtype:

@@ -499,8 +499,8 @@ def masked_gemm_fp8_kernel(
 def _quant_groups(v, ROWS: tl.constexpr, COLS: tl.constexpr, INTERP: tl.constexpr):
     """fp32 ``v [ROWS, COLS]`` (COLS a multiple of 128) as e4m3 values (still fp32) and the fp32 scale of
     each 1x128 group, ``[ROWS, COLS // 128]``: ``scale = max(amax, floor) / 448`` (moe_fx.ops.recipe). The
-    activation quantisation of quantize_rows and the activation kernel (the masked permute's one-row copy
-    is written out: it quantises a vector, and its GPU build was not re-checked)."""
+    activation quantisation of quantize_rows, the decode sort and the activation kernel (the masked permute's
+    one-row copy is written out: it quantises a vector, and its GPU build was not re-checked)."""
     v3 = tl.reshape(v, (ROWS, COLS // 128, 128))
     amax = tl.reduce(tl.abs(v3), 2, _maxf)
     scale = tl.maximum(amax, SCALE_FLOOR) / FP8_MAX
@@ -947,6 +947,20 @@ def sort_small_kernel(
     DECODE_PAIRS: tl.constexpr,
     PAIRS: tl.constexpr,
     PAIRWISE: tl.constexpr = True,
+    x_ptr=None,
+    q_ptr=None,
+    qs_ptr=None,
+    T=0,
+    H=0,
+    s_xt=0,
+    s_xh=0,
+    s_qt=0,
+    s_qh=0,
+    s_st=0,
+    s_sh=0,
+    QUANT: tl.constexpr = False,
+    BLOCK_T: tl.constexpr = 8,
+    INTERP: tl.constexpr = False,
 ):
     """:func:`expert_counts_kernel` + :func:`sort_slots_kernel` in one launch, for decode-sized batches.
 
@@ -959,7 +973,25 @@ def sort_small_kernel(
     ``PAIRS`` slots (``cdiv(N, PAIRS)``): each counts all slots and ranks its own pairwise against the
     earlier ones. ``PAIRWISE=False`` makes program 0 run two passes over the slots in chunks (the counts,
     then the ranks by a scan) for every N, the same rows: the A/B of ``bench/kernel_breakdown.py --sort-ab``.
+
+    QUANT: the programs after the sort's quantise the tokens ``x [T, H]`` as :func:`quantize_rows_kernel`
+    does (one ``[BLOCK_T, 128]`` block each: fp8 codes to ``q``, fp32 1x128 scales to ``qs``), beside the
+    sort instead of in a launch of their own after it.
     """
+    if QUANT:
+        q_blk = tl.program_id(0) - tl.maximum((N + PAIRS - 1) // PAIRS, 1)  # the sort's programs come first
+        if q_blk >= 0:
+            q_groups = (H + 127) // 128
+            q_t = (q_blk // q_groups) * BLOCK_T + tl.arange(0, BLOCK_T)
+            q_h = (q_blk % q_groups) * 128 + tl.arange(0, 128)
+            q_t64 = q_t.to(tl.int64)
+            q_mask = (q_t < T)[:, None] & (q_h < H)[None, :]
+            q_v = tl.load(x_ptr + q_t64[:, None] * s_xt + q_h[None, :] * s_xh, mask=q_mask, other=0.0).to(tl.float32)
+            q_codes, q_scale = _quant_groups(q_v, BLOCK_T, 128, INTERP)
+            tl.store(q_ptr + q_t64[:, None] * s_qt + q_h[None, :] * s_qh, q_codes.to(q_ptr.dtype.element_ty),
+                     mask=q_mask)
+            tl.store(qs_ptr + q_t64 * s_st + (q_blk % q_groups) * s_sh, tl.reshape(q_scale, (BLOCK_T,)), mask=q_t < T)
+            return
     offs_e = tl.arange(0, E_POW2)
     # Each block's tensors have names of their own: triton 3.6 carries a name bound in an `if` that returns
     # into the loops below, and a tile of another size there fails to compile ("Loop-carried variable offs has

@@ -24,7 +24,7 @@ from moe_fx.lowering.triton._loader import launch
 from moe_fx.lowering.triton.grouped_gemm import SortedRows, _known_empty, _out, _pow2
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["ContiguousRows", "SortedRows", "contiguous_rows", "quantize_rows", "sort_by_expert"]
+__all__ = ["ContiguousRows", "SortedRows", "contiguous_rows", "quantize_rows", "sort_and_quantize", "sort_by_expert"]
 
 
 def _slots_per_program(e_pow2: int) -> int:
@@ -56,27 +56,17 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, *, small: bool | No
     slots and one memset, with rows inside an expert in no set order (atomics). Every result is
     deterministic.
     """
-    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"sort_by_expert: topk_ids must be int32/int64 [T, K], got {topk_ids.dtype} {list(topk_ids.shape)}")
-    if num_experts <= 0:
-        raise ValueError(f"sort_by_expert: need num_experts > 0, got {num_experts}")
+    _check_ids("sort_by_expert", topk_ids, num_experts)
     t, k = topk_ids.shape
     n = t * k
     dev = topk_ids.device
     if small is None:
         small = isinstance(n, int) and n <= SMALL_SORT_SLOTS
+    if small:
+        return _sort_small(topk_ids, num_experts)
     e_pow2 = _pow2(num_experts)
     sorted_slots = torch.empty(n, dtype=torch.int32, device=dev)
     slot_pos = torch.empty(n, dtype=torch.int64, device=dev)
-    if small:  # counts and total written whole: no memset
-        scratch = torch.empty(2 * num_experts + 1, dtype=torch.int32, device=dev)
-        pairs = pairwise_slots(e_pow2)
-        # one program per block of pairwise slots (one program for a decode step's few slots)
-        grid = (torch.sym_max(1, cdiv(n, pairs)),)
-        launch("sort_small_kernel", dev, grid, topk_ids, scratch, sorted_slots, slot_pos, n, num_experts,
-               *topk_ids.stride(), TOPK=int(k), CHUNK=max(16, min(64, 8192 // e_pow2)), E_POW2=e_pow2,
-               DECODE_PAIRS=DECODE_PAIRWISE_SLOTS, PAIRS=pairs, num_warps=4)
-        return SortedRows(scratch, sorted_slots, slot_pos, int(k), n, num_experts)
     # counts [E], total, cursors [E]: one buffer, one memset
     scratch = torch.zeros(2 * num_experts + 1, dtype=torch.int32, device=dev)
     if not _known_empty(t, k):
@@ -89,22 +79,81 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, *, small: bool | No
     return SortedRows(scratch, sorted_slots, slot_pos, int(k), n, num_experts)
 
 
+def sort_and_quantize(topk_ids: torch.Tensor, num_experts: int, tokens: torch.Tensor
+                      ) -> tuple[SortedRows, torch.Tensor, torch.Tensor]:
+    """The decode sort (:func:`sort_by_expert` with ``small=True``) and :func:`quantize_rows` of ``tokens``
+    in ONE launch: programs after the sort's quantise the tokens, so a decode step with fp8 weights
+    does not pay a launch (and the gap after it) for the quantisation.
+
+    Returns ``(rows, codes [T, H] float8_e4m3fn, scales [T, ceil(H/128)] fp32)``: the same values as the
+    two functions give.
+    """
+    _check_ids("sort_and_quantize", topk_ids, num_experts)
+    q, s = _quantized_like(tokens, "sort_and_quantize")
+    if tokens.shape[0] != topk_ids.shape[0]:
+        raise ValueError(f"sort_and_quantize: tokens must be [T, H] with T = {topk_ids.shape[0]}, got "
+                         f"{list(tokens.shape)}")
+    return _sort_small(topk_ids, num_experts, quantize=(tokens, q, s)), q, s
+
+
+#: tokens per program of the token quantisation (:func:`quantize_rows`, :func:`sort_and_quantize`)
+QUANT_BLOCK_T = 8
+
+
+def _check_ids(name: str, topk_ids: torch.Tensor, num_experts: int) -> None:
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: topk_ids must be int32/int64 [T, K], got {topk_ids.dtype} {list(topk_ids.shape)}")
+    if num_experts <= 0:
+        raise ValueError(f"{name}: need num_experts > 0, got {num_experts}")
+
+
+def _sort_small(topk_ids: torch.Tensor, num_experts: int, *, quantize: tuple | None = None) -> SortedRows:
+    """The one-launch decode sort (``sort_small_kernel``): counts and total written whole (no memset), one
+    program per block of pairwise slots (one for a decode step's few slots); ``quantize = (x, q, s)``: more
+    programs write ``x``'s 1x128 codes and scales to ``q`` and ``s``."""
+    t, k = topk_ids.shape
+    n = t * k
+    dev = topk_ids.device
+    e_pow2 = _pow2(num_experts)
+    scratch = torch.empty(2 * num_experts + 1, dtype=torch.int32, device=dev)
+    sorted_slots = torch.empty(n, dtype=torch.int32, device=dev)
+    slot_pos = torch.empty(n, dtype=torch.int64, device=dev)
+    pairs = pairwise_slots(e_pow2)
+    programs = torch.sym_max(1, cdiv(n, pairs))
+    extra: dict = {}
+    if quantize is not None:
+        x, q, s = quantize
+        programs = programs + cdiv(t, QUANT_BLOCK_T) * cdiv(x.shape[1], FP8_BLOCK)
+        extra = dict(x_ptr=x, q_ptr=q, qs_ptr=s, T=t, H=x.shape[1], s_xt=x.stride(0), s_xh=x.stride(1),
+                     s_qt=q.stride(0), s_qh=q.stride(1), s_st=s.stride(0), s_sh=s.stride(1), QUANT=True,
+                     BLOCK_T=QUANT_BLOCK_T, INTERP=dev.type == "cpu")
+    launch("sort_small_kernel", dev, (programs,), topk_ids, scratch, sorted_slots, slot_pos, n, num_experts,
+           *topk_ids.stride(), TOPK=int(k), CHUNK=max(16, min(64, 8192 // e_pow2)), E_POW2=e_pow2,
+           DECODE_PAIRS=DECODE_PAIRWISE_SLOTS, PAIRS=pairs, num_warps=4, **extra)
+    return SortedRows(scratch, sorted_slots, slot_pos, int(k), n, num_experts)
+
+
+def _quantized_like(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty fp8 codes and fp32 1x128 scales for ``x [T, H]`` (checked: bf16/fp16/fp32, 2-D)."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{name}: want a bf16/fp16/fp32 [T, H] tensor, got {x.dtype} {list(x.shape)}")
+    t, h = x.shape
+    return (torch.empty(t, h, dtype=FP8_DTYPE, device=x.device),
+            _out(name, None, (t, cdiv(h, FP8_BLOCK)), torch.float32, x.device))
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, H]`` -> ``(codes [T, H] float8_e4m3fn, scales [T, ceil(H/128)] fp32)``, 1x128 groups.
 
     The recipe of :func:`moe_fx.lowering.quant.quantize_fp8_per_token_group`, in one Triton kernel.
     """
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"quantize_rows: want a bf16/fp16/fp32 [T, H] tensor, got {x.dtype} {list(x.shape)}")
+    q, s = _quantized_like(x, "quantize_rows")
     t, h = x.shape
-    q = torch.empty(t, h, dtype=FP8_DTYPE, device=x.device)
-    s = _out("quantize_rows", None, (t, cdiv(h, FP8_BLOCK)), torch.float32, x.device)
     if _known_empty(t, h):
         return q, s
-    block_t = 8
-    launch("quantize_rows_kernel", x.device, (cdiv(t, block_t), cdiv(h, FP8_BLOCK)),
+    launch("quantize_rows_kernel", x.device, (cdiv(t, QUANT_BLOCK_T), cdiv(h, FP8_BLOCK)),
            x, q, s, t, h, *x.stride(), *q.stride(), *s.stride(),
-           BLOCK_T=block_t, INTERP=x.device.type == "cpu", num_warps=4)
+           BLOCK_T=QUANT_BLOCK_T, INTERP=x.device.type == "cpu", num_warps=4)
     return q, s
 
 
