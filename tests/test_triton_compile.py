@@ -216,10 +216,11 @@ def test_sort_kernels_compile():
             assert "atom.global" not in ptx and "ld.local" not in ptx  # no atomics, no spills
         # the fp8 decode step's launch: the sort's programs, then the token quantisation's
         quant = {k: v for k, v in small.items() if not k.endswith("_ptr")} | {"QUANT": True}
-        ptx = _compile(k.sort_small_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
-                                             "pos_ptr": "*i64", "x_ptr": "*bf16", "q_ptr": "*fp8e4nv",
-                                             "qs_ptr": "*fp32"}, quant).asm["ptx"]
-        assert "atom.global" not in ptx and "ld.local" not in ptx
+        for sizes in ({}, {"N": 1, "T": 1}):  # run-time sizes, and the ones Triton folds (1: one token, top-1)
+            ptx = _compile(k.sort_small_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
+                                                 "pos_ptr": "*i64", "x_ptr": "*bf16", "q_ptr": "*fp8e4nv",
+                                                 "qs_ptr": "*fp32"}, quant | sizes).asm["ptx"]
+            assert "atom.global" not in ptx and "ld.local" not in ptx
     _compile(k.quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
              {"BLOCK_T": 8, "INTERP": False})
 
