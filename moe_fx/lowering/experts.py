@@ -189,7 +189,7 @@ def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
     regime = plan.problem.regime if plan.problem is not None else None
     hints = GemmHints(expected_m=rows, max_total_m=t * k, active_groups=torch.sym_min(e, t * k), regime=regime)
     if plan.layout in ("sorted", "contiguous"):
-        # decode (regime 0: at most 4 rows per expert, so T * K <= 4E slots): the one-program sort
+        # decode (regime 0: at most 4 rows per expert, so T * K <= 4E slots): the one-launch sort
         tokens = None
         if plan.layout == "sorted" and quantize_tokens_in_sort(weights.fp8, regime):
             # fp8 decode: the tokens quantised by programs of the sort's launch
