@@ -193,7 +193,8 @@ def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
         tokens = None
         if plan.layout == "sorted" and quantize_tokens_in_sort(weights.fp8, regime):
             # fp8 decode: the tokens quantised by programs of the sort's launch
-            sorted_rows, *tokens = sort_and_quantize(topk_ids, e, hidden)
+            sorted_rows, codes, scales = sort_and_quantize(topk_ids, e, hidden)
+            tokens = (codes, scales)
         else:
             sorted_rows = sort_by_expert(topk_ids, e, small=(regime == 0) if regime is not None else None)
         route_weights = topk_weights if weights_on_input else None

@@ -958,6 +958,7 @@ def sort_small_kernel(
     s_qh=0,
     s_st=0,
     s_sh=0,
+    sort_programs=1,
     QUANT: tl.constexpr = False,
     BLOCK_T: tl.constexpr = 8,
     INTERP: tl.constexpr = False,
@@ -974,12 +975,14 @@ def sort_small_kernel(
     earlier ones. ``PAIRWISE=False`` makes program 0 run two passes over the slots in chunks (the counts,
     then the ranks by a scan) for every N, the same rows: the A/B of ``bench/kernel_breakdown.py --sort-ab``.
 
-    QUANT: the programs after the sort's quantise the tokens ``x [T, H]`` as :func:`quantize_rows_kernel`
-    does (one ``[BLOCK_T, 128]`` block each: fp8 codes to ``q``, fp32 1x128 scales to ``qs``), beside the
-    sort instead of in a launch of their own after it.
+    QUANT: the programs after the sort's first ``sort_programs`` quantise the tokens ``x [T, H]`` as
+    :func:`quantize_rows_kernel` does (one ``[BLOCK_T, 128]`` block each: fp8 codes to ``q``, fp32 1x128
+    scales to ``qs``), beside the sort instead of in a launch of their own after it.
     """
     if QUANT:
-        q_blk = tl.program_id(0) - tl.maximum((N + PAIRS - 1) // PAIRS, 1)  # the sort's programs come first
+        # written out, not shared with quantize_rows_kernel through a helper: a pointer handed to a helper
+        # counts as written in Inductor's mutation analysis, which would then copy the tokens before the launch
+        q_blk = tl.program_id(0) - sort_programs
         if q_blk >= 0:
             q_groups = (H + 127) // 128
             q_t = (q_blk // q_groups) * BLOCK_T + tl.arange(0, BLOCK_T)

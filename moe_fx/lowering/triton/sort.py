@@ -89,10 +89,10 @@ def sort_and_quantize(topk_ids: torch.Tensor, num_experts: int, tokens: torch.Te
     two functions give.
     """
     _check_ids("sort_and_quantize", topk_ids, num_experts)
-    q, s = _quantized_like(tokens, "sort_and_quantize")
-    if tokens.shape[0] != topk_ids.shape[0]:
+    if tokens.dim() != 2 or tokens.shape[0] != topk_ids.shape[0]:
         raise ValueError(f"sort_and_quantize: tokens must be [T, H] with T = {topk_ids.shape[0]}, got "
                          f"{list(tokens.shape)}")
+    q, s = _quantized_like(tokens, "sort_and_quantize")
     return _sort_small(topk_ids, num_experts, quantize=(tokens, q, s)), q, s
 
 
@@ -119,14 +119,14 @@ def _sort_small(topk_ids: torch.Tensor, num_experts: int, *, quantize: tuple | N
     sorted_slots = torch.empty(n, dtype=torch.int32, device=dev)
     slot_pos = torch.empty(n, dtype=torch.int64, device=dev)
     pairs = pairwise_slots(e_pow2)
-    programs = torch.sym_max(1, cdiv(n, pairs))
-    extra: dict = {}
-    if quantize is not None:
+    sort_programs = torch.sym_max(1, cdiv(n, pairs))
+    programs, extra = sort_programs, {}
+    if quantize is not None:  # the quantisation's programs after the sort's
         x, q, s = quantize
-        programs = programs + cdiv(t, QUANT_BLOCK_T) * cdiv(x.shape[1], FP8_BLOCK)
+        programs = sort_programs + cdiv(t, QUANT_BLOCK_T) * cdiv(x.shape[1], FP8_BLOCK)
         extra = dict(x_ptr=x, q_ptr=q, qs_ptr=s, T=t, H=x.shape[1], s_xt=x.stride(0), s_xh=x.stride(1),
-                     s_qt=q.stride(0), s_qh=q.stride(1), s_st=s.stride(0), s_sh=s.stride(1), QUANT=True,
-                     BLOCK_T=QUANT_BLOCK_T, INTERP=dev.type == "cpu")
+                     s_qt=q.stride(0), s_qh=q.stride(1), s_st=s.stride(0), s_sh=s.stride(1),
+                     sort_programs=sort_programs, QUANT=True, BLOCK_T=QUANT_BLOCK_T, INTERP=dev.type == "cpu")
     launch("sort_small_kernel", dev, (programs,), topk_ids, scratch, sorted_slots, slot_pos, n, num_experts,
            *topk_ids.stride(), TOPK=int(k), CHUNK=max(16, min(64, 8192 // e_pow2)), E_POW2=e_pow2,
            DECODE_PAIRS=DECODE_PAIRWISE_SLOTS, PAIRS=pairs, num_warps=4, **extra)
