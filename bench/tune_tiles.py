@@ -397,13 +397,14 @@ def parse_tile(label: str):
     dims, warps, stages, ppsm, *group = flags[0].split("/")
     bm, bn, bk = map(int, dims.split("x"))
     return TileConfig(bm, bn, bk, int(group[0].removeprefix("g")) if group else 1, int(warps), int(stages), int(ppsm),
-                      tma="tma" in flags[1:], swap_ab="swap" in flags[1:])
+                      tma="tma" in flags[1:], swap_ab="swap" in flags[1:], flatten="flat" in flags[1:])
 
 
 def _tile(cfg) -> str:
     # every field that tells two candidates apart (a swapped tile and its plain twin differ only there)
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/{cfg.num_warps}/{cfg.num_stages}/{cfg.programs_per_sm}"
-            f"{f'/g{cfg.group_m}' if cfg.group_m != 1 else ''}{'+tma' if cfg.tma else ''}{'+swap' if cfg.swap_ab else ''}")
+            f"{f'/g{cfg.group_m}' if cfg.group_m != 1 else ''}{'+tma' if cfg.tma else ''}{'+swap' if cfg.swap_ab else ''}"
+            f"{'+flat' if cfg.flatten else ''}")
 
 
 if __name__ == "__main__":

@@ -297,6 +297,29 @@ def test_static_graph_runs_its_sizes_own_tile_and_a_dynamic_one_the_regimes(sm90
     assert other == dynamic == (32, 64, 128, True, False), (other, dynamic)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_flattened_tiles_reach_the_launch_and_write_only_their_outputs(sm90, monkeypatch, fp8):
+    """A regime tile with ``flatten`` launches its GEMMs with FLATTEN (one pipeline over a program's tiles), and
+    Inductor's analysis of the flattened kernel still finds that it writes only ``c`` (no copy of the weights)."""
+    from moe_fx.lowering.triton import configs
+
+    flat = {"block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3, "flatten": True}
+    kind = "fp8" if fp8 else "bf16"
+    # T=200, K=2, E=8: 50 rows per expert (regime 2); GEMM1 is 512 x 256, GEMM2 256 x 256
+    table = {f"NVIDIA H200|{kind}|N{n}|K256|sorted|r2": flat for n in (256, 512)}
+    monkeypatch.setattr(configs, "_shipped", lambda: table)
+    monkeypatch.setattr(configs, "_memory", {})
+    monkeypatch.setattr(configs, "_disk_loaded", {})
+    inputs = _inputs(FakeTensorMode(), t=200, fp8=fp8)
+    gm = _trace(_experts_fp8 if fp8 else _experts, inputs)
+    gemms = [n for n in _launches(gm) if "gemm" in _kernel_name(n)]
+    assert len(gemms) == 2
+    for node in gemms:
+        assert node.kwargs["kwargs"]["FLATTEN"] is True and node.kwargs["kwargs"]["BLOCK_M"] == 64
+        assert set(node.kwargs["tensors_to_clone"]) == {"c_ptr"}, node.kwargs["tensors_to_clone"]
+        _assert_every_parameter_passed(node)
+
+
 def test_activation_epilogue_where_it_measured_faster(sm90):
     """Gate/up halves take GEMM1's activation epilogue up to 64 rows per expert and the separate kernel at
     prefill sizes (where the split tile measured slower); interleaved gate/up (GPT-OSS) take it at every size."""

@@ -49,7 +49,7 @@ def _kernels():
 
 GEMM = {"GROUP_M": 8, "E_POW2": 128, "EVEN_K": True, "UPCAST": False, "s_ak": 1, "s_bk": 1, "s_cn": 1,
         "bias_ptr": None, "HAS_BIAS": False, "sorted_ptr": None, "rw_ptr": None, "SORTED": False, "GATHER_A": False,
-        "TOPK": 1, "ROUTE_W": False, "SWAP_AB": False, "DEVICE_TMA": False}
+        "TOPK": 1, "ROUTE_W": False, "SWAP_AB": False, "DEVICE_TMA": False, "FLATTEN": False}
 #: masked_gemm_kernel's epilogue activation and fp8 weights off (the bf16 kernel's extra constants)
 NO_ACT = {"ACT_FUSED": False, "ACT": 0, "GATED": False, "INTERLEAVED": False, "HAS_LIMIT": False, "B_FP8": False,
           "bs_ptr": None}
@@ -192,6 +192,31 @@ def test_sorted_gemm_compiles_pipelined(fp8, bm, bn, bk, warps, stages, gather, 
     assert "cp.async" in ptx, "main loop not pipelined (no async copies)"
     assert ("wgmma.mma_async" in ptx) == (bm >= 64)
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_flattened_regime_candidates_compile_to_one_pipelined_loop(fp8):
+    """Every ``flatten`` tile that tuning may ship, compiled with its warps and stages: the tile loop and the k loop
+    are one loop (no nested loop left), still async copies and wgmma, no spills, and the shared memory it asks for
+    within :meth:`TileConfig.smem_bytes` (plus barriers), whose programs per SM must fit side by side."""
+    from moe_fx.lowering.triton.configs import SM_SMEM_BUDGET, regime_candidates
+
+    kind = "fp8" if fp8 else "bf16"
+    flat = {c for regime in range(5) for c in regime_candidates(kind, regime) if c.flatten}
+    assert len(flat) >= 5
+    for cfg in sorted(flat, key=str):
+        gather = not cfg.tma  # GEMM1 gathers its tokens through pointers; GEMM2 reads sorted rows (descriptors)
+        fn, types, consts = _sorted_gemm(fp8, gather, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+        consts.update(GROUP_M=cfg.group_m, TMA=cfg.tma, DEVICE_TMA=cfg.tma, SWAP_AB=cfg.swap_ab, FLATTEN=True)
+        compiled = _compile(fn, types, consts, cfg.num_warps, cfg.num_stages)
+        ptx = compiled.asm["ptx"]
+        assert "Depth=2" not in ptx, (cfg, "the tile loop still holds a k loop")
+        assert ("cp.async.bulk.tensor" if cfg.tma else "cp.async") in ptx, cfg
+        assert ("wgmma.mma_async" in ptx) == (cfg.block_m >= 64 or cfg.swap_ab), cfg  # 16-row tiles: mma
+        assert "ld.local" not in ptx and "st.local" not in ptx, cfg
+        shared = compiled.metadata.shared
+        assert shared <= cfg.smem_bytes(1 if fp8 else 2) + 1024, (cfg, shared, cfg.smem_bytes(1 if fp8 else 2))
+        assert shared * cfg.programs_per_sm <= SM_SMEM_BUDGET + 1024 * cfg.programs_per_sm, (cfg, shared)
 
 
 def test_sort_kernels_compile():

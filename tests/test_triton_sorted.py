@@ -382,7 +382,7 @@ def test_every_regime_candidate_is_correct(fp8, device):
     ref2 = torch.einsum("sh,snh->sn", a32[pos], w32[experts])
     cands = {c for regime in range(5) for c in regime_candidates("fp8" if fp8 else "bf16", regime)}
     if device == "cpu":  # warps, stages and programs per SM do not change what the interpreter runs
-        cands = {(c.block_m, c.block_n, c.block_k, c.swap_ab, c.tma): c for c in sorted(cands, key=str)}.values()
+        cands = {(c.block_m, c.block_n, c.block_k, c.swap_ab, c.tma, c.flatten): c for c in sorted(cands, key=str)}.values()
     total = rows.total.item()
     for cfg in sorted(cands, key=str):
         for args, kw, gather, ref in ((args1, kw1, True, ref1), (args2, kw2, False, ref2)):

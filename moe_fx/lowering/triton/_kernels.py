@@ -182,6 +182,7 @@ def masked_gemm_kernel(
     s_bsn=0,
     s_bsk=0,
     B_FP8: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False,
 ):
     """c[g, :m_g, :] = a[g, :m_g, :] @ b[g]^T (+ bias[g]), fp32 accumulation, stored in c's dtype.
 
@@ -207,6 +208,10 @@ def masked_gemm_kernel(
     a tile keeps two accumulators of BLOCK_N columns, gate and up. INTERLEAVED (rows ``2j``, ``2j + 1``):
     a tile multiplies BLOCK_N consecutive rows of ``b``, as unfused, and splits its accumulator into
     BLOCK_N / 2 gate and up columns. Biases are ``b``'s rows (``[G, 2N]``).
+
+    FLATTEN: one software pipeline over every (tile, k step) of a program instead of one per tile
+    (``tl.range(flatten=True)``); the epilogue then stages through up to 32 KB more shared memory
+    (:meth:`~moe_fx.lowering.triton.configs.TileConfig.smem_bytes`). The interpreter runs it as the nested loops.
     """
     # Written out in both GEMM kernels on purpose: a pointer handed to a helper counts as written in
     # Inductor's mutation analysis, which would then copy the weights before every launch.
@@ -238,7 +243,10 @@ def masked_gemm_kernel(
     num_n = (NB + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
     starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
-    for t in range(pid, total, nprog):
+    # FLATTEN: the tile loop and the k loop become one software-pipelined loop (Triton's loop flattening), so the
+    # loads of a program's next tile are in flight while this tile's epilogue runs, instead of a pipeline that
+    # fills and drains per tile (short-K GEMMs pay that per tile)
+    for t in tl.range(pid, total, nprog, flatten=FLATTEN):
         e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
         e64 = e.to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -389,6 +397,7 @@ def masked_gemm_fp8_kernel(
     ROUTE_W: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False,
     DEVICE_TMA: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False,
 ):
     """fp8 x fp8 -> bf16 (+ bias[g]): a with 1x128 per-row group scales, b with 128x128 block scales.
 
@@ -397,7 +406,7 @@ def masked_gemm_fp8_kernel(
     SCALAR_BS (a column tile inside one 128-column scale block) folds b's scale into the row
     scales first, so promoting the step costs one FMA per accumulator element instead of three:
     that promotion runs on the CUDA cores beside the tensor cores and bounds this kernel's speed.
-    TMA, SORTED, GATHER_A, ROUTE_W: as in :func:`masked_gemm_kernel` (``as`` rows follow ``a``'s).
+    TMA, SORTED, GATHER_A, ROUTE_W, SWAP_AB, FLATTEN: as in :func:`masked_gemm_kernel` (``as`` rows follow ``a``'s).
     """
     # Written out in both GEMM kernels on purpose: a pointer handed to a helper counts as written in
     # Inductor's mutation analysis, which would then copy the weights before every launch.
@@ -419,7 +428,10 @@ def masked_gemm_fp8_kernel(
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
     starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
-    for t in range(pid, total, nprog):
+    # FLATTEN: the tile loop and the k loop become one software-pipelined loop (Triton's loop flattening), so the
+    # loads of a program's next tile are in flight while this tile's epilogue runs, instead of a pipeline that
+    # fills and drains per tile (short-K GEMMs pay that per tile)
+    for t in tl.range(pid, total, nprog, flatten=FLATTEN):
         e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
         e64 = e.to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -50,15 +50,26 @@ class TileConfig:
     #: compute ``acc^T = b^T a^T``: with few rows per tile (decode) the weight tile becomes the MMA's
     #: M dimension, so Hopper's wgmma (64+ rows) runs instead of the older mma for 16-row tiles
     swap_ab: bool = False
+    #: one software pipeline over all of a program's (tile, k step) pairs (Triton's loop flattening): the
+    #: next tile's loads run during a tile's epilogue, where the nested loops fill and drain the pipeline
+    #: per tile (short-K GEMMs and decode GEMVs of several tiles per program pay that every tile)
+    flatten: bool = False
 
     def smem_bytes(self, elem_bytes: int) -> int:
         """Shared memory the pipelined A and B tiles take (the kernel's dominant use).
 
         fp32 operands take one more half-size buffer: 128x256x64 at 2 stages asked for 240 KB, 48 KB
-        over its 192 KB of tiles (triton 3.6 on an H200, 2026-12-04).
+        over its 192 KB of tiles (triton 3.6 on an H200, 2026-12-04). A flattened loop's epilogue stages
+        its tile through shared memory: 2-32 KB more in every tile compiled for sm_90 with triton 3.6
+        (128x256 and 128x128: 32 KB; 64x128: 8 KB; 16x64 swapped: 2 KB), counted as ``min(2 BM BN, 32 KB)``.
         """
         tiles = (self.block_m + self.block_n) * self.block_k * elem_bytes * self.num_stages
-        return tiles + ((self.block_m + self.block_n) * self.block_k * 2 if elem_bytes >= 4 else 0)
+        tiles += (self.block_m + self.block_n) * self.block_k * 2 if elem_bytes >= 4 else 0
+        return tiles + (min(2 * self.block_m * self.block_n, FLATTEN_EPILOGUE_SMEM) if self.flatten else 0)
+
+
+#: the most shared memory a flattened loop's epilogue was seen to add (see :meth:`TileConfig.smem_bytes`)
+FLATTEN_EPILOGUE_SMEM = 32 * 1024
 
 
 #: shared memory a program's pipelined tiles may take (Hopper has 227 KB per SM; Triton adds a little)
@@ -173,7 +184,7 @@ def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
     are uneven: an expert of a regime that expects up to 16 rows gets 20 and more, so each regime
     also tries row tiles twice its bound (a second row tile streams the expert's weights again).
     Swapped tiles (``swap_ab``) put decode tiles on wgmma; ``tma`` tiles make their descriptors on
-    the device.
+    the device; ``flatten`` tiles pipeline across a program's tiles (twins of earlier winners).
     """
     from moe_fx.lowering.problem import regime_bounds
 
@@ -184,43 +195,62 @@ def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
         if fp8:
             # 3-4 resident programs of 16x64 / 16x128 tiles: vLLM's H200 decode tiles (16x128x128, 3 stages)
             # run ~4 CTAs per SM, twice the weight bytes in flight of two programs (Qwen3 fp8 T=64: 181 vs 218 µs)
-            return [T(16, 64, 128, 1, 4, 5, 2), T(16, 128, 128, 1, 4, 5, 1), T(16, 32, 128, 1, 4, 5, 4),
-                    T(16, 64, 128, 1, 4, 5, 2, swap_ab=True), T(16, 128, 128, 1, 4, 4, 1, swap_ab=True),
-                    T(16, 128, 128, 1, 4, 3, 3), T(16, 128, 128, 1, 4, 3, 3, swap_ab=True),
-                    T(16, 64, 128, 1, 4, 4, 4, swap_ab=True)]
-        return [T(16, 64, 128, 1, 4, 4, 2), T(16, 32, 256, 1, 4, 4, 2), T(16, 128, 128, 1, 4, 4, 1),
-                T(16, 64, 256, 1, 4, 3, 1), T(16, 64, 128, 1, 4, 4, 2, swap_ab=True),
-                T(16, 64, 64, 1, 4, 4, 4), T(16, 128, 64, 1, 4, 3, 3, swap_ab=True)]
-    if hi is not None and hi <= 16:
+            cands = [T(16, 64, 128, 1, 4, 5, 2), T(16, 128, 128, 1, 4, 5, 1), T(16, 32, 128, 1, 4, 5, 4),
+                     T(16, 64, 128, 1, 4, 5, 2, swap_ab=True), T(16, 128, 128, 1, 4, 4, 1, swap_ab=True),
+                     T(16, 128, 128, 1, 4, 3, 3), T(16, 128, 128, 1, 4, 3, 3, swap_ab=True),
+                     T(16, 64, 128, 1, 4, 4, 4, swap_ab=True)]
+            flat = [T(16, 64, 128, 1, 4, 4, 4, swap_ab=True), T(16, 128, 128, 1, 4, 3, 3, swap_ab=True)]
+        else:
+            cands = [T(16, 64, 128, 1, 4, 4, 2), T(16, 32, 256, 1, 4, 4, 2), T(16, 128, 128, 1, 4, 4, 1),
+                     T(16, 64, 256, 1, 4, 3, 1), T(16, 64, 128, 1, 4, 4, 2, swap_ab=True),
+                     T(16, 64, 64, 1, 4, 4, 4), T(16, 128, 64, 1, 4, 3, 3, swap_ab=True)]
+            flat = [T(16, 64, 128, 1, 4, 4, 2, swap_ab=True), T(16, 64, 128, 1, 4, 4, 2)]
+    elif hi is not None and hi <= 16:
         if fp8:
-            return [T(16, 64, 128, 1, 4, 5, 2), T(32, 128, 128, 4, 4, 4, 2), T(32, 64, 128, 1, 4, 4, 2, swap_ab=True),
-                    T(16, 128, 128, 1, 4, 4, 1, swap_ab=True), T(16, 128, 128, 1, 4, 3, 3),
-                    T(32, 128, 128, 1, 4, 3, 3, swap_ab=True)]
-        return [T(16, 64, 128, 1, 4, 4, 2), T(16, 32, 256, 1, 4, 4, 2), T(32, 64, 128, 1, 4, 4, 2),
-                T(32, 128, 128, 1, 4, 3, 1), T(32, 64, 128, 1, 4, 4, 2, swap_ab=True), T(16, 64, 64, 1, 4, 4, 4),
-                T(32, 128, 64, 1, 4, 3, 3, swap_ab=True)]
-    if hi is not None and hi <= 64:
+            cands = [T(16, 64, 128, 1, 4, 5, 2), T(32, 128, 128, 4, 4, 4, 2), T(32, 64, 128, 1, 4, 4, 2, swap_ab=True),
+                     T(16, 128, 128, 1, 4, 4, 1, swap_ab=True), T(16, 128, 128, 1, 4, 3, 3),
+                     T(32, 128, 128, 1, 4, 3, 3, swap_ab=True)]
+            flat = [T(16, 128, 128, 1, 4, 3, 3), T(32, 64, 128, 1, 4, 4, 2, swap_ab=True)]
+        else:
+            cands = [T(16, 64, 128, 1, 4, 4, 2), T(16, 32, 256, 1, 4, 4, 2), T(32, 64, 128, 1, 4, 4, 2),
+                     T(32, 128, 128, 1, 4, 3, 1), T(32, 64, 128, 1, 4, 4, 2, swap_ab=True), T(16, 64, 64, 1, 4, 4, 4),
+                     T(32, 128, 64, 1, 4, 3, 3, swap_ab=True)]
+            flat = [T(32, 64, 128, 1, 4, 4, 2, swap_ab=True), T(16, 64, 128, 1, 4, 4, 2)]
+    elif hi is not None and hi <= 64:
         if fp8:
-            return [T(32, 128, 128, 4, 4, 4, 2), T(64, 128, 128, 4, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1),
-                    T(64, 128, 128, 4, 4, 4, 2, tma=True), T(32, 128, 128, 1, 4, 3, 3)]
-        # 128x256: vLLM's tuned H200 tile at these sizes (Mixtral T=256: 737 against 865 µs, 2026-12-04), which
-        # runs 4 stages (196 KB)
-        return [T(32, 64, 128, 4, 4, 4, 2), T(64, 128, 64, 4, 4, 4, 1), T(64, 64, 128, 4, 4, 3, 2),
-                T(128, 128, 64, 8, 8, 4, 1), T(64, 128, 64, 4, 4, 4, 1, tma=True), T(128, 256, 64, 8, 8, 3, 1),
-                T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 256, 64, 1, 8, 4, 1), T(128, 256, 64, 1, 8, 4, 1, tma=True)]
-    if hi is not None:
+            cands = [T(32, 128, 128, 4, 4, 4, 2), T(64, 128, 128, 4, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1),
+                     T(64, 128, 128, 4, 4, 4, 2, tma=True), T(32, 128, 128, 1, 4, 3, 3)]
+            flat = [T(64, 128, 128, 4, 4, 3, 2), T(128, 128, 128, 8, 8, 4, 1, tma=True)]
+        else:
+            # 128x256: vLLM's tuned H200 tile at these sizes (Mixtral T=256: 737 against 865 µs, 2026-12-04), which
+            # runs 4 stages (196 KB)
+            cands = [T(32, 64, 128, 4, 4, 4, 2), T(64, 128, 64, 4, 4, 4, 1), T(64, 64, 128, 4, 4, 3, 2),
+                     T(128, 128, 64, 8, 8, 4, 1), T(64, 128, 64, 4, 4, 4, 1, tma=True), T(128, 256, 64, 8, 8, 3, 1),
+                     T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 256, 64, 1, 8, 4, 1),
+                     T(128, 256, 64, 1, 8, 4, 1, tma=True)]
+            flat = [T(128, 256, 64, 1, 8, 3, 1, tma=True), T(64, 128, 64, 4, 4, 4, 1, tma=True)]
+    elif hi is not None:
         if fp8:
-            return [T(64, 128, 128, 8, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1), T(128, 128, 128, 8, 8, 4, 1, tma=True),
-                    T(64, 128, 128, 8, 4, 4, 2, tma=True)]
-        return [T(64, 128, 64, 8, 4, 4, 2), T(128, 128, 64, 8, 8, 4, 1), T(128, 256, 64, 8, 8, 3, 1),
-                T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True),
-                T(128, 256, 64, 8, 8, 4, 1, tma=True)]
-    if fp8:
-        return [T(128, 128, 128, 8, 8, 4, 1), T(64, 128, 128, 8, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1, tma=True),
-                T(64, 128, 128, 8, 4, 4, 2, tma=True)]
-    return [T(128, 256, 64, 8, 8, 3, 1), T(128, 128, 64, 8, 8, 4, 1), T(128, 128, 64, 8, 4, 3, 2),
-            T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 4, 3, 2, tma=True),
-            T(128, 256, 64, 8, 8, 4, 1, tma=True)]
+            cands = [T(64, 128, 128, 8, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1), T(128, 128, 128, 8, 8, 4, 1, tma=True),
+                     T(64, 128, 128, 8, 4, 4, 2, tma=True)]
+            flat = [T(64, 128, 128, 8, 4, 3, 2), T(128, 128, 128, 8, 8, 4, 1, tma=True)]
+        else:
+            cands = [T(64, 128, 64, 8, 4, 4, 2), T(128, 128, 64, 8, 8, 4, 1), T(128, 256, 64, 8, 8, 3, 1),
+                     T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True),
+                     T(128, 256, 64, 8, 8, 4, 1, tma=True)]
+            flat = [T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True)]
+    elif fp8:
+        cands = [T(128, 128, 128, 8, 8, 4, 1), T(64, 128, 128, 8, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1, tma=True),
+                 T(64, 128, 128, 8, 4, 4, 2, tma=True)]
+        flat = [T(64, 128, 128, 8, 4, 3, 2), T(128, 128, 128, 8, 8, 4, 1, tma=True)]
+    else:
+        cands = [T(128, 256, 64, 8, 8, 3, 1), T(128, 128, 64, 8, 8, 4, 1), T(128, 128, 64, 8, 4, 3, 2),
+                 T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 4, 3, 2, tma=True),
+                 T(128, 256, 64, 8, 8, 4, 1, tma=True)]
+        flat = [T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True)]
+    # flattened twins of the tiles that won (or came close) in the 2026-12-04 tuning, at a stage count whose
+    # epilogue staging still fits two programs per SM where the twin runs two
+    return cands + [replace(c, flatten=True) for c in flat]
 
 
 def pick_regime_config(timings: dict[int, dict[TileConfig, float]]) -> tuple[TileConfig, float]:

@@ -267,7 +267,7 @@ def _launch_gemm(
     common = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, E_POW2=_pow2(groups),
         EVEN_K=k % cfg.block_k == 0, UPCAST=a.device.type == "cpu", TMA=tma, **_bias_args(bias), **extra,
-        SWAP_AB=cfg.swap_ab, DEVICE_TMA=device_tma,
+        SWAP_AB=cfg.swap_ab, DEVICE_TMA=device_tma, FLATTEN=cfg.flatten,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if kind == "fp8":
