@@ -6,7 +6,9 @@
   their own (``pipeline.QUANTIZE_TOKENS_IN_SORT``);
 * ``--switch w8a16``: fp8 weights (128x128 blocks) with bf16 activations at decode sizes (W8A16: the GEMMs
   dequantise the weight tiles, GEMM1 applies the activation) vs activations quantised 1x128 as at prefill
-  (``pipeline.W8A16_MAX_ROWS`` 16 vs 0).
+  (``pipeline.W8A16_MAX_ROWS`` 16 vs 0);
+* ``--switch fp8_scales``: fp8 weights, the GEMMs' scales loaded one k step ahead vs in the step that uses them
+  (``moe_fx.lowering.triton.grouped_gemm.PREFETCH_FP8_SCALES``), at any T.
 
 For each shape and token count T, ``torch.ops.moe_fx.experts(kernel_choice="triton")`` is captured in CUDA
 graphs twice (switch on / off: the switch is read when a call runs, so each capture launches its own
@@ -15,7 +17,7 @@ kernels), over the same rotating routing sets, and the two are timed alternately
 matmul rate)`` with both limits measured in the same run, and the relative error of each variant against the
 fp32 reference (first routing set of the row), and of one variant against the other at every T.
 
-    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16] [--shapes qwen3,mixtral,gpt_oss]
+    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales] [--shapes qwen3,mixtral,gpt_oss]
                                      [--tokens 1,16,256,1024,4096] [--rounds 3]
     python bench/fused_activation.py --smoke   # CPU, Triton interpreter, tiny shapes: checks the script end to end
 
@@ -73,32 +75,37 @@ def layer(shape: str, dims: tuple, device: str, seed: int = 0, fp8: bool = False
     return w, kw
 
 
-#: the pipeline switches this bench times: name -> (pipeline attribute, value on, value off, fp8 weights, title)
+#: the switches this bench times: name -> (module attribute under moe_fx.lowering, value on, value off, fp8 weights,
+#: title)
 SWITCHES = {
-    "epilogue": ("FUSE_ACTIVATION", True, False, False,
+    "epilogue": ("masked_experts.pipeline.FUSE_ACTIVATION", True, False, False,
                  "GEMM1 with the activation in its epilogue (on) vs the separate activation kernel (off), bf16"),
-    "sort_quant": ("QUANTIZE_TOKENS_IN_SORT", True, False, True,
+    "sort_quant": ("masked_experts.pipeline.QUANTIZE_TOKENS_IN_SORT", True, False, True,
                    ("fp8 weights at decode sizes: the tokens quantised by programs of the sort's launch (on) vs by "
                     "a launch of their own (off)")),
-    "w8a16": ("W8A16_MAX_ROWS", 16, 0, True,
+    "w8a16": ("masked_experts.pipeline.W8A16_MAX_ROWS", 16, 0, True,
               ("fp8 weights: bf16 activations up to 16 rows per expert (on, W8A16) vs activations quantised 1x128 "
                "at every size (off, W8A8)")),
+    "fp8_scales": ("triton.grouped_gemm.PREFETCH_FP8_SCALES", True, False, True,
+                   ("fp8 GEMMs: each k step's scales loaded one step ahead (on) vs in the step that uses them (off)")),
 }
 
 
 def variant(switch: str, on: bool, w: dict, kw: dict):
     """``fn(hidden, ids, weights)``: the op with ``switch`` on or off while it runs (and while captured)."""
-    from moe_fx.lowering.masked_experts import pipeline
+    import importlib
 
-    attr, value_on, value_off = SWITCHES[switch][:3]
+    path, value_on, value_off = SWITCHES[switch][:3]
+    module, attr = path.rsplit(".", 1)
+    module = importlib.import_module(f"moe_fx.lowering.{module}")
 
     def fn(x, ids, rw):
-        saved = getattr(pipeline, attr)
-        setattr(pipeline, attr, value_on if on else value_off)
+        saved = getattr(module, attr)
+        setattr(module, attr, value_on if on else value_off)
         try:
             return torch.ops.moe_fx.experts(x, ids, rw, w["w13"], w["w2"], **kw)
         finally:
-            setattr(pipeline, attr, saved)
+            setattr(module, attr, saved)
 
     return fn
 

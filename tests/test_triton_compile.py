@@ -83,6 +83,7 @@ def test_gemm_compiles_pipelined(fp8, bm, bn, bk, warps, stages, tma):
         types.update({"as_ptr": "*fp32", "bs_ptr": "*fp32"})
         consts["s_ask"] = 1
         consts["SCALAR_BS"] = bn <= 128
+        consts["PREFETCH_SCALES"] = True
     else:
         fn = k.masked_gemm_kernel
         consts.update(IEEE=False, **NO_ACT)
@@ -165,7 +166,7 @@ def _sorted_gemm(fp8: bool, gather: bool, route_w: bool = False, act: dict | Non
             del consts[name]
     if fp8:
         types.update({"as_ptr": "*fp32", "bs_ptr": "*fp32"})
-        consts.update(s_ask=1, s_asg=0, SCALAR_BS=consts["BLOCK_N"] <= 128)
+        consts.update(s_ask=1, s_asg=0, SCALAR_BS=consts["BLOCK_N"] <= 128, PREFETCH_SCALES=True)
         return k.masked_gemm_fp8_kernel, types, consts
     consts.update(IEEE=False, **{**NO_ACT, **(act or {})})
     if consts["B_FP8"]:  # fp8 weights with their block scales (W8A16)

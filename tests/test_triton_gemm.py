@@ -120,6 +120,32 @@ def test_tma_and_scale_variants_on_cpu(kind, block_n):
     torch.testing.assert_close(outs[0], outs[1], equal_nan=True, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("block_n,block_k,swap_ab", [(64, 128, False), (256, 128, False), (64, 64, False),
+                                                      (64, 128, True), (256, 64, True)])
+def test_fp8_scales_loaded_ahead_give_the_same_bits(device, block_n, block_k, swap_ab, monkeypatch):
+    """Each k step loading the next step's scales (``PREFETCH_FP8_SCALES``) changes when they are loaded, not what
+    is computed: the output equals the in-step loads bit for bit, for one b scale per tile and per column, k steps of
+    a whole scale group and of half of one (two steps share their scales), swapped tiles, a K tail (264: the last
+    step's prefetch reads past the scales and must be masked off) and an empty group."""
+    from moe_fx.lowering.triton import grouped_gemm
+
+    gen = torch.Generator().manual_seed(7)
+    g, m, n, k = 3, 20, 200, 264
+    a, a_s, b, b_s = _fp8_inputs(g, m, n, k, device, gen, False)
+    mm = torch.tensor([0, 20, 7], dtype=torch.int32, device=device)
+    cfg = TileConfig(16, block_n, block_k, 1, 4, 3 if device == "cuda" else 1, 1, swap_ab=swap_ab)
+    outs = []
+    for ahead in (False, True):
+        monkeypatch.setattr(grouped_gemm, "PREFETCH_FP8_SCALES", ahead)
+        out = torch.full((g, m, n), float("nan"), dtype=torch.bfloat16, device=device)
+        masked_gemm_fp8(a, a_s, b, b_s, mm, out=out, config=cfg)
+        outs.append(out)
+    ref = torch.bmm(a.float() * a_s.repeat_interleave(128, -1)[..., :k], dequantize_blockwise(b, b_s).transpose(1, 2))
+    _check_rows(outs[1], ref, mm.cpu(), 1e-2)
+    torch.testing.assert_close(outs[0], outs[1], equal_nan=True, rtol=0, atol=0)
+
+
 def test_tma_needs_aligned_operands():
     """A row stride that is not a multiple of 16 bytes cannot feed TMA: the pointer path runs instead."""
     from moe_fx.lowering.triton.grouped_gemm import _operands, _tma_ok

@@ -398,6 +398,7 @@ def masked_gemm_fp8_kernel(
     SWAP_AB: tl.constexpr = False,
     DEVICE_TMA: tl.constexpr = False,
     FLATTEN: tl.constexpr = False,
+    PREFETCH_SCALES: tl.constexpr = False,
 ):
     """fp8 x fp8 -> bf16 (+ bias[g]): a with 1x128 per-row group scales, b with 128x128 block scales.
 
@@ -406,6 +407,9 @@ def masked_gemm_fp8_kernel(
     SCALAR_BS (a column tile inside one 128-column scale block) folds b's scale into the row
     scales first, so promoting the step costs one FMA per accumulator element instead of three:
     that promotion runs on the CUDA cores beside the tensor cores and bounds this kernel's speed.
+    PREFETCH_SCALES: each k step loads the next step's scales, so their latency hides behind a whole step
+    instead of its MMA alone (the loads of the step's own scales are not pipelined by Triton: they were issued just
+    before the MMA and waited for right after it).
     TMA, SORTED, GATHER_A, ROUTE_W, SWAP_AB, FLATTEN: as in :func:`masked_gemm_kernel` (``as`` rows follow ``a``'s).
     """
     # Written out in both GEMM kernels on purpose: a pointer handed to a helper counts as written in
@@ -460,6 +464,12 @@ def masked_gemm_fp8_kernel(
             acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
         else:
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        if PREFETCH_SCALES:  # the first k step's scales; each step then loads the next step's
+            a_s = tl.load(as_ptrs, mask=mask_m, other=0.0)
+            if SCALAR_BS:
+                b_s = tl.load(bs_ptrs)
+            else:
+                b_s = tl.load(bs_ptrs, mask=mask_n, other=0.0)
         for k0 in range(0, K, BLOCK_K):
             if TMA and not GATHER_A:
                 a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
@@ -476,17 +486,30 @@ def masked_gemm_fp8_kernel(
             else:
                 a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
                 b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
-            kg = k0 // 128
-            a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_m, other=0.0)
+            if not PREFETCH_SCALES:  # this step's scales, loaded now (waited for after the MMA)
+                kg = k0 // 128
+                a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_m, other=0.0)
+                if SCALAR_BS:
+                    b_s = tl.load(bs_ptrs + kg * s_bsk)
+                else:
+                    b_s = tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)
             if SWAP_AB:  # the same step transposed: rows are the accumulator's columns
                 if SCALAR_BS:
-                    scale = (a_s * tl.load(bs_ptrs + kg * s_bsk))[None, :]
+                    scale = (a_s * b_s)[None, :]
                 else:
-                    scale = tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)[:, None] * a_s[None, :]
+                    scale = b_s[:, None] * a_s[None, :]
             elif SCALAR_BS:
-                scale = (a_s * tl.load(bs_ptrs + kg * s_bsk))[:, None]
+                scale = (a_s * b_s)[:, None]
             else:
-                scale = a_s[:, None] * tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)[None, :]
+                scale = a_s[:, None] * b_s[None, :]
+            if PREFETCH_SCALES:  # the next step's scales: a whole step (its MMA) to arrive, not the MMA's tail
+                # the last step loads its own group again (in bounds; never used)
+                kn = tl.minimum((k0 + BLOCK_K) // 128, (K - 1) // 128)
+                a_s = tl.load(as_ptrs + kn * s_ask, mask=mask_m, other=0.0)
+                if SCALAR_BS:
+                    b_s = tl.load(bs_ptrs + kn * s_bsk)
+                else:
+                    b_s = tl.load(bs_ptrs + kn * s_bsk, mask=mask_n, other=0.0)
             if UPCAST:  # the CPU interpreter's dot mis-reads fp8 operands; fp32 is exact there
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)

@@ -22,6 +22,10 @@ __all__ = ["SortedRows", "check_offsets", "masked_gemm", "masked_gemm_fp8", "num
            "tune_masked_gemm"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+#: fp8 GEMMs load each k step's scales one step ahead (``masked_gemm_fp8_kernel``'s PREFETCH_SCALES); read at every
+#: launch, so ``bench/fused_activation.py --switch fp8_scales`` can time both sides in one process. Not yet timed
+#: on a GPU (2026-12-04): the same scales and products, one step earlier.
+PREFETCH_FP8_SCALES = True
 _FP8 = FP8_DTYPE
 
 
@@ -276,7 +280,7 @@ def _launch_gemm(
             a_in, a_scale, b_in, b_scale, out, masked_m,
             groups, m, n, k,
             *a_strides, *as_strides, *b.stride(), *b_scale.stride(), *c_strides,
-            SCALAR_BS=FP8_BLOCK % cfg.block_n == 0, **common,
+            SCALAR_BS=FP8_BLOCK % cfg.block_n == 0, PREFETCH_SCALES=PREFETCH_FP8_SCALES, **common,
         )  # fmt: skip
     else:
         w8a16 = {} if kind != "w8a16" else {"bs_ptr": b_scale, "s_bsg": b_scale.stride(0), "s_bsn": b_scale.stride(1),
