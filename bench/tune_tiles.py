@@ -305,11 +305,25 @@ def tune_sorted(args) -> None:
     print(f"wrote {base}.md ({time.time() - t0:.0f}s); worst chosen/best {worst:.2f}", flush=True)
     if args.ship:
         dst = os.path.join(os.path.dirname(configs.__file__), "tuned_tiles.json")
-        shipped = json.load(open(dst))
-        shipped.update({k: dataclasses.asdict(v) for k, v in entries.items()})
+        with open(dst) as f:
+            shipped = merge_shipped(json.load(f), entries, rows, name)
         with open(dst, "w") as f:
             json.dump(shipped, f, indent=1, sort_keys=True)
         print("shipped", dst, len(shipped), "entries")
+
+
+def merge_shipped(shipped: dict, entries: dict, rows: list[dict], device_name: str) -> dict:
+    """The shipped table with a ``--sorted`` run's entries: its regime tiles, and static-size entries only where this
+    run found one. A static-size entry of an earlier run at a size this run timed is dropped first: it beat the regime
+    tile of its own run, which this run's regime tile replaces (a retune must not leave the old exceptions behind)."""
+    from moe_fx.lowering.triton.configs import regime_key
+
+    out = dict(shipped)
+    for r in rows:
+        out.pop(regime_key(device_name, r["kind"], r["N"], r["K"], "sorted", r["regime"],
+                           r["T"] * SHAPES[r["shape"]][2]), None)
+    out.update({k: dataclasses.asdict(v) for k, v in entries.items()})
+    return out
 
 
 def _graph_ms(fn, target_ms: float = 2.0, replays: int = 5) -> float:

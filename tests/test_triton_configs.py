@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, replace
 
@@ -233,6 +234,28 @@ def test_tune_report_labels_name_every_field():
     got = tune.slot_entries(rows, "FakeGPU")  # only T=1 loses more than the margin; Qwen3 has K=8
     assert got == {configs.regime_key("FakeGPU", "fp8", 1536, 2048, "sorted", 0, 8):
                    TileConfig(16, 64, 128, 1, 4, 5, 2, swap_ab=True)}
+
+
+def test_a_retune_drops_the_static_size_entries_it_timed_again():
+    from helpers import load_bench
+
+    tune = load_bench("tune_tiles")
+    key = functools.partial(configs.regime_key, "FakeGPU", "fp8", 1536, 2048, "sorted", 0)
+    old_regime, old_t1, old_t2, other = (TileConfig(16, 64, 128), TileConfig(16, 128, 128, 1, 4, 3, 3),
+                                         TileConfig(16, 32, 128), TileConfig(32, 64, 128))
+    shipped = {key(): asdict(old_regime), key(8): asdict(old_t1), key(16): asdict(old_t2),
+               configs.regime_key("FakeGPU", "bf16", 1536, 2048, "sorted", 0, 8): asdict(other)}
+    new_regime = TileConfig(16, 64, 128, 1, 4, 4, 4, swap_ab=True, flatten=True)
+    # this run timed Qwen3 (K=8) at T=1 only, where its regime tile is now within the margin of the best
+    rows = [{"shape": "qwen3", "kind": "fp8", "N": 1536, "K": 2048, "regime": 0, "T": 1, "best": tune._tile(new_regime),
+             "best_us": 9.3, "chosen": tune._tile(new_regime), "chosen_us": 9.3}]
+    entries = {key(): new_regime, **tune.slot_entries(rows, "FakeGPU")}
+    got = tune.merge_shipped(shipped, entries, rows, "FakeGPU")
+    assert got[key()] == asdict(new_regime)
+    assert key(8) not in got  # timed again, no longer an exception
+    assert got[key(16)] == asdict(old_t2)  # T=2 was not timed: kept
+    assert configs.regime_key("FakeGPU", "bf16", 1536, 2048, "sorted", 0, 8) in got  # another kind: kept
+    assert shipped[key(8)] == asdict(old_t1)  # the input is not changed
 
 
 def test_tune_takes_a_users_layer_shape():
