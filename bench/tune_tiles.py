@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from moe_layer import SHAPES, TOKENS  # noqa: E402
+from moe_layer import GPT_OSS_ACT, SHAPES, TOKENS  # noqa: E402
 
 #: where --sorted builds its operands (a CPU smoke run of the script sets it to "cpu")
 DEVICE = "cuda"
@@ -145,6 +145,19 @@ def _sorted_jobs(args):
                     yield shape, t, kind, gemm
 
 
+def epilogue_activation(shape: str, kind: str, regime: int):
+    """The activation GEMM1 of ``shape``'s layer applies in its epilogue at ``regime`` (``None``: the separate kernel).
+
+    Tuning times the GEMM the pipeline runs: with gate/up halves in its epilogue a swapped tile loads two weight
+    tiles per k step (twice its shared memory: fewer programs fit per SM), so the unfused GEMM's best tile is not
+    the fused one's. Asks the pipeline's own rule (``pipeline.fuse_activation``)."""
+    from moe_fx.lowering.masked_experts.pipeline import fuse_activation
+    from moe_fx.ops import ExpertActivation
+
+    spec = ExpertActivation(**GPT_OSS_ACT) if SHAPES[shape][0] == "gpt_oss" else ExpertActivation()
+    return spec if fuse_activation(spec, kind == "fp8", regime) else None
+
+
 def _sorted_cell(shape: str, t: int, kind: str, gemm: int, cache: dict):
     """``(run(cfg), N, K, regime, flops)`` for one cell: real routing, the layer's operands."""
     from moe_fx.lowering.problem import row_regime, rows_per_expert
@@ -171,23 +184,26 @@ def _sorted_cell(shape: str, t: int, kind: str, gemm: int, cache: dict):
         ids = scores.topk(k, dim=-1).indices
         x = torch.randn(t, h, device=DEVICE, generator=g, dtype=torch.bfloat16)
         a2 = torch.randn(1, t * k, i, device=DEVICE, generator=g, dtype=torch.bfloat16)
-        cache.update(t=t, rows=sort_by_expert(ids, e), x=x, a2=a2, xq=quantize_rows(x),
+        cache.update(t=t, ids=ids, rows=sort_by_expert(ids, e), x=x, a2=a2, xq=quantize_rows(x),
                      a2q=quantize_rows(a2[0]))
     w13, s13, w2, s2 = cache[kind]
     rows = cache["rows"]
     regime = row_regime(rows_per_expert(t, k, e))
     fp8 = kind == "fp8"
+    activation = None
     if gemm == 1:
         a, a_s = cache["xq"] if fp8 else (cache["x"], None)
         w, w_s, gather = w13, s13, True
+        activation = epilogue_activation(shape, kind, regime)
     else:
         a, a_s = (cache["a2q"][0].unsqueeze(0), cache["a2q"][1].unsqueeze(0)) if fp8 else (cache["a2"], None)
         w, w_s, gather = w2, s2, False
     n_, k_ = w.shape[1], w.shape[2]
-    out = torch.empty(1, t * k, n_, device=DEVICE, dtype=torch.bfloat16)
+    out = torch.empty(1, t * k, n_ // 2 if activation is not None else n_, device=DEVICE, dtype=torch.bfloat16)
 
     def run(cfg):
-        return sorted_gemm(a, w, rows, out, a_scale=a_s, b_scale=w_s, gather=gather, regime=regime, config=cfg)
+        return sorted_gemm(a, w, rows, out, a_scale=a_s, b_scale=w_s, gather=gather, regime=regime, config=cfg,
+                           activation=activation)
 
     return run, n_, k_, regime, 2 * t * k * n_ * k_
 

@@ -320,6 +320,24 @@ def test_flattened_tiles_reach_the_launch_and_write_only_their_outputs(sm90, mon
         _assert_every_parameter_passed(node)
 
 
+def test_persistent_grids_are_sized_for_the_programs_that_fit(sm90, monkeypatch):
+    """A swapped 16x64x128 tile of 2 programs per SM (4 stages) takes 80 KB per program as GEMM2, 147 KB as GEMM1
+    with gate/up halves in its epilogue (two weight tiles per k step): GEMM1's grid is sized for one program per
+    SM (the second half would run as a second wave), GEMM2's for two. A symbolic token count gives full grids."""
+    from moe_fx.lowering.triton import configs
+
+    swapped = {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2,
+               "swap_ab": True}
+    table = {f"NVIDIA H200|bf16|N{n}|K256|sorted|r0": swapped for n in (256, 512)}
+    monkeypatch.setattr(configs, "_shipped", lambda: table)
+    monkeypatch.setattr(configs, "_memory", {})
+    monkeypatch.setattr(configs, "_disk_loaded", {})
+    gm = _trace(_experts, _symbolic_inputs(2))  # 2 tokens, top-2 of 8: rows per expert <= 4
+    grids = [(n.kwargs["kwargs"].get("ACT_FUSED"), n.kwargs["grid"][0][0]) for n in _launches(gm)
+             if "gemm" in _kernel_name(n)]
+    assert grids == [(True, 132), (False, 264)], grids
+
+
 def test_activation_epilogue_where_it_measured_faster(sm90):
     """Gate/up halves take GEMM1's activation epilogue up to 64 rows per expert and the separate kernel at
     prefill sizes (where the split tile measured slower); interleaved gate/up (GPT-OSS) take it at every size."""

@@ -220,6 +220,61 @@ def test_flattened_regime_candidates_compile_to_one_pipelined_loop(fp8):
         assert shared * cfg.programs_per_sm <= SM_SMEM_BUDGET + 1024 * cfg.programs_per_sm, (cfg, shared)
 
 
+def _registers(compiled) -> int:
+    """Registers a thread of ``compiled`` (an sm_90 build) takes, read from its cubin by triton's own cuobjdump."""
+    import os
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        pytest.skip(f"no cuobjdump in this triton ({tool})")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"REG:(\d+)", out).group(1))
+
+
+#: an sm_90 SM: 64K registers, allocated per warp in steps of 8 a thread; 228 KB of shared memory, 1 KB of it
+#: reserved per resident program
+SM_REGISTERS, SM_SHARED, PROGRAM_RESERVED = 65536, 233472, 1024
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_regime_candidates_fit_their_programs_per_sm(kind):
+    """A persistent grid is sized for the programs per SM its launch expects (:func:`configs.resident_programs`: the
+    tile's ``programs_per_sm``, fewer where the launched tiles' shared memory does not fit them); if they do not fit
+    side by side (registers or shared memory of the kernel as compiled), the rest of the grid runs as a second wave.
+    Every candidate of several programs, compiled with its warps and stages as the pipeline launches it (bf16 GEMM1
+    up to 64 rows per expert with gate/up halves in its epilogue: a swapped tile then loads two weight tiles per k
+    step; GEMM2 plain)."""
+    from moe_fx.lowering.triton.configs import regime_candidates, resident_programs
+
+    fp8 = kind == "fp8"
+    halves = {"ACT_FUSED": True, "ACT": 0, "GATED": True}
+    seen = set()
+    for regime in range(5):
+        for cfg in regime_candidates(kind, regime):
+            fused = not fp8 and regime <= 2
+            if cfg.programs_per_sm == 1 or (cfg, fused) in seen:
+                continue
+            seen.add((cfg, fused))
+            for gather, act in ((True, halves if fused else None), (False, None)):
+                block_n = cfg.block_n // 2 if act and not cfg.swap_ab else cfg.block_n  # grouped_gemm._split_columns
+                fn, types, consts = _sorted_gemm(fp8, gather, act=act, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
+                                                 BLOCK_K=cfg.block_k)
+                consts.update(GROUP_M=cfg.group_m, TMA=cfg.tma, DEVICE_TMA=cfg.tma, SWAP_AB=cfg.swap_ab,
+                              FLATTEN=cfg.flatten)
+                compiled = _compile(fn, types, consts, cfg.num_warps, cfg.num_stages)
+                regs = (_registers(compiled) + 7) // 8 * 8
+                by_regs = SM_REGISTERS // (regs * 32 * cfg.num_warps)
+                by_smem = SM_SHARED // (compiled.metadata.shared + PROGRAM_RESERVED)
+                expected = resident_programs(cfg, 1 if fp8 else 2, 2 if act and cfg.swap_ab else 1)
+                assert min(by_regs, by_smem) >= expected, (
+                    regime, cfg, "GEMM1" if gather else "GEMM2", "fused" if act else "", regs, compiled.metadata.shared)
+
+
 def test_sort_kernels_compile():
     from moe_fx.lowering.triton.sort import DECODE_PAIRWISE_SLOTS, pairwise_slots
 

@@ -169,6 +169,15 @@ def test_regime_candidates_fit_and_cover_uneven_loads():
         assert any(c.block_m >= 32 for c in configs.regime_candidates(kind, 1))
 
 
+def test_resident_programs_count_the_launched_tiles():
+    swapped = TileConfig(16, 64, 128, 1, 4, 4, 2, swap_ab=True)
+    assert configs.resident_programs(swapped, 2) == 2  # 80 KB each
+    assert configs.resident_programs(swapped, 2, b_tiles=2) == 1  # gate and up tiles: 147 KB each
+    assert configs.resident_programs(TileConfig(16, 64, 64, 1, 4, 4, 2, swap_ab=True), 2, b_tiles=2) == 2
+    assert configs.resident_programs(TileConfig(128, 256, 64, 8, 8, 3, 1), 4) == 1  # never below one
+    assert configs.resident_programs(TileConfig(16, 32, 128, 1, 4, 5, 4), 1) == 4
+
+
 def test_untuned_shape_takes_the_nearest_tuned_shapes_regime_entry(fresh, monkeypatch):
     near, far, other_regime = TileConfig(16, 128, 128, 1, 4, 3, 3), TileConfig(32, 64, 128), TileConfig(128, 256, 64)
     fp8_only = TileConfig(16, 32, 128, 1, 4, 5, 4)
@@ -256,6 +265,37 @@ def test_a_retune_drops_the_static_size_entries_it_timed_again():
     assert got[key(16)] == asdict(old_t2)  # T=2 was not timed: kept
     assert configs.regime_key("FakeGPU", "bf16", 1536, 2048, "sorted", 0, 8) in got  # another kind: kept
     assert shipped[key(8)] == asdict(old_t1)  # the input is not changed
+
+
+@pytest.mark.parametrize("family", ["custom", "gpt_oss"])
+def test_tuning_times_gemm1_as_the_pipeline_runs_it(family, monkeypatch):
+    """Where the pipeline applies the activation in GEMM1's epilogue, --sorted times that GEMM (a swapped tile then
+    loads two weight tiles per k step): the cell's output is the activation of the product, on CPU here."""
+    from helpers import load_bench
+
+    from moe_fx.lowering.masked_experts.pipeline import FUSE_HALVES_MAX_ROWS
+    from moe_fx.lowering.problem import row_regime
+
+    tune = load_bench("tune_tiles")
+    monkeypatch.setattr(tune, "DEVICE", "cpu")
+    monkeypatch.setitem(tune.SHAPES, "tiny", (family, 4, 2, 128, 64))
+    halves = family == "custom"
+    assert tune.epilogue_activation("tiny", "fp8", 0) is None  # fp8: the activation kernel quantises for GEMM2
+    top = row_regime(FUSE_HALVES_MAX_ROWS + 1)
+    assert (tune.epilogue_activation("tiny", "bf16", top) is None) == halves  # halves: unfused at prefill sizes
+    spec = tune.epilogue_activation("tiny", "bf16", 0)
+    assert spec is not None and spec.gate_up_layout == ("halves" if halves else "interleaved")
+    cache: dict = {}
+    run, n, k, regime, _ = tune._sorted_cell("tiny", 5, "bf16", 1, cache)
+    assert (n, k, regime) == (128, 128, 0)
+    out = run(TileConfig(16, 64, 64, 1, 4, 1, 1)).float()
+    assert out.shape == (1, 10, 64)
+    rows, x, (w13, *_) = cache["rows"], cache["x"].float(), cache["bf16"]
+    ref = spec.apply(torch.einsum("sh,snh->sn", x.repeat_interleave(2, 0), w13.float()[cache["ids"].flatten()]))
+    pos = rows.slot_pos.long()
+    assert torch.allclose(out[0, pos], ref, rtol=3e-2, atol=3e-2), (out[0, pos] - ref).abs().max()
+    run2, n2, k2, _, _ = tune._sorted_cell("tiny", 5, "bf16", 2, cache)  # GEMM2: no epilogue
+    assert (n2, k2) == (128, 64) and run2(TileConfig(16, 64, 64, 1, 4, 1, 1)).shape == (1, 10, 128)
 
 
 def test_tune_takes_a_users_layer_shape():

@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 __all__ = ["TileConfig", "cache_path", "candidates", "fit_smem", "get_config", "m_bucket", "nearest_regime_entry",
-           "pick_regime_config", "regime_bucket", "regime_candidates", "regime_key", "store", "tile_source", "tune"]
+           "pick_regime_config", "regime_bucket", "regime_candidates", "regime_key", "resident_programs", "store",
+           "tile_source", "tune"]
 
 log = logging.getLogger("moe_fx.lowering.triton")
 
@@ -55,21 +56,32 @@ class TileConfig:
     #: per tile (short-K GEMMs and decode GEMVs of several tiles per program pay that every tile)
     flatten: bool = False
 
-    def smem_bytes(self, elem_bytes: int) -> int:
+    def smem_bytes(self, elem_bytes: int, b_tiles: int = 1) -> int:
         """Shared memory the pipelined A and B tiles take (the kernel's dominant use).
+
+        ``b_tiles``: weight tiles per k step: 2 where a swapped tile applies gate/up halves in its epilogue
+        (it keeps its width and loads the gate's and the up's rows: ``grouped_gemm._split_columns``).
 
         fp32 operands take one more half-size buffer: 128x256x64 at 2 stages asked for 240 KB, 48 KB
         over its 192 KB of tiles (triton 3.6 on an H200, 2026-12-04). A flattened loop's epilogue stages
         its tile through shared memory: 2-32 KB more in every tile compiled for sm_90 with triton 3.6
         (128x256 and 128x128: 32 KB; 64x128: 8 KB; 16x64 swapped: 2 KB), counted as ``min(2 BM BN, 32 KB)``.
         """
-        tiles = (self.block_m + self.block_n) * self.block_k * elem_bytes * self.num_stages
-        tiles += (self.block_m + self.block_n) * self.block_k * 2 if elem_bytes >= 4 else 0
+        tiles = (self.block_m + b_tiles * self.block_n) * self.block_k * elem_bytes * self.num_stages
+        tiles += (self.block_m + b_tiles * self.block_n) * self.block_k * 2 if elem_bytes >= 4 else 0
         return tiles + (min(2 * self.block_m * self.block_n, FLATTEN_EPILOGUE_SMEM) if self.flatten else 0)
 
 
 #: the most shared memory a flattened loop's epilogue was seen to add (see :meth:`TileConfig.smem_bytes`)
 FLATTEN_EPILOGUE_SMEM = 32 * 1024
+
+
+def resident_programs(cfg: TileConfig, elem_bytes: int, b_tiles: int = 1) -> int:
+    """Programs of ``cfg`` per SM a persistent grid is sized for: its ``programs_per_sm``, fewer where the launch's
+    tiles do not fit side by side in :data:`SM_SMEM_BUDGET` (a swapped tile with gate/up halves in its epilogue
+    loads ``b_tiles = 2`` weight tiles per k step: the unfused GEMM's 2 x 80 KB become 2 x 147 KB for
+    16x64x128, 4 stages). A grid sized for more programs than fit runs the rest as a second wave."""
+    return max(1, min(cfg.programs_per_sm, SM_SMEM_BUDGET // max(1, cfg.smem_bytes(elem_bytes, b_tiles))))
 
 
 #: shared memory a program's pipelined tiles may take (Hopper has 227 KB per SM; Triton adds a little)
@@ -199,27 +211,28 @@ def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
                      T(16, 64, 128, 1, 4, 5, 2, swap_ab=True), T(16, 128, 128, 1, 4, 4, 1, swap_ab=True),
                      T(16, 128, 128, 1, 4, 3, 3), T(16, 128, 128, 1, 4, 3, 3, swap_ab=True),
                      T(16, 64, 128, 1, 4, 4, 4, swap_ab=True)]
-            flat = [T(16, 64, 128, 1, 4, 4, 4, swap_ab=True), T(16, 128, 128, 1, 4, 3, 3, swap_ab=True)]
+            flat = [T(16, 64, 128, 1, 4, 4, 3, swap_ab=True), T(16, 128, 128, 1, 4, 3, 3, swap_ab=True)]
         else:
             cands = [T(16, 64, 128, 1, 4, 4, 2), T(16, 32, 256, 1, 4, 4, 2), T(16, 128, 128, 1, 4, 4, 1),
                      T(16, 64, 256, 1, 4, 3, 1), T(16, 64, 128, 1, 4, 4, 2, swap_ab=True),
-                     T(16, 64, 64, 1, 4, 4, 4), T(16, 128, 64, 1, 4, 3, 3, swap_ab=True)]
+                     T(16, 64, 64, 1, 4, 4, 4), T(16, 128, 64, 1, 4, 3, 3, swap_ab=True),
+                     T(16, 64, 64, 1, 4, 4, 2, swap_ab=True)]
             flat = [T(16, 64, 128, 1, 4, 4, 2, swap_ab=True), T(16, 64, 128, 1, 4, 4, 2)]
     elif hi is not None and hi <= 16:
         if fp8:
             cands = [T(16, 64, 128, 1, 4, 5, 2), T(32, 128, 128, 4, 4, 4, 2), T(32, 64, 128, 1, 4, 4, 2, swap_ab=True),
                      T(16, 128, 128, 1, 4, 4, 1, swap_ab=True), T(16, 128, 128, 1, 4, 3, 3),
-                     T(32, 128, 128, 1, 4, 3, 3, swap_ab=True)]
-            flat = [T(16, 128, 128, 1, 4, 3, 3), T(32, 64, 128, 1, 4, 4, 2, swap_ab=True)]
+                     T(32, 128, 128, 1, 4, 3, 2, swap_ab=True)]
+            flat = [T(16, 128, 128, 1, 4, 3, 2), T(32, 64, 128, 1, 4, 4, 2, swap_ab=True)]
         else:
             cands = [T(16, 64, 128, 1, 4, 4, 2), T(16, 32, 256, 1, 4, 4, 2), T(32, 64, 128, 1, 4, 4, 2),
                      T(32, 128, 128, 1, 4, 3, 1), T(32, 64, 128, 1, 4, 4, 2, swap_ab=True), T(16, 64, 64, 1, 4, 4, 4),
-                     T(32, 128, 64, 1, 4, 3, 3, swap_ab=True)]
+                     T(32, 128, 64, 1, 4, 3, 3, swap_ab=True), T(32, 64, 64, 1, 4, 4, 2, swap_ab=True)]
             flat = [T(32, 64, 128, 1, 4, 4, 2, swap_ab=True), T(16, 64, 128, 1, 4, 4, 2)]
     elif hi is not None and hi <= 64:
         if fp8:
             cands = [T(32, 128, 128, 4, 4, 4, 2), T(64, 128, 128, 4, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1),
-                     T(64, 128, 128, 4, 4, 4, 2, tma=True), T(32, 128, 128, 1, 4, 3, 3)]
+                     T(64, 128, 128, 4, 4, 4, 2, tma=True), T(32, 128, 128, 1, 4, 3, 2)]
             flat = [T(64, 128, 128, 4, 4, 3, 2), T(128, 128, 128, 8, 8, 4, 1, tma=True)]
         else:
             # 128x256: vLLM's tuned H200 tile at these sizes (Mixtral T=256: 737 against 865 µs, 2026-12-04), which
@@ -249,7 +262,11 @@ def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
                  T(128, 256, 64, 8, 8, 4, 1, tma=True)]
         flat = [T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True)]
     # flattened twins of the tiles that won (or came close) in the 2026-12-04 tuning, at a stage count whose
-    # epilogue staging still fits two programs per SM where the twin runs two
+    # epilogue staging still fits two programs per SM where the twin runs two. Programs per SM are what fits
+    # side by side in registers too (tests/test_triton_compile.py compiles every candidate as launched): the
+    # 32x128x128 fp8 tiles of 2026-12-04 asked for 3 with ~190 registers a thread (2 fit), so a third of their
+    # grid ran as a second wave. The swapped bf16 16x64x64 / 32x64x64 tiles fit two programs per SM where GEMM1
+    # applies gate/up halves in its epilogue (two weight tiles per k step), which 16x64x128 / 32x64x128 do not.
     return cands + [replace(c, flatten=True) for c in flat]
 
 

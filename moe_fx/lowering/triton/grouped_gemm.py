@@ -44,13 +44,15 @@ def _known_empty(*sizes: object) -> bool:
     return any(isinstance(s, int) and s == 0 for s in sizes)
 
 
-def num_programs(device: torch.device, cfg: configs.TileConfig, tile_bound: object) -> int:
+def num_programs(device: torch.device, cfg: configs.TileConfig, tile_bound: object, per_sm: int | None = None) -> int:
     """Persistent grid size: enough programs to fill the GPU, never more than the tiles there can be.
 
     A symbolic bound (the token count is dynamic in a compiled graph) gives the full-GPU size: the
     programs without a tile return at once, and the grid stays a constant of the compiled code.
+    ``per_sm``: the programs that fit on an SM as launched (:func:`configs.resident_programs`; default the
+    tile's ``programs_per_sm``).
     """
-    full = 4 if device.type != "cuda" else _sms(device) * cfg.programs_per_sm
+    full = 4 if device.type != "cuda" else _sms(device) * (per_sm or cfg.programs_per_sm)
     if not isinstance(tile_bound, int):
         return full
     return max(1, min(tile_bound, full))
@@ -253,7 +255,9 @@ def _launch_gemm(
 
     ``epilogue``: the activation's kernel arguments (:func:`moe_fx.lowering.triton.act_args.epilogue_args`)
     when GEMM1 applies it (bf16 kinds only)."""
-    nprog = num_programs(a.device, cfg, tile_bound)
+    # a swapped tile with gate/up halves in its epilogue loads the gate's and the up's weight tiles
+    b_tiles = 2 if epilogue and epilogue["GATED"] and not epilogue["INTERLEAVED"] and cfg.swap_ab else 1
+    nprog = num_programs(a.device, cfg, tile_bound, configs.resident_programs(cfg, a.element_size(), b_tiles))
     device_tma = sorted_rows is not None and cfg.tma and _device_tma_ok(a, b, gather)
     if device_tma:
         a_in, b_in, tma = a, b, True
