@@ -160,3 +160,19 @@ def test_identity_experts_and_edge_cases(device):
     assert unpermute_from_masked(b.x, b.slot_pos, w[:0]).shape == (0, h)
     with pytest.raises(ValueError):
         permute_to_masked(hidden, ids[:2], 3, 3)
+
+
+def test_combine_block_fills_the_gpu_at_static_decode_sizes():
+    """A static token count splits rows into narrower blocks until the grid has about one program per SM (T=1 on
+    2048-wide rows: 16 programs, not 2); a symbolic one keeps 1024 (its grid is a constant of the graph)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from moe_fx.lowering.triton.permute import COMBINE_MIN_BLOCK, combine_block
+
+    assert combine_block(1, 2048) == COMBINE_MIN_BLOCK == 128
+    assert combine_block(16, 2048) == 128 and combine_block(64, 2048) == 512
+    assert combine_block(4096, 2048) == 1024 and combine_block(4096, 7168) == 1024
+    assert combine_block(1, 100) == 128  # never below the narrowest block
+    env = ShapeEnv()
+    sym_t = env.create_unbacked_symint()
+    assert combine_block(sym_t, 2048) == 1024

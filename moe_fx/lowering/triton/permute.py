@@ -22,7 +22,7 @@ from moe_fx.lowering.triton._loader import launch
 from moe_fx.lowering.triton.grouped_gemm import _known_empty, _out, _pow2
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["MaskedBatch", "masked_rows_needed", "permute_to_masked", "unpermute_from_masked"]
+__all__ = ["MaskedBatch", "combine_block", "masked_rows_needed", "permute_to_masked", "unpermute_from_masked"]
 
 
 @dataclass
@@ -125,6 +125,24 @@ def permute_to_masked(
     return MaskedBatch(x, x_scale, counts, slot_pos)
 
 
+#: the combine's grid at a static token count has at least this many programs where rows allow it (one per SM
+#: of an H200): at T=1 a 2048-wide row in 1024-column blocks left 2 programs for the whole step
+COMBINE_MIN_PROGRAMS = 132
+#: the narrowest column block the combine takes to get there (8 rows x 128 columns per program at top-8)
+COMBINE_MIN_BLOCK = 128
+
+
+def combine_block(t: object, h: int) -> int:
+    """Columns per program of the combine: 1024 (long rows stream well), halved for a static decode-sized token
+    count until the grid has :data:`COMBINE_MIN_PROGRAMS` programs (T=1, H=2048: 16 programs of 128 columns
+    instead of 2 of 1024). A symbolic T keeps 1024: its grid is a constant of the compiled graph."""
+    block = min(1024, _pow2(h))
+    if isinstance(t, int):
+        while block > COMBINE_MIN_BLOCK and t * cdiv(h, block) < COMBINE_MIN_PROGRAMS:
+            block //= 2
+    return block
+
+
 def unpermute_from_masked(
     y: torch.Tensor,
     slot_pos: torch.Tensor,
@@ -173,7 +191,7 @@ def unpermute_from_masked(
     ids_strides = topk_ids.stride() if identity else (0, 0)
     hid = hidden if identity else None
     hid_strides = hidden.stride() if identity else (0, 0)
-    block_h = min(1024, _pow2(h))
+    block_h = combine_block(t, h)
     launch(
         "unpermute_kernel", dev, (t, cdiv(h, block_h)),
         y, slot_pos, topk_weights, out, ids, hid,
