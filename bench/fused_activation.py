@@ -8,7 +8,9 @@
   dequantise the weight tiles, GEMM1 applies the activation) vs activations quantised 1x128 as at prefill
   (``pipeline.W8A16_MAX_ROWS`` 16 vs 0);
 * ``--switch fp8_scales``: fp8 weights, the GEMMs' scales loaded one k step ahead vs in the step that uses them
-  (``moe_fx.lowering.triton.grouped_gemm.PREFETCH_FP8_SCALES``), at any T.
+  (``moe_fx.lowering.triton.grouped_gemm.PREFETCH_FP8_SCALES``), at any T;
+* ``--switch slot_rows``: bf16 weights, one token's rows in slot order without the sort vs sorted
+  (``pipeline.SLOT_ROWS_MAX_TOKENS`` 1 vs 0): only T=1 differs.
 
 For each shape and token count T, ``torch.ops.moe_fx.experts(kernel_choice="triton")`` is captured in CUDA
 graphs twice (switch on / off: the switch is read when a call runs, so each capture launches its own
@@ -17,7 +19,7 @@ kernels), over the same rotating routing sets, and the two are timed alternately
 matmul rate)`` with both limits measured in the same run, and the relative error of each variant against the
 fp32 reference (first routing set of the row), and of one variant against the other at every T.
 
-    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales] [--shapes qwen3,mixtral,gpt_oss]
+    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|slot_rows] [--shapes qwen3,mixtral,gpt_oss]
                                      [--tokens 1,16,256,1024,4096] [--rounds 3]
     python bench/fused_activation.py --smoke   # CPU, Triton interpreter, tiny shapes: checks the script end to end
 
@@ -88,6 +90,9 @@ SWITCHES = {
                "at every size (off, W8A8)")),
     "fp8_scales": ("triton.grouped_gemm.PREFETCH_FP8_SCALES", True, False, True,
                    ("fp8 GEMMs: each k step's scales loaded one step ahead (on) vs in the step that uses them (off)")),
+    "slot_rows": ("masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS", 1, 0, False,
+                  ("one token: rows in slot order, no sort launch (on) vs sorted rows (off), bf16 (T=1 rows only "
+                   "differ)")),
 }
 
 

@@ -12,16 +12,17 @@ from helpers import load_bench
 pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("switch,stem,bound", [("epilogue", "fused_activation", 3e-2), ("w8a16", "w8a16", 8e-2),
-                                                ("fp8_scales", "fp8_scales", 8e-2)])
-def test_smoke_writes_rows_with_both_variants_close_to_the_reference(tmp_path, switch, stem, bound):
+@pytest.mark.parametrize("switch,stem,bound,tokens", [("epilogue", "fused_activation", 3e-2, 3),
+                                                       ("w8a16", "w8a16", 8e-2, 3), ("fp8_scales", "fp8_scales", 8e-2, 3),
+                                                       ("slot_rows", "slot_rows", 3e-2, 1)])
+def test_smoke_writes_rows_with_both_variants_close_to_the_reference(tmp_path, switch, stem, bound, tokens):
     mod = load_bench("fused_activation")
-    mod.main(["--smoke", "--switch", switch, "--tokens", "3", "--out", str(tmp_path), "--tag", "t"])
+    mod.main(["--smoke", "--switch", switch, "--tokens", str(tokens), "--out", str(tmp_path), "--tag", "t"])
     (json_path,) = tmp_path.glob(f"{stem}_*_t.json")
     data = json.loads(json_path.read_text())
     assert data["meta"]["switch"] == switch
     rows = data["rows"]
-    assert [(r["shape"], r["T"]) for r in rows] == [("qwen3", 3), ("gpt_oss", 3)]
+    assert [(r["shape"], r["T"]) for r in rows] == [("qwen3", tokens), ("gpt_oss", tokens)]
     for r in rows:
         assert r["on_us"] > 0 and r["off_us"] > 0
         # against the fp32 reference: bf16 weights (the fused variant keeps GEMM1's product in fp32); fp8 weights
@@ -30,7 +31,7 @@ def test_smoke_writes_rows_with_both_variants_close_to_the_reference(tmp_path, s
         assert r["on_vs_off_err"] < bound, r
     if switch == "w8a16":  # the variants differ in what they round: W8A16 keeps the activations in bf16
         assert all(r["ref_err_on"] < r["ref_err_off"] for r in rows), rows
-    if switch == "fp8_scales":  # when the scales load, not what is computed
+    if switch in ("fp8_scales", "slot_rows"):  # when the scales load / where the rows are, not what is computed
         assert all(r["on_vs_off_err"] == 0.0 for r in rows), rows
     md = json_path.with_suffix(".md").read_text()
-    assert "| qwen3 | 3 |" in md and "| gpt_oss | 3 |" in md
+    assert f"| qwen3 | {tokens} |" in md and f"| gpt_oss | {tokens} |" in md

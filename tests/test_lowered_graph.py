@@ -278,6 +278,23 @@ def test_dynamic_graph_tiles_are_the_regimes_not_the_traced_size(sm90, monkeypat
             assert set(node.kwargs["tensors_to_clone"]) == {"c_ptr"}, node.kwargs["tensors_to_clone"]
 
 
+def test_one_token_runs_without_a_sort(sm90):
+    """Dynamo specialises one token: its graph launches GEMM1 and GEMM2 on rows in slot order (their SLOTS mode, the
+    ids read in place) and the combine (SLOT_ROWS): no sort kernel, each kernel writing only its output."""
+    gm = _trace(_experts, _inputs(FakeTensorMode(), t=1))
+    launches = _launches(gm)
+    assert [_kernel_name(n) for n in launches] == ["masked_gemm_kernel", "masked_gemm_kernel", "unpermute_kernel"]
+    gemm1, gemm2, combine = launches
+    assert gemm1.kwargs["kwargs"]["SLOTS"] and gemm2.kwargs["kwargs"]["SLOTS"] and combine.kwargs["kwargs"]["SLOT_ROWS"]
+    assert gemm1.kwargs["kwargs"]["ACT_FUSED"]
+    for node, out in ((gemm1, "c_ptr"), (gemm2, "c_ptr"), (combine, "out_ptr")):
+        assert set(node.kwargs["tensors_to_clone"]) == {out}, node.kwargs["tensors_to_clone"]
+        _assert_every_parameter_passed(node)
+    # fp8 weights keep the sort, whose launch quantises the token
+    fp8 = _trace(_experts_fp8, _inputs(FakeTensorMode(), t=1, fp8=True))
+    assert _kernel_name(_launches(fp8)[0]) == "sort_small_kernel"
+
+
 def test_static_graph_runs_its_sizes_own_tile_and_a_dynamic_one_the_regimes(sm90, monkeypatch):
     """A static token count (Dynamo always specialises T=1) launches the tile tuned for its exact slot count
     (``...|s<T*K>`` entries); a graph with a symbolic T never does, whatever size it was traced with."""

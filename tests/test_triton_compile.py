@@ -52,7 +52,7 @@ GEMM = {"GROUP_M": 8, "E_POW2": 128, "EVEN_K": True, "UPCAST": False, "s_ak": 1,
         "TOPK": 1, "ROUTE_W": False, "SWAP_AB": False, "DEVICE_TMA": False, "FLATTEN": False}
 #: masked_gemm_kernel's epilogue activation and fp8 weights off (the bf16 kernel's extra constants)
 NO_ACT = {"ACT_FUSED": False, "ACT": 0, "GATED": False, "INTERLEAVED": False, "HAS_LIMIT": False, "B_FP8": False,
-          "bs_ptr": None}
+          "bs_ptr": None, "SLOTS": False, "ids_ptr": None}
 #: Inductor types Python float arguments as fp64 (seen on torch 2.11): the kernels must compile with those
 ACT_FLOATS = {"alpha": "fp64", "limit": "fp64", "up_offset": "fp64"}
 
@@ -145,7 +145,7 @@ def test_elementwise_kernels_compile(quant, gpt_oss):
             consts[name] = None
     _compile(k.permute_kernel, types, consts)
     types = {"y_ptr": "*bf16", "pos_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16"}
-    consts = {"K_POW2": 8, "BLOCK_H": 1024, "HAS_W": not quant, "IDENTITY": gpt_oss}
+    consts = {"K_POW2": 8, "BLOCK_H": 1024, "HAS_W": not quant, "IDENTITY": gpt_oss, "SLOT_ROWS": False}
     if gpt_oss:
         types.update({"ids_ptr": "*i64", "h_ptr": "*bf16"})
     else:
@@ -273,6 +273,32 @@ def test_regime_candidates_fit_their_programs_per_sm(kind):
                 expected = resident_programs(cfg, 1 if fp8 else 2, 2 if act and cfg.swap_ab else 1)
                 assert min(by_regs, by_smem) >= expected, (
                     regime, cfg, "GEMM1" if gather else "GEMM2", "fused" if act else "", regs, compiled.metadata.shared)
+
+
+@pytest.mark.parametrize("form", ["silu", "gpt_oss"])
+def test_one_token_gemms_and_combine_compile_without_a_sort(form):
+    """Rows in slot order (one token, no sort): GEMM1 with its epilogue and GEMM2 in the SLOTS mode on the decode
+    tile (swapped: wgmma), and the combine finding each slot's row from its id: no spills."""
+    k = _kernels()
+    for gather in (True, False):
+        fn, types, consts = _activation_gemm(form if gather else "none", 16, 64, 128, False, True)
+        consts["SLOTS"] = True
+        del consts["ids_ptr"]
+        types["ids_ptr"] = "*i64"
+        if gather:
+            consts.pop("sorted_ptr", None)
+            types.pop("sorted_ptr", None)
+            consts["sorted_ptr"] = None
+        ptx = _compile(fn, types, consts, 4, 4).asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async" in ptx, form
+        assert "ld.local" not in ptx and "st.local" not in ptx, form
+    types = {"y_ptr": "*bf16", "pos_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16", "ids_ptr": "*i64"}
+    consts = {"K_POW2": 8, "BLOCK_H": 128, "HAS_W": True, "IDENTITY": form == "gpt_oss", "SLOT_ROWS": True}
+    if form == "gpt_oss":
+        types["h_ptr"] = "*bf16"
+    else:
+        consts["h_ptr"] = None
+    _compile(k.unpermute_kernel, types, consts)
 
 
 def test_sort_kernels_compile():

@@ -412,3 +412,48 @@ def test_block_sort_gives_the_two_passes_rows(t, k, e, monkeypatch):
     assert torch.equal(blocks.scratch[: e + 1], passes.scratch[: e + 1])
     assert torch.equal(blocks.slot_pos, passes.slot_pos)
     assert torch.equal(blocks.sorted_slots[:total], passes.sorted_slots[:total])
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("t,max_tokens", [(1, 1), (3, 4)])
+def test_rows_in_slot_order_give_the_sorted_layouts_output(form, t, max_tokens, device, monkeypatch):
+    """A static token count up to ``SLOT_ROWS_MAX_TOKENS`` runs without the sort: slot (t, k) owns row t * K + k and
+    the GEMMs read its expert id. Same output as the sorted rows (bit for bit under the interpreter), for every
+    activation form (biases, identity experts, weights on the input), repeated ids, ids with no expert (-1)."""
+    from moe_fx.lowering.masked_experts import pipeline
+
+    monkeypatch.setattr(pipeline, "SLOT_ROWS_MAX_TOKENS", max_tokens)
+    gen = torch.Generator().manual_seed(t * 31 + len(form))
+    k, e, h, i = 3, 4, 136, 72
+    spec, hidden, ids, w, w13, w2, b13, b2, on_input, identity = _layer(form, t, k, e, h, i, gen)
+    ids[0, 1] = ids[0, 0].clamp(min=0)  # a token naming one expert twice
+    ids[-1, -1] = -1
+    args = [x if x is None else x.to(device) for x in (hidden, ids, w, w13, w2, b13, b2)]
+    a = bind_experts(*args[:5], spec.name, on_input, kernel_choice="triton", w13_bias=args[5], w2_bias=args[6],
+                     gated=spec.gated, gate_up_layout=spec.gate_up_layout, alpha=spec.alpha, limit=spec.limit,
+                     up_offset=spec.up_offset, identity_experts=identity)
+    plan = plan_experts(a)
+    assert plan.layout == "sorted" and plan.slot_rows and "rows in slot order" in plan.summary()
+    slots = run_experts(a, plan)
+    monkeypatch.setattr(pipeline, "SLOT_ROWS_MAX_TOKENS", 0)
+    sorted_plan = plan_experts(a)
+    assert not sorted_plan.slot_rows
+    ref = run_experts(a, sorted_plan)
+    if device == "cpu":
+        assert torch.equal(slots, ref)
+    else:
+        assert rel_err(slots, ref) < 1e-2
+    assert rel_err(slots, reference_of(a)) < 4e-2
+
+
+def test_rows_in_slot_order_only_for_a_static_token_count_and_unquantised_weights():
+    from moe_fx.lowering.masked_experts.pipeline import SLOT_ROWS_MAX_TOKENS, slot_rows
+
+    assert SLOT_ROWS_MAX_TOKENS == 1
+    assert slot_rows(False, 1) and not slot_rows(False, 2) and not slot_rows(False, 0)
+    assert not slot_rows(True, 1)  # fp8 weights: the sort's launch quantises the tokens
+    assert not slot_rows(False, None) and not slot_rows(False, True)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    assert not slot_rows(False, ShapeEnv().create_unbacked_symint())

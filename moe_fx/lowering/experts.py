@@ -15,7 +15,7 @@ node: the same plan, on the node's fake arguments.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -29,6 +29,7 @@ from moe_fx.lowering.masked_experts.pipeline import (
     run_contiguous_experts,
     run_masked_experts,
     run_sorted_experts,
+    slot_rows,
 )
 from moe_fx.lowering.problem import (
     ROW_REGIMES,
@@ -56,6 +57,8 @@ class ExpertsPlan:
     experts: Choice
     prepare: Choice | None
     problem: ExpertsProblem
+    #: the call's token count where it is static (Dynamo specialises one token), else None
+    tokens: int | None = None
 
     @property
     def reference(self) -> bool:
@@ -88,11 +91,18 @@ class ExpertsPlan:
         fp8 = self.problem.fp8_block is not None
         return self.layout == "sorted" and fp8 and not quantize_activations(fp8, self.problem.regime)
 
+    @property
+    def slot_rows(self) -> bool:
+        """The sorted layout's rows stay in slot order, no sort (a static token count of one:
+        :func:`~moe_fx.lowering.masked_experts.pipeline.slot_rows`, which the run asks too)."""
+        return self.layout == "sorted" and slot_rows(self.problem.fp8_block is not None, self.tokens)
+
     def summary(self) -> str:
         """One line: kernel and layout, e.g. ``"triton, sorted layout, activation in GEMM1's epilogue"``."""
         if self.reference:
             return self.experts.kernel
         return f"{self.experts.kernel}, {self.layout} layout" + (
+            ", rows in slot order (no sort)" if self.slot_rows else "") + (
             ", bf16 activations x fp8 weights" if self.bf16_activations_fp8_weights else "") + (
             ", activation in GEMM1's epilogue" if self.activation_epilogue else "")
 
@@ -163,7 +173,13 @@ def plan_experts(a: dict, *, layout: str = "auto", caps: Capabilities | None = N
     """
     problem = experts_problem(a, _regime(a))
     top_k = int(a["topk_ids"].shape[1])
-    return decide_experts_plan(problem, top_k, a["kernel_choice"], layout=layout, caps=caps).raise_if_unrunnable("experts")
+    plan = decide_experts_plan(problem, top_k, a["kernel_choice"], layout=layout, caps=caps)
+    return replace(plan, tokens=_static(a["topk_ids"].shape[0])).raise_if_unrunnable("experts")
+
+
+def _static(n: object) -> int | None:
+    """``n`` where it is a plain int (a static size), else None."""
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
@@ -171,6 +187,7 @@ def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
 
     Shapes and semantics as in :mod:`moe_fx.ops.experts`; returns ``[T, H]`` in ``hidden.dtype``.
     """
+    from moe_fx.lowering.triton.grouped_gemm import SlotRows
     from moe_fx.lowering.triton.permute import masked_rows_needed, permute_to_masked, unpermute_from_masked
     from moe_fx.lowering.triton.sort import sort_and_quantize, sort_by_expert
 
@@ -191,7 +208,9 @@ def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
     if plan.layout in ("sorted", "contiguous"):
         # decode (regime 0: at most 4 rows per expert, so T * K <= 4E slots): the one-launch sort
         tokens = None
-        if plan.layout == "sorted" and quantize_tokens_in_sort(weights.fp8, regime):
+        if plan.slot_rows:  # one token: its rows in slot order, no sort launch
+            sorted_rows = SlotRows.of(topk_ids, e)
+        elif plan.layout == "sorted" and quantize_tokens_in_sort(weights.fp8, regime):
             # fp8 decode: the tokens quantised by programs of the sort's launch
             sorted_rows, codes, scales = sort_and_quantize(topk_ids, e, hidden)
             tokens = (codes, scales)
@@ -204,7 +223,7 @@ def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
         else:
             y = run_sorted_experts(hidden, sorted_rows, weights, spec, gemms, hints, route_weights=route_weights,
                                    tokens=tokens)
-            slot_pos = sorted_rows.slot_pos
+            slot_pos = None if plan.slot_rows else sorted_rows.slot_pos
     else:
         max_m = gemms.rows(masked_rows_needed(t, k, weights_on_input))
         batch = permute_to_masked(
@@ -215,7 +234,7 @@ def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
         slot_pos = batch.slot_pos
     return unpermute_from_masked(
         y, slot_pos, topk_weights, weights_on_output=not weights_on_input, topk_ids=topk_ids, hidden=hidden,
-        num_experts=e, identity_experts=a["identity_experts"], out_dtype=hidden.dtype,
+        num_experts=e, identity_experts=a["identity_experts"], out_dtype=hidden.dtype, slot_rows=plan.slot_rows,
     )
 
 
@@ -300,6 +319,8 @@ def explain_experts(a: dict, *, caps: Capabilities | None = None) -> ExpertsExpl
     # a data-dependent token count has no hint: what prefill-sized batches run
     traced = row_regime(rows) if rows is not None else len(ROW_REGIMES)
     plan = plans[traced]
+    if masked_rows is None:  # a static token count (one token: rows in slot order)
+        plan = replace(plan, tokens=_static(a["topk_ids"].shape[0]))
     regimes = "" if plan.reference or plan.error is not None else _regime_summary(plans)
     return ExpertsExplanation(plan, regimes, dict(plan.experts.reasons), _untuned_tiles(a, plan, caps))
 

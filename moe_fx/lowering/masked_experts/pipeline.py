@@ -27,9 +27,9 @@ from moe_fx.ops import ExpertActivation
 from moe_fx.ops.masked_experts import dequantize_activations
 from moe_fx.ops.recipe import FP8_DTYPE
 
-__all__ = ["FUSE_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT", "W8A16_MAX_ROWS", "ExpertWeights", "GemmHints",
-           "MaskedGemms", "fuse_activation", "quantize_activations", "quantize_tokens_in_sort", "run_masked_experts",
-           "run_sorted_experts"]
+__all__ = ["FUSE_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT", "SLOT_ROWS_MAX_TOKENS", "W8A16_MAX_ROWS", "ExpertWeights",
+           "GemmHints", "MaskedGemms", "fuse_activation", "quantize_activations", "quantize_tokens_in_sort",
+           "run_masked_experts", "run_sorted_experts", "slot_rows"]
 
 #: Whether the sorted layout may apply the activation in GEMM1's epilogue (where :func:`fuse_activation`
 #: says it wins). Read when a call runs (so when a graph is compiled, for compiled code); benchmarks set
@@ -46,6 +46,10 @@ W8A16_MAX_ROWS = 0
 #: (:func:`quantize_tokens_in_sort`). Read when a call runs; bench/fused_activation.py ``--switch sort_quant``
 #: sets it False to time the separate quantisation launch beside it.
 QUANTIZE_TOKENS_IN_SORT = True
+#: Token counts (static, at most this many) whose sorted-layout call keeps its rows in slot order: no sort launch,
+#: the GEMMs read each slot's expert id (:func:`slot_rows`). 0: always sort. Read when a call runs;
+#: bench/fused_activation.py ``--switch slot_rows`` sets it 0 to time the sort beside it.
+SLOT_ROWS_MAX_TOKENS = 1
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,17 @@ def quantize_tokens_in_sort(fp8: bool, regime: int | None) -> bool:
     return QUANTIZE_TOKENS_IN_SORT and regime == 0 and quantize_activations(fp8, regime)
 
 
+def slot_rows(fp8: bool, tokens: object) -> bool:
+    """Whether a sorted-layout call runs its rows in slot order (row ``t * K + k`` for slot ``(t, k)``) instead of
+    sorting them: a static token count of at most :data:`SLOT_ROWS_MAX_TOKENS` (Dynamo always specialises one
+    token: every batch-1 decode step), bf16/fp16/fp32 weights. One token's top-k ids name distinct experts, so
+    each expert has one row either way and the GEMMs stream the same weights; the sort's launch and the gap after
+    it (~4.5 of Qwen3-30B-A3B's 41 µs at T=1, bench/results/kernel_breakdown_2026-12-03.md) are gone. fp8 weights
+    keep the sort, whose launch quantises the tokens (one launch either way). Not yet timed on a GPU."""
+    return (not fp8 and isinstance(tokens, int) and not isinstance(tokens, bool)
+            and 1 <= tokens <= SLOT_ROWS_MAX_TOKENS)
+
+
 def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bool:
     """Whether the sorted layout's GEMM1 applies ``spec`` in its epilogue, as measured on the H200
     (bench/results/fused_activation_2026-12-03.md, one layer, CUDA graphs, fused / unfused).
@@ -251,7 +266,8 @@ def run_sorted_experts(
     Args:
         hidden: ``[T, H]`` tokens, read in place by GEMM1 (fp8 weights: quantised 1x128 once, T rows, where
             :func:`quantize_activations` says so; else read as bf16 by GEMMs that dequantise the weights).
-        rows: :class:`~moe_fx.lowering.triton.grouped_gemm.SortedRows` of the call.
+        rows: :class:`~moe_fx.lowering.triton.grouped_gemm.SortedRows` of the call, or its rows in slot order
+            (:class:`~moe_fx.lowering.triton.grouped_gemm.SlotRows`, :func:`slot_rows`).
         weights, spec, gemms, hints: as in :func:`run_masked_experts` (``gemms`` must run ``"sorted"``).
         route_weights: ``[T, K]`` routing weights applied to the expert's input (``weights_on_input``);
             GEMM1 multiplies its rows by them before the bias (``(w x) W^T = w (x W^T)``).
@@ -259,8 +275,8 @@ def run_sorted_experts(
             (:func:`quantize_tokens_in_sort`); else quantised here when :func:`quantize_activations` says so.
 
     Returns:
-        ``[1, T * K, H]`` in sorted row order (bf16 with fp8 weights, else the weights' dtype); rows past
-        the total unspecified.
+        ``[1, T * K, H]`` in sorted row order (slot order for SlotRows; bf16 with fp8 weights, else the weights'
+        dtype); rows past the total (of slots without an expert) unspecified.
     """
     from moe_fx.lowering.triton.activation import expert_activation
     from moe_fx.lowering.triton.sort import quantize_rows
@@ -284,9 +300,14 @@ def run_sorted_experts(
     else:  # the separate activation kernel (W8A8: it quantises its output per 1x128 group for GEMM2)
         gate_up = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias,
                                     hints=hints, gather=True, route_weights=route_weights)
-        # the activation kernel sees the sorted rows [1, N, N1] as one group of all valid rows (the scratch's total)
-        a2, a2_scale = expert_activation(gate_up, rows.scratch, spec, quant_fp8=quantized,
-                                         max_total_m=rows.num_rows, masked_m_offset=rows.num_experts)
+        # the activation kernel sees the sorted rows [1, N, N1] as one group of all valid rows (the scratch's total;
+        # rows in slot order: all N, those of slots without an expert never read)
+        if hasattr(rows, "scratch"):
+            total, offset = rows.scratch, rows.num_experts
+        else:
+            total, offset = torch.full((1,), rows.num_rows, dtype=torch.int32, device=hidden.device), 0
+        a2, a2_scale = expert_activation(gate_up, total, spec, quant_fp8=quantized, max_total_m=rows.num_rows,
+                                         masked_m_offset=offset)
     return gemms.sorted_gemm(a2, a2_scale, weights.w2, weights.w2_scale, rows, bias=weights.w2_bias, hints=hints,
                              gather=False, route_weights=None)
 

@@ -183,6 +183,11 @@ def masked_gemm_kernel(
     s_bsk=0,
     B_FP8: tl.constexpr = False,
     FLATTEN: tl.constexpr = False,
+    ids_ptr=None,
+    s_it=0,
+    s_ik=0,
+    NUM_W=0,
+    SLOTS: tl.constexpr = False,
 ):
     """c[g, :m_g, :] = a[g, :m_g, :] @ b[g]^T (+ bias[g]), fp32 accumulation, stored in c's dtype.
 
@@ -209,6 +214,10 @@ def masked_gemm_kernel(
     a tile multiplies BLOCK_N consecutive rows of ``b``, as unfused, and splits its accumulator into
     BLOCK_N / 2 gate and up columns. Biases are ``b``'s rows (``[G, 2N]``).
 
+    SLOTS (with SORTED; a decode step whose rows need no sort): group ``g`` is (token, k) slot ``g`` of ``E = T * K``
+    slots, with one row, row ``g`` of ``a`` and ``c``, multiplied by expert ``ids[g // TOPK, g % TOPK]``'s weights
+    (of ``NUM_W``; a slot whose id is outside ``[0, NUM_W)`` has no row). ``masked_m`` is not read.
+
     FLATTEN: one software pipeline over every (tile, k step) of a program instead of one per tile
     (``tl.range(flatten=True)``); the epilogue then stages through up to 32 KB more shared memory
     (:meth:`~moe_fx.lowering.triton.configs.TileConfig.smem_bytes`). The interpreter runs it as the nested loops.
@@ -217,11 +226,12 @@ def masked_gemm_kernel(
     # Inductor's mutation analysis, which would then copy the weights before every launch.
     if DEVICE_TMA:  # tensor descriptors made on the device (what Inductor-launched kernels can use)
         # the unit last stride is written as a literal (the host checked it): TMA needs it static
+        EW = NUM_W if SLOTS else E  # weight groups (slots name their expert)
         if ACT_FUSED and GATED:  # gate and up: 2N rows
-            b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, 2 * N, K], strides=[s_bg, s_bn, 1],
+            b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[EW, 2 * N, K], strides=[s_bg, s_bn, 1],
                                               block_shape=[1, BLOCK_N, BLOCK_K])
         else:
-            b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[s_bg, s_bn, 1],
+            b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[EW, N, K], strides=[s_bg, s_bn, 1],
                                               block_shape=[1, BLOCK_N, BLOCK_K])
         if not GATHER_A:
             if SORTED:  # one group of rows (its group stride is never used)
@@ -235,14 +245,21 @@ def masked_gemm_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
-    rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
+    if SLOTS:  # one row per slot naming an expert of b (its id loaded here: see _slot_offsets)
+        slot_w = tl.load(ids_ptr + _slot_offsets(offs_e, s_it, s_ik, TOPK), mask=offs_e < E, other=-1)
+        rows, tiles, cum = _valid_tiles(((slot_w >= 0) & (slot_w < NUM_W)).to(tl.int32), M, BLOCK_M)
+    else:
+        rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
     if ACT_FUSED and INTERLEAVED:  # tiles walk b's 2N rows; each gives BLOCK_N // 2 output columns
         NB = 2 * N
     else:
         NB = N
     num_n = (NB + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
-    starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
+    if SLOTS:  # slot g's row is row g
+        starts = offs_e
+    else:
+        starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
     # FLATTEN: the tile loop and the k loop become one software-pipelined loop (Triton's loop flattening), so the
     # loads of a program's next tile are in flight while this tile's epilogue runs, instead of a pipeline that
     # fills and drains per tile (short-K GEMMs pay that per tile)
@@ -256,7 +273,13 @@ def masked_gemm_kernel(
         mask_n = offs_n < NB
         srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
         c_idx = srow.to(tl.int64)
-        if GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
+        if SLOTS:  # group e is slot e, whose row is row e: the weights are those of the expert it names
+            e = tl.reduce(tl.where(offs_e == e, slot_w, 0), 0, _add)
+            e64 = e.to(tl.int64)
+        if GATHER_A and SLOTS:  # the row is the slot
+            slot = srow
+            a_idx = (slot // TOPK).to(tl.int64)
+        elif GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
             slot = tl.load(sorted_ptr + srow, mask=mask_m, other=0)
             a_idx = (slot // TOPK).to(tl.int64)
         else:
@@ -815,8 +838,11 @@ def unpermute_kernel(
     BLOCK_H: tl.constexpr,
     HAS_W: tl.constexpr,
     IDENTITY: tl.constexpr,
+    SLOT_ROWS: tl.constexpr = False,
 ):
     """out[t] = sum_k w[t, k] * y_rows[pos[t, k]] in fp32 (grid: (T, cdiv(H, BLOCK_H))); pos -1 skipped.
+
+    SLOT_ROWS: slot ``t * K + k`` wrote row ``t * K + k`` if its id lies in ``[0, E)`` (``pos`` is not read).
 
     IDENTITY: slots whose id lies in ``[E, E + E_IDENTITY)`` are zero-computation experts and add
     ``w[t, k] * hidden[t]`` (HAS_W false: routing weights were applied to the input, ``hidden[t]``
@@ -826,7 +852,11 @@ def unpermute_kernel(
     t64 = t.to(tl.int64)
     offs_k = tl.arange(0, K_POW2)
     kmask = offs_k < K
-    pos = tl.load(pos_ptr + t64 * K + offs_k, mask=kmask, other=-1)
+    if SLOT_ROWS:
+        ids = tl.load(ids_ptr + t64 * s_it + offs_k * s_ik, mask=kmask, other=-1)
+        pos = tl.where((ids >= 0) & (ids < E), t64 * K + offs_k, -1)
+    else:
+        pos = tl.load(pos_ptr + t64 * K + offs_k, mask=kmask, other=-1)
     ok = kmask & (pos >= 0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
@@ -841,7 +871,8 @@ def unpermute_kernel(
         y = y * w[:, None]
     acc = tl.reduce(y, 0, _add)
     if IDENTITY:
-        ids = tl.load(ids_ptr + t64 * s_it + offs_k * s_ik, mask=kmask, other=-1)
+        if not SLOT_ROWS:
+            ids = tl.load(ids_ptr + t64 * s_it + offs_k * s_ik, mask=kmask, other=-1)
         ident = kmask & (ids >= E) & (ids < E + E_IDENTITY)
         w_id = tl.reduce(tl.where(ident, w, 0.0), 0, _add)
         x = tl.load(h_ptr + t64 * s_ht + offs_h * s_hh, mask=hmask, other=0.0).to(tl.float32)

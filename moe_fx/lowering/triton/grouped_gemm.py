@@ -18,7 +18,7 @@ from moe_fx.lowering.triton.act_args import epilogue_args
 from moe_fx.ops import ExpertActivation
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["SortedRows", "check_offsets", "masked_gemm", "masked_gemm_fp8", "num_programs", "sorted_gemm",
+__all__ = ["SlotRows", "SortedRows", "check_offsets", "masked_gemm", "masked_gemm_fp8", "num_programs", "sorted_gemm",
            "tune_masked_gemm"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -233,6 +233,29 @@ class SortedRows:
         return self.scratch[self.num_experts : self.num_experts + 1]
 
 
+@dataclass(frozen=True)
+class SlotRows:
+    """Rows in slot order, no sort: slot ``(t, k)`` owns row ``t * K + k`` if its id names an expert (a decode step
+    of one token: :func:`moe_fx.lowering.masked_experts.pipeline.slot_rows`). The GEMMs read each slot's expert id
+    (their SLOTS mode) and the combine finds each slot's row from its id (SLOT_ROWS).
+
+    Attributes:
+        topk_ids: ``[T, K]`` expert ids (any integer dtype and strides).
+        topk: K. num_rows: N = T * K. num_experts: E.
+    """
+
+    topk_ids: torch.Tensor
+    topk: int
+    num_rows: int
+    num_experts: int
+
+    @classmethod
+    def of(cls, topk_ids: torch.Tensor, num_experts: int) -> SlotRows:
+        """The slot-order rows of ``topk_ids`` (``[T, K]``, a static T) over ``num_experts`` experts."""
+        t, k = topk_ids.shape
+        return cls(topk_ids, int(k), int(t) * int(k), int(num_experts))
+
+
 def _gemm_config(kind: str, a: torch.Tensor, n: int, k: int, hints: dict, layout: str) -> configs.TileConfig:
     """The tile configuration of one launch (see :func:`configs.get_config` for the lookup)."""
     cfg = configs.get_config(
@@ -267,9 +290,14 @@ def _launch_gemm(
         a_in, b_in, tma = _operands(cfg, a, b, gather=gather)
     if sorted_rows is not None:
         rw = route_weights
-        extra = dict(sorted_ptr=sorted_rows.sorted_slots if gather else None, rw_ptr=rw,
+        slots = isinstance(sorted_rows, SlotRows)
+        extra = dict(sorted_ptr=sorted_rows.sorted_slots if gather and not slots else None, rw_ptr=rw,
                      s_rwt=rw.stride(0) if rw is not None else 0, s_rwk=rw.stride(1) if rw is not None else 0,
                      SORTED=True, GATHER_A=gather, TOPK=sorted_rows.topk, ROUTE_W=rw is not None)
+        if slots:  # the bf16 kernel's slot mode (SlotRows): each slot's expert id, the experts in b
+            ids = sorted_rows.topk_ids
+            extra.update(ids_ptr=ids, s_it=ids.stride(0), s_ik=ids.stride(1), NUM_W=sorted_rows.num_experts,
+                         SLOTS=True)
     else:
         extra = {}
     common = dict(
@@ -433,7 +461,7 @@ def _check_fp8_block_k(name: str, cfg: configs.TileConfig) -> None:
 def sorted_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
-    rows: SortedRows,
+    rows: SortedRows | SlotRows,
     out: torch.Tensor | None = None,
     *,
     a_scale: torch.Tensor | None = None,
@@ -459,7 +487,8 @@ def sorted_gemm(
         a: tokens ``[T, K]`` (gather) or sorted rows ``[1, N, K]``; bf16/fp16/fp32, or float8_e4m3fn.
         b: ``[E, N_out, K]`` weights, any strides; float8_e4m3fn with ``b_scale`` (with a bf16/fp16 ``a`` and no
             ``a_scale``: W8A16, the weight tiles dequantised in registers, the activations never quantised).
-        rows: the layout (:class:`SortedRows`), ``N = rows.num_rows``.
+        rows: the layout (:class:`SortedRows`), ``N = rows.num_rows``; or rows in slot order (:class:`SlotRows`,
+            bf16/fp16/fp32 only: row ``t * K + k`` is slot ``(t, k)``'s, times expert ``topk_ids[t, k]``).
         out: optional ``[1, N, N_out]`` (a's dtype, bf16 for fp8); rows past the total are not written.
         a_scale: fp32 ``[T, K/128]`` or ``[1, N, K/128]`` (a's rows), any strides.
         route_weights: ``[T, K]`` routing weights that multiply each row (weights on the input).
@@ -479,9 +508,14 @@ def sorted_gemm(
     _check_operands(name, a, b, fp8, 2 if gather else 3, grouped=False, w8a16=w8a16)
     e, n, k = b.shape
     num_rows = rows.num_rows
-    if rows.num_experts != e or rows.scratch.dtype != torch.int32 or rows.scratch.device != a.device:
-        raise ValueError(f"{name}: rows were sorted for {rows.num_experts} experts on {rows.scratch.device}, "
+    slots = isinstance(rows, SlotRows)
+    index = rows.topk_ids if slots else rows.scratch  # what the kernels read of the layout
+    if (rows.num_experts != e or index.device != a.device
+            or (index.dtype != torch.int32 if not slots else index.dtype.is_floating_point)):
+        raise ValueError(f"{name}: rows were laid out for {rows.num_experts} experts on {index.device}, "
                          f"b has {e} on {a.device}")
+    if slots and (fp8 or w8a16):
+        raise ValueError(f"{name}: rows in slot order run bf16/fp16/fp32 GEMMs, not fp8 weights")
     if not gather and tuple(a.shape[:2]) != (1, num_rows):
         raise ValueError(f"{name}: sorted rows must be [1, {num_rows}, K], got {list(a.shape)}")
     _check_bias(name, bias, e, n, a.device)
@@ -520,8 +554,10 @@ def sorted_gemm(
     as_strides = () if not fp8 else (0, *a_scale.stride()) if gather else (0, *a_scale.stride()[1:])
     # the grid's tile columns: interleaved epilogue tiles walk b's rows (2 per output column)
     tile_cols = n if epilogue is not None and epilogue["INTERLEAVED"] else n_out
-    _launch_gemm(kind, a, a_scale, b, b_scale, rows.scratch, out, e, num_rows, n_out, k, cfg,
-                 _tile_bound(e, num_rows, tile_cols, cfg, num_rows), a_strides=a_strides, as_strides=as_strides,
+    # slot order: T * K groups (slots) of one row each; sorted: E experts of up to N rows
+    groups, group_rows = (num_rows, 1) if slots else (e, num_rows)
+    _launch_gemm(kind, a, a_scale, b, b_scale, index, out, groups, num_rows, n_out, k, cfg,
+                 _tile_bound(groups, group_rows, tile_cols, cfg, num_rows), a_strides=a_strides, as_strides=as_strides,
                  c_strides=(0, *out.stride()[1:]), bias=bias, sorted_rows=rows, gather=gather,
                  route_weights=route_weights, epilogue=epilogue)
     return out

@@ -145,7 +145,7 @@ def combine_block(t: object, h: int) -> int:
 
 def unpermute_from_masked(
     y: torch.Tensor,
-    slot_pos: torch.Tensor,
+    slot_pos: torch.Tensor | None,
     topk_weights: torch.Tensor,
     *,
     weights_on_output: bool = True,
@@ -154,6 +154,7 @@ def unpermute_from_masked(
     num_experts: int = 0,
     identity_experts: int = 0,
     out_dtype: torch.dtype | None = None,
+    slot_rows: bool = False,
 ) -> torch.Tensor:
     """Gather expert outputs back to tokens: ``out[t] = sum_k w[t, k] * y[row of (t, k)]`` in fp32.
 
@@ -166,6 +167,8 @@ def unpermute_from_masked(
         topk_ids, hidden, num_experts, identity_experts: for identity experts (ids in
             ``[E, E + identity_experts)``), which add ``w[t, k] * hidden[t]``.
         out_dtype: result dtype (default ``y.dtype``).
+        slot_rows: the rows are in slot order (``grouped_gemm.SlotRows``): slot ``(t, k)``'s row is ``t * K + k``
+            when ``0 <= topk_ids[t, k] < num_experts`` (``slot_pos`` is not read and may be None).
 
     Returns:
         ``[T, H]``; tokens with no valid expert get zeros.
@@ -176,8 +179,13 @@ def unpermute_from_masked(
     if y.dim() != 3:
         raise ValueError(f"unpermute_from_masked: y must be [E, max_m, H], got {list(y.shape)}")
     h = y.shape[2]
-    if tuple(slot_pos.shape) != (t * k,):
-        raise ValueError(f"unpermute_from_masked: slot_pos must have T*K = {t * k} entries, got {list(slot_pos.shape)}")
+    if slot_rows:
+        if topk_ids is None or num_experts <= 0 or tuple(topk_ids.shape) != (t, k):
+            raise ValueError(f"unpermute_from_masked: rows in slot order need topk_ids [{t}, {k}] and num_experts")
+        slot_pos = topk_ids  # not read (SLOT_ROWS): a placeholder of the kernel's argument
+    elif slot_pos is None or tuple(slot_pos.shape) != (t * k,):
+        raise ValueError(f"unpermute_from_masked: slot_pos must have T*K = {t * k} entries, got "
+                         f"{None if slot_pos is None else list(slot_pos.shape)}")
     identity = identity_experts > 0
     if identity and (topk_ids is None or hidden is None or num_experts <= 0):
         raise ValueError("unpermute_from_masked: identity experts need topk_ids, hidden and num_experts")
@@ -187,8 +195,8 @@ def unpermute_from_masked(
         return out
     if y.stride(0) != y.shape[1] * y.stride(1):
         y = y.contiguous()  # rows are addressed as e * max_m + r
-    ids = topk_ids if identity else None
-    ids_strides = topk_ids.stride() if identity else (0, 0)
+    ids = topk_ids if identity or slot_rows else None
+    ids_strides = topk_ids.stride() if identity or slot_rows else (0, 0)
     hid = hidden if identity else None
     hid_strides = hidden.stride() if identity else (0, 0)
     block_h = combine_block(t, h)
@@ -197,7 +205,7 @@ def unpermute_from_masked(
         y, slot_pos, topk_weights, out, ids, hid,
         k, h, num_experts, identity_experts,
         y.stride(1), y.stride(2), *topk_weights.stride(), *out.stride(), *ids_strides, *hid_strides,
-        K_POW2=max(2, _pow2(k)), BLOCK_H=block_h, HAS_W=weights_on_output, IDENTITY=identity,
+        K_POW2=max(2, _pow2(k)), BLOCK_H=block_h, HAS_W=weights_on_output, IDENTITY=identity, SLOT_ROWS=slot_rows,
         num_warps=4,
     )  # fmt: skip
     return out
