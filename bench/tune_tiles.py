@@ -160,9 +160,10 @@ def epilogue_activation(shape: str, kind: str, regime: int):
 
 def _sorted_cell(shape: str, t: int, kind: str, gemm: int, cache: dict):
     """``(run(cfg), N, K, regime, flops)`` for one cell: real routing, the layer's operands."""
+    from moe_fx.lowering.masked_experts.pipeline import slot_rows
     from moe_fx.lowering.problem import row_regime, rows_per_expert
     from moe_fx.lowering.quant import quantize_fp8_blockwise
-    from moe_fx.lowering.triton.grouped_gemm import sorted_gemm
+    from moe_fx.lowering.triton.grouped_gemm import SlotRows, sorted_gemm
     from moe_fx.lowering.triton.sort import quantize_rows, sort_by_expert
 
     _, e, k, h, i = SHAPES[shape]
@@ -187,9 +188,10 @@ def _sorted_cell(shape: str, t: int, kind: str, gemm: int, cache: dict):
         cache.update(t=t, ids=ids, rows=sort_by_expert(ids, e), x=x, a2=a2, xq=quantize_rows(x),
                      a2q=quantize_rows(a2[0]))
     w13, s13, w2, s2 = cache[kind]
-    rows = cache["rows"]
-    regime = row_regime(rows_per_expert(t, k, e))
     fp8 = kind == "fp8"
+    # the rows the pipeline runs: one token's in slot order (no sort) where pipeline.slot_rows says so
+    rows = SlotRows.of(cache["ids"], e) if slot_rows(fp8, t) else cache["rows"]
+    regime = row_regime(rows_per_expert(t, k, e))
     activation = None
     if gemm == 1:
         a, a_s = cache["xq"] if fp8 else (cache["x"], None)

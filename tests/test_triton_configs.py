@@ -296,6 +296,11 @@ def test_tuning_times_gemm1_as_the_pipeline_runs_it(family, monkeypatch):
     assert torch.allclose(out[0, pos], ref, rtol=3e-2, atol=3e-2), (out[0, pos] - ref).abs().max()
     run2, n2, k2, _, _ = tune._sorted_cell("tiny", 5, "bf16", 2, cache)  # GEMM2: no epilogue
     assert (n2, k2) == (128, 64) and run2(TileConfig(16, 64, 64, 1, 4, 1, 1)).shape == (1, 10, 128)
+    # one token: the rows the pipeline runs are in slot order (no sort)
+    run1, *_ = tune._sorted_cell("tiny", 1, "bf16", 1, cache)
+    one = run1(TileConfig(16, 64, 64, 1, 4, 1, 1)).float()
+    ref1 = spec.apply(torch.einsum("h,snh->sn", cache["x"].float()[0], w13.float()[cache["ids"][0]]))
+    assert torch.allclose(one[0], ref1, rtol=3e-2, atol=3e-2)
 
 
 def test_tune_takes_a_users_layer_shape():

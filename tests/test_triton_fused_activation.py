@@ -124,7 +124,8 @@ def test_interleaved_epilogue_grid_covers_the_weight_rows(monkeypatch):
 
     seen = []
     real = grouped_gemm.num_programs
-    monkeypatch.setattr(grouped_gemm, "num_programs", lambda dev, cfg, bound: seen.append(bound) or real(dev, cfg, bound))
+    monkeypatch.setattr(grouped_gemm, "num_programs",
+                        lambda dev, cfg, bound, per_sm=None: seen.append(bound) or real(dev, cfg, bound, per_sm))
     gen = torch.Generator().manual_seed(2)
     ids = torch.arange(4).reshape(4, 1) % 2
     rows = sort_by_expert(ids, 2)
