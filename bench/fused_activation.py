@@ -30,6 +30,7 @@ bench/results; smoke: a temp folder).
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import statistics
@@ -96,11 +97,13 @@ SWITCHES = {
 }
 
 
-def variant(switch: str, on: bool, w: dict, kw: dict):
-    """``fn(hidden, ids, weights)``: the op with ``switch`` on or off while it runs (and while captured)."""
+def variant(switch: str, on: bool, w: dict, kw: dict, on_value: object = None):
+    """``fn(hidden, ids, weights)``: the op with ``switch`` on or off while it runs (and while captured); ``on_value``
+    replaces the switch's value on the 'on' side."""
     import importlib
 
     path, value_on, value_off = SWITCHES[switch][:3]
+    value_on = value_on if on_value is None else on_value
     module, attr = path.rsplit(".", 1)
     module = importlib.import_module(f"moe_fx.lowering.{module}")
 
@@ -157,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None, help="results folder (default bench/results; smoke: a temp folder)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny qwen3/gpt_oss forms")
+    ap.add_argument("--on", default=None, metavar="VALUE",
+                    help="the switch's value on the 'on' side (a Python literal; e.g. --switch slot_rows --on 4)")
     args = ap.parse_args(argv)
     if args.smoke:
         shapes, device = {n: SMOKE_SHAPES[n] for n in ("qwen3", "gpt_oss")}, "cpu"
@@ -173,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
 
     meta = bench_meta(device, args.smoke)
     meta["switch"] = args.switch
+    on_value = SWITCHES[args.switch][1] if args.on is None else ast.literal_eval(args.on)
+    meta["on_value"] = on_value
     print("meta", json.dumps(meta), flush=True)
     rows: list[dict] = []
     fp8 = SWITCHES[args.switch][3]
@@ -182,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         w, kw = layer(shape, dims, device, fp8=fp8)
         for t in (int(x) for x in tokens.split(",")):
             sets = routing_sets(t, e, k, h, SETS, seed=t, device=device)
-            g_on, out_on = graphs_of(variant(args.switch, True, w, kw), sets)
+            g_on, out_on = graphs_of(variant(args.switch, True, w, kw, on_value), sets)
             g_off, out_off = graphs_of(variant(args.switch, False, w, kw), sets)
             times: dict[str, list[float]] = {"on": [], "off": []}
             for r in range(args.rounds):
@@ -224,6 +231,10 @@ def write(out: str, stem: str, meta: dict, rows: list[dict]) -> None:
         f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · {limits}",
         "",
         f"Command: `{meta['command']}`",
+        "",
+        f"Switch: `moe_fx.lowering.{SWITCHES[meta.get('switch', 'epilogue')][0]}` = "
+        f"{meta.get('on_value', SWITCHES[meta.get('switch', 'epilogue')][1])!r} (on) / "
+        f"{SWITCHES[meta.get('switch', 'epilogue')][2]!r} (off).",
         "",
         ("CUDA-graph replays of `torch.ops.moe_fx.experts(kernel_choice='triton')` (sorted layout), the two variants "
          "timed alternately; µs, lower is better. Speed-up = off / on. Floor = max(bytes / copy rate, "
