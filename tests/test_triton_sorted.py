@@ -457,3 +457,21 @@ def test_rows_in_slot_order_only_for_a_static_token_count_and_unquantised_weight
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     assert not slot_rows(False, ShapeEnv().create_unbacked_symint())
+
+
+def test_rows_in_slot_order_with_the_separate_activation_kernel(monkeypatch):
+    """With the activation epilogue off (a benchmark's switch), one token's rows in slot order go through the
+    activation kernel as one group of all T * K rows (a slot without an expert: a row never read)."""
+    from moe_fx.lowering.masked_experts import pipeline
+
+    monkeypatch.setattr(pipeline, "FUSE_ACTIVATION", False)
+    gen = torch.Generator().manual_seed(5)
+    k, e, h, i = 3, 4, 136, 72
+    spec, hidden, ids, w, w13, w2, *_ = _layer("silu", 1, k, e, h, i, gen)
+    ids[0] = torch.tensor([2, 0, -1])
+    a = bind_experts(hidden, ids, w, w13, w2, kernel_choice="triton")
+    plan = plan_experts(a)
+    assert plan.slot_rows and not plan.activation_epilogue
+    slots = run_experts(a, plan)
+    monkeypatch.setattr(pipeline, "SLOT_ROWS_MAX_TOKENS", 0)
+    assert torch.equal(slots, run_experts(a, plan_experts(a)))

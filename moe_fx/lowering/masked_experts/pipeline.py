@@ -279,6 +279,7 @@ def run_sorted_experts(
         dtype); rows past the total (of slots without an expert) unspecified.
     """
     from moe_fx.lowering.triton.activation import expert_activation
+    from moe_fx.lowering.triton.grouped_gemm import SlotRows
     from moe_fx.lowering.triton.sort import quantize_rows
 
     if "sorted" not in gemms.layouts:
@@ -302,10 +303,10 @@ def run_sorted_experts(
                                     hints=hints, gather=True, route_weights=route_weights)
         # the activation kernel sees the sorted rows [1, N, N1] as one group of all valid rows (the scratch's total;
         # rows in slot order: all N, those of slots without an expert never read)
-        if hasattr(rows, "scratch"):
-            total, offset = rows.scratch, rows.num_experts
-        else:
+        if isinstance(rows, SlotRows):
             total, offset = torch.full((1,), rows.num_rows, dtype=torch.int32, device=hidden.device), 0
+        else:
+            total, offset = rows.scratch, rows.num_experts
         a2, a2_scale = expert_activation(gate_up, total, spec, quant_fp8=quantized, max_total_m=rows.num_rows,
                                          masked_m_offset=offset)
     return gemms.sorted_gemm(a2, a2_scale, weights.w2, weights.w2_scale, rows, bias=weights.w2_bias, hints=hints,
