@@ -455,10 +455,7 @@ def masked_gemm_fp8_kernel(
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
     starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
-    # FLATTEN: the tile loop and the k loop become one software-pipelined loop (Triton's loop flattening), so the
-    # loads of a program's next tile are in flight while this tile's epilogue runs, instead of a pipeline that
-    # fills and drains per tile (short-K GEMMs pay that per tile)
-    for t in tl.range(pid, total, nprog, flatten=FLATTEN):
+    for t in tl.range(pid, total, nprog, flatten=FLATTEN):  # FLATTEN: see masked_gemm_kernel
         e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
         e64 = e.to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
