@@ -57,6 +57,21 @@ def test_compiled_op_is_kernel_launches_in_inductor_code(t):
     assert rel_err(out, ref) < 1e-2
 
 
+def test_one_token_compiles_to_three_launches_without_a_sort():
+    """A batch-1 decode step (Dynamo specialises T=1): GEMM1 (with the activation), GEMM2 and the combine on rows in
+    slot order, no sort kernel in Inductor's code, the reference's numbers."""
+    hidden, ids, w, w13, w2 = _layer(1)
+
+    def layer(hidden, ids, w):
+        return torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, kernel_choice="triton") * 2
+
+    torch._dynamo.reset()
+    out, code = _code_of(torch.compile(layer, fullgraph=True), hidden, ids, w)
+    assert "masked_gemm_kernel" in code and "unpermute_kernel" in code
+    assert "sort_small_kernel" not in code and "sort_slots_kernel" not in code and "activation_kernel" not in code
+    assert rel_err(out, experts_reference(hidden, ids, w, w13, w2) * 2) < 1e-2
+
+
 def test_dynamic_token_count_recompiles_per_regime_only():
     """One dynamic graph per rows-per-expert regime (<= 4 rows, <= 16, <= 64, <= 256, more), each exact."""
     from torch._dynamo.utils import counters
