@@ -9,6 +9,8 @@
   (``pipeline.W8A16_MAX_ROWS`` 16 vs 0);
 * ``--switch fp8_scales``: fp8 weights, the GEMMs' scales loaded one k step ahead vs in the step that uses them
   (``moe_fx.lowering.triton.grouped_gemm.PREFETCH_FP8_SCALES``), at any T;
+* ``--switch pair_halves``: bf16 weights, gate/up halves in GEMM1's epilogue as one tile of gate and up rows vs
+  two accumulators (``moe_fx.lowering.triton.grouped_gemm.PAIR_GATE_UP``);
 * ``--switch slot_rows``: bf16 weights, one token's rows in slot order without the sort vs sorted
   (``pipeline.SLOT_ROWS_MAX_TOKENS`` 1 vs 0): only T=1 differs.
 
@@ -19,7 +21,7 @@ kernels), over the same rotating routing sets, and the two are timed alternately
 matmul rate)`` with both limits measured in the same run, and the relative error of each variant against the
 fp32 reference (first routing set of the row), and of one variant against the other at every T.
 
-    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|slot_rows] [--shapes qwen3,mixtral,gpt_oss]
+    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|pair_halves|slot_rows] [--shapes qwen3,mixtral,gpt_oss]
                                      [--tokens 1,16,256,1024,4096] [--rounds 3]
     python bench/fused_activation.py --smoke   # CPU, Triton interpreter, tiny shapes: checks the script end to end
 
@@ -91,6 +93,9 @@ SWITCHES = {
                "at every size (off, W8A8)")),
     "fp8_scales": ("triton.grouped_gemm.PREFETCH_FP8_SCALES", True, False, True,
                    ("fp8 GEMMs: each k step's scales loaded one step ahead (on) vs in the step that uses them (off)")),
+    "pair_halves": ("triton.grouped_gemm.PAIR_GATE_UP", True, False, False,
+                    ("gate/up halves in GEMM1's epilogue as one tile of gate and up rows (on) vs two accumulators of "
+                     "half the tile (off), bf16 (rows per expert up to 64, where halves take the epilogue)")),
     "slot_rows": ("masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS", 1, 0, False,
                   ("one token: rows in slot order, no sort launch (on) vs sorted rows (off), bf16 (T=1 rows only "
                    "differ)")),

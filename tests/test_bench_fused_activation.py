@@ -14,7 +14,8 @@ pytest.importorskip("triton")
 
 @pytest.mark.parametrize("switch,stem,bound,tokens", [("epilogue", "fused_activation", 3e-2, 3),
                                                        ("w8a16", "w8a16", 8e-2, 3), ("fp8_scales", "fp8_scales", 8e-2, 3),
-                                                       ("slot_rows", "slot_rows", 3e-2, 1)])
+                                                       ("slot_rows", "slot_rows", 3e-2, 1),
+                                                       ("pair_halves", "pair_halves", 3e-2, 3)])
 def test_smoke_writes_rows_with_both_variants_close_to_the_reference(tmp_path, switch, stem, bound, tokens):
     mod = load_bench("fused_activation")
     mod.main(["--smoke", "--switch", switch, "--tokens", str(tokens), "--out", str(tmp_path), "--tag", "t"])

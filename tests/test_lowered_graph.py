@@ -254,12 +254,15 @@ def _symbolic_inputs(hint):
     return [hidden, ids, w, *weights]
 
 
-def test_dynamic_graph_tiles_are_the_regimes_not_the_traced_size(sm90, monkeypatch):
+@pytest.mark.parametrize("pair", [True, False])
+def test_dynamic_graph_tiles_are_the_regimes_not_the_traced_size(sm90, monkeypatch, pair):
     """The cause of the 1.7x "machine-to-machine" spread: a graph compiled for a dynamic T took its
     tiles from the T it was first traced with. Now the tiles are the regime's, whatever the hint, and
     the same as a static trace in that regime; the regime's table entry (device descriptors, swapped
     decode tiles) reaches the generated launches."""
-    from moe_fx.lowering.triton import configs
+    from moe_fx.lowering.triton import configs, grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "PAIR_GATE_UP", pair)
 
     table = {"NVIDIA H200|bf16|N512|K256|sorted|r2": {"block_m": 64, "block_n": 128, "block_k": 64, "tma": True},
              "NVIDIA H200|bf16|N256|K256|sorted|r2": {"block_m": 32, "block_n": 64, "block_k": 128, "swap_ab": True}}
@@ -269,9 +272,11 @@ def test_dynamic_graph_tiles_are_the_regimes_not_the_traced_size(sm90, monkeypat
     # rows per expert ceil(T * 2 / 8): T=80 -> 20, T=256 -> 64, both in regime 2 (17..64)
     tiles = {_gemm_tiles(_trace(_experts, _symbolic_inputs(hint)))[0] for hint in (80, 256)}
     static = _gemm_tiles(_trace(_experts, _inputs(FakeTensorMode(), t=200)))
-    # GEMM1 applies the gated activation in its epilogue: the tuned 128 columns of gate/up rows become
-    # two accumulators of 64 output columns (grouped_gemm._split_columns); the swapped GEMM2 tile is kept
-    assert tiles == {static[0]} and static == [(64, 64, 64, False, True), (32, 64, 128, True, False)], (tiles, static)
+    # GEMM1 applies the gated activation in its epilogue: the tuned 128 columns of gate/up rows are one tile of 64
+    # gate and 64 up rows (PAIR_GATE_UP), or two accumulators of 64 columns (grouped_gemm._split_columns); the
+    # swapped GEMM2 tile is kept
+    gemm1 = (64, 128, 64, False, True) if pair else (64, 64, 64, False, True)
+    assert tiles == {static[0]} and static == [gemm1, (32, 64, 128, True, False)], (tiles, static)
     gm = _trace(_experts, _inputs(FakeTensorMode(), t=200))
     for node in _launches(gm):  # descriptors made in the kernel are no write of the weights or tokens
         if "gemm" in _kernel_name(node):
@@ -337,11 +342,15 @@ def test_flattened_tiles_reach_the_launch_and_write_only_their_outputs(sm90, mon
         _assert_every_parameter_passed(node)
 
 
-def test_persistent_grids_are_sized_for_the_programs_that_fit(sm90, monkeypatch):
+@pytest.mark.parametrize("pair", [True, False])
+def test_persistent_grids_are_sized_for_the_programs_that_fit(sm90, monkeypatch, pair):
     """A swapped 16x64x128 tile of 2 programs per SM (4 stages) takes 80 KB per program as GEMM2, 147 KB as GEMM1
-    with gate/up halves in its epilogue (two weight tiles per k step): GEMM1's grid is sized for one program per
-    SM (the second half would run as a second wave), GEMM2's for two. A symbolic token count gives full grids."""
-    from moe_fx.lowering.triton import configs
+    with gate/up halves in two accumulators (two weight tiles per k step): that GEMM1's grid is sized for one program
+    per SM (the second half would run as a second wave), GEMM2's for two; paired gate/up rows (one weight tile,
+    PAIR_GATE_UP) keep two. A symbolic token count gives full grids."""
+    from moe_fx.lowering.triton import configs, grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "PAIR_GATE_UP", pair)
 
     swapped = {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2,
                "swap_ab": True}
@@ -352,7 +361,7 @@ def test_persistent_grids_are_sized_for_the_programs_that_fit(sm90, monkeypatch)
     gm = _trace(_experts, _symbolic_inputs(2))  # 2 tokens, top-2 of 8: rows per expert <= 4
     grids = [(n.kwargs["kwargs"].get("ACT_FUSED"), n.kwargs["grid"][0][0]) for n in _launches(gm)
              if "gemm" in _kernel_name(n)]
-    assert grids == [(True, 132), (False, 264)], grids
+    assert grids == [(True, 264 if pair else 132), (False, 264)], grids
 
 
 def test_activation_epilogue_where_it_measured_faster(sm90):

@@ -52,7 +52,7 @@ GEMM = {"GROUP_M": 8, "E_POW2": 128, "EVEN_K": True, "UPCAST": False, "s_ak": 1,
         "TOPK": 1, "ROUTE_W": False, "SWAP_AB": False, "DEVICE_TMA": False, "FLATTEN": False}
 #: masked_gemm_kernel's epilogue activation and fp8 weights off (the bf16 kernel's extra constants)
 NO_ACT = {"ACT_FUSED": False, "ACT": 0, "GATED": False, "INTERLEAVED": False, "HAS_LIMIT": False, "B_FP8": False,
-          "bs_ptr": None, "SLOTS": False, "ids_ptr": None}
+          "bs_ptr": None, "SLOTS": False, "ids_ptr": None, "PAIR_HALVES": False}
 #: Inductor types Python float arguments as fp64 (seen on torch 2.11): the kernels must compile with those
 ACT_FLOATS = {"alpha": "fp64", "limit": "fp64", "up_offset": "fp64"}
 
@@ -252,7 +252,7 @@ def test_regime_candidates_fit_their_programs_per_sm(kind):
     from moe_fx.lowering.triton.configs import regime_candidates, resident_programs
 
     fp8 = kind == "fp8"
-    halves = {"ACT_FUSED": True, "ACT": 0, "GATED": True}
+    halves = {"ACT_FUSED": True, "ACT": 0, "GATED": True, "PAIR_HALVES": True}  # grouped_gemm.PAIR_GATE_UP
     seen = set()
     for regime in range(5):
         for cfg in regime_candidates(kind, regime):
@@ -261,7 +261,7 @@ def test_regime_candidates_fit_their_programs_per_sm(kind):
                 continue
             seen.add((cfg, fused))
             for gather, act in ((True, halves if fused else None), (False, None)):
-                block_n = cfg.block_n // 2 if act and not cfg.swap_ab else cfg.block_n  # grouped_gemm._split_columns
+                block_n = cfg.block_n  # a paired tile keeps the unfused tile (no grouped_gemm._split_columns)
                 fn, types, consts = _sorted_gemm(fp8, gather, act=act, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
                                                  BLOCK_K=cfg.block_k)
                 consts.update(GROUP_M=cfg.group_m, TMA=cfg.tma, DEVICE_TMA=cfg.tma, SWAP_AB=cfg.swap_ab,
@@ -270,7 +270,7 @@ def test_regime_candidates_fit_their_programs_per_sm(kind):
                 regs = (_registers(compiled) + 7) // 8 * 8
                 by_regs = SM_REGISTERS // (regs * 32 * cfg.num_warps)
                 by_smem = SM_SHARED // (compiled.metadata.shared + PROGRAM_RESERVED)
-                expected = resident_programs(cfg, 1 if fp8 else 2, 2 if act and cfg.swap_ab else 1)
+                expected = resident_programs(cfg, 1 if fp8 else 2)  # one weight tile per k step
                 assert min(by_regs, by_smem) >= expected, (
                     regime, cfg, "GEMM1" if gather else "GEMM2", "fused" if act else "", regs, compiled.metadata.shared)
 
@@ -391,20 +391,24 @@ def _activation_gemm(form: str, bm: int, bn: int, bk: int, device_tma: bool, swa
 
 
 @pytest.mark.parametrize(
-    "form,bm,bn,bk,warps,stages,device_tma,swap_ab",
+    "form,bm,bn,bk,warps,stages,device_tma,swap_ab,pair",
     [
-        ("silu", 128, 128, 64, 8, 3, True, False),    # prefill: the 128x256 unfused tile split in two accumulators
-        ("silu", 64, 64, 128, 4, 4, False, False),    # mid-size tile, pointer loads
-        ("gpt_oss", 128, 256, 64, 8, 3, True, False),  # interleaved rows: the unfused tile, split; bias, clamp
-        ("gpt_oss", 64, 128, 64, 4, 4, False, False),  # the same through pointers
-        ("silu", 16, 64, 128, 4, 4, False, True),     # decode: swapped tile (wgmma on the weight rows)
-        ("gpt_oss", 16, 64, 128, 4, 4, False, True),  # GPT-OSS decode: swapped, then split into gate/up
-        ("relu2", 128, 256, 64, 8, 3, True, False),   # not gated: one accumulator, the unfused tile
+        ("silu", 128, 128, 64, 8, 3, True, False, False),    # prefill: the 128x256 unfused tile, two accumulators
+        ("silu", 64, 64, 128, 4, 4, False, False, False),    # mid-size tile, pointer loads
+        ("silu", 128, 256, 64, 8, 3, True, False, True),     # the same 128x256 tile, gate and up rows in one box
+        ("silu", 64, 128, 64, 4, 4, False, False, True),     # paired through pointers
+        ("silu", 16, 64, 128, 4, 4, False, True, True),      # paired, swapped decode tile: one weight tile
+        ("gpt_oss", 128, 256, 64, 8, 3, True, False, False),  # interleaved rows: the unfused tile, split; bias, clamp
+        ("gpt_oss", 64, 128, 64, 4, 4, False, False, False),  # the same through pointers
+        ("silu", 16, 64, 128, 4, 4, False, True, False),     # decode: swapped tile (wgmma on the weight rows)
+        ("gpt_oss", 16, 64, 128, 4, 4, False, True, False),  # GPT-OSS decode: swapped, then split into gate/up
+        ("relu2", 128, 256, 64, 8, 3, True, False, False),   # not gated: one accumulator, the unfused tile
     ],
 )
-def test_gemm_with_activation_epilogue_compiles_pipelined(form, bm, bn, bk, warps, stages, device_tma, swap_ab):
-    """GEMM1 with the activation in its epilogue: both accumulators on wgmma, pipelined loads, no spills."""
-    fn, types, consts = _activation_gemm(form, bm, bn, bk, device_tma, swap_ab)
+def test_gemm_with_activation_epilogue_compiles_pipelined(form, bm, bn, bk, warps, stages, device_tma, swap_ab, pair):
+    """GEMM1 with the activation in its epilogue: the accumulators on wgmma, pipelined loads, no spills (``pair``:
+    gate/up halves as one tile, loaded by one 4-D descriptor box with device descriptors)."""
+    fn, types, consts = _activation_gemm(form, bm, bn, bk, device_tma, swap_ab, PAIR_HALVES=pair)
     ptx = _compile(fn, types, consts, warps, stages).asm["ptx"]
     assert "wgmma.mma_async" in ptx, "Hopper MMA expected"
     assert ("cp.async.bulk.tensor" if device_tma else "cp.async") in ptx, "main loop not pipelined"

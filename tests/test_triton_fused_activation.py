@@ -29,12 +29,21 @@ TILES = {
 }
 
 
+#: (form, PAIR_GATE_UP): gate/up halves both ways (one tile of gate and up rows, two accumulators); the switch
+#: changes nothing else
+FORM_PAIRS = [(f, True) for f in SPECS] + [(f, False) for f, s in SPECS.items()
+                                           if s.gated and s.gate_up_layout == "halves"]
+
+
 @pytest.mark.parametrize("tile", list(TILES))
-@pytest.mark.parametrize("form", list(SPECS))
+@pytest.mark.parametrize("form,pair", FORM_PAIRS)
 @pytest.mark.parametrize("weights", ["fp32", "fp8"])
-def test_epilogue_is_the_activation_of_the_product(form, tile, weights):
+def test_epilogue_is_the_activation_of_the_product(form, pair, tile, weights, monkeypatch):
     """fp32 weights (exact products under the interpreter), and fp8 weights with bf16 activations (W8A16:
     the weight tiles dequantised in the kernel), each against the activation of its own unfused product."""
+    from moe_fx.lowering.triton import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "PAIR_GATE_UP", pair)
     spec = SPECS[form]
     gen = torch.Generator().manual_seed(len(form) * 10 + len(tile))
     t, k, e, h, i = 7, 3, 4, 160, 40  # i: a column tile's tail (40 of 64); h = 160: a K tail for 64-wide steps

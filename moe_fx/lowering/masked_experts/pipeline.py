@@ -230,11 +230,13 @@ def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bo
     (bench/results/fused_activation_2026-12-03.md, one layer, CUDA graphs, fused / unfused).
 
     Interleaved gate/up (GPT-OSS) split the unfused tile's accumulator: 1.02-1.16x faster at every T.
-    Halves (Qwen3, Mixtral) keep two accumulators of half the tuned tile: 1.01-1.06x up to 64 rows per
+    Halves (Qwen3, Mixtral) kept two accumulators of half the tuned tile then: 1.01-1.06x up to 64 rows per
     expert, 0.95-0.98x at prefill sizes (Mixtral T >= 1024, Qwen3 T = 4096), where the separate kernel
     stays. Not gated: the unfused tile and one accumulator, only the store and a launch saved. fp8
     weights with quantised activations (:func:`quantize_activations`) never: GEMM2 needs the activation
     quantised per 1x128 group, the activation kernel's job; with bf16 activations (W8A16) as bf16 weights.
+    Halves now run one tile of gate and up rows by default (``grouped_gemm.PAIR_GATE_UP``, the unfused tile's MMA
+    shape; not yet timed), so the prefill bound may move once measured (``--switch epilogue`` after a retune).
     ``fp8``: fp8 weights. ``regime``: the call's rows-per-expert regime (None, unknown: halves keep the
     separate kernel). The plan explain reports asks the same function (``ExpertsPlan.activation_epilogue``).
     """

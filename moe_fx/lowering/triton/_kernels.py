@@ -188,6 +188,7 @@ def masked_gemm_kernel(
     s_ik=0,
     NUM_W=0,
     SLOTS: tl.constexpr = False,
+    PAIR_HALVES: tl.constexpr = False,
 ):
     """c[g, :m_g, :] = a[g, :m_g, :] @ b[g]^T (+ bias[g]), fp32 accumulation, stored in c's dtype.
 
@@ -210,7 +211,10 @@ def masked_gemm_kernel(
     ACT_FUSED (the expert activation in the epilogue, :func:`_act_epilogue`): ``c`` gets ``N`` columns of
     ``act(gate) * (up + up_offset)`` (GATED; ``b`` holds ``2N`` rows) or of ``act(h)``, from the fp32
     products, so the ``[M, 2N]`` product is never stored. Gate/up as halves (rows ``j`` and ``N + j``):
-    a tile keeps two accumulators of BLOCK_N columns, gate and up. INTERLEAVED (rows ``2j``, ``2j + 1``):
+    a tile keeps two accumulators of BLOCK_N columns, gate and up; with PAIR_HALVES one accumulator instead, over
+    BLOCK_N / 2 gate rows and the BLOCK_N / 2 up rows N below them, loaded as one weight tile (one descriptor load of
+    a ``[2, BLOCK_N / 2, BLOCK_K]`` box of ``b`` viewed as ``[G, 2, N, K]``), split in the epilogue: the unfused
+    tile's MMA shape and weight bytes per k step, BLOCK_N / 2 output columns. INTERLEAVED (rows ``2j``, ``2j + 1``):
     a tile multiplies BLOCK_N consecutive rows of ``b``, as unfused, and splits its accumulator into
     BLOCK_N / 2 gate and up columns. Biases are ``b``'s rows (``[G, 2N]``).
 
@@ -227,7 +231,10 @@ def masked_gemm_kernel(
     if DEVICE_TMA:  # tensor descriptors made on the device (what Inductor-launched kernels can use)
         # the unit last stride is written as a literal (the host checked it): TMA needs it static
         EW = NUM_W if SLOTS else E  # weight groups (slots name their expert)
-        if ACT_FUSED and GATED:  # gate and up: 2N rows
+        if ACT_FUSED and GATED and PAIR_HALVES and not INTERLEAVED:  # gate and up rows j, N + j: one box of both
+            b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[EW, 2, N, K], strides=[s_bg, N * s_bn, s_bn, 1],
+                                              block_shape=[1, 2, BLOCK_N // 2, BLOCK_K])
+        elif ACT_FUSED and GATED:  # gate and up: 2N rows
             b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[EW, 2 * N, K], strides=[s_bg, s_bn, 1],
                                               block_shape=[1, BLOCK_N, BLOCK_K])
         else:
@@ -240,8 +247,10 @@ def masked_gemm_kernel(
             else:
                 a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[E, M, K], strides=[s_ag, s_am, 1],
                                                   block_shape=[1, BLOCK_M, BLOCK_K])
-    # gate/up halves in the epilogue: a second accumulator over the up rows, N below the gate's
-    HALVES: tl.constexpr = ACT_FUSED and GATED and not INTERLEAVED
+    # gate/up halves in the epilogue: a second accumulator over the up rows, N below the gate's (HALVES), or one tile
+    # of gate and up rows (PAIRED)
+    HALVES: tl.constexpr = ACT_FUSED and GATED and not INTERLEAVED and not PAIR_HALVES
+    PAIRED: tl.constexpr = ACT_FUSED and GATED and not INTERLEAVED and PAIR_HALVES
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
@@ -250,7 +259,7 @@ def masked_gemm_kernel(
         rows, tiles, cum = _valid_tiles(((slot_w >= 0) & (slot_w < NUM_W)).to(tl.int32), M, BLOCK_M)
     else:
         rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
-    if ACT_FUSED and INTERLEAVED:  # tiles walk b's 2N rows; each gives BLOCK_N // 2 output columns
+    if ACT_FUSED and (INTERLEAVED or PAIRED):  # tiles walk b's 2N rows; each gives BLOCK_N // 2 output columns
         NB = 2 * N
     else:
         NB = N
@@ -267,10 +276,15 @@ def masked_gemm_kernel(
         e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
         e64 = e.to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # b's rows of the tile (halves: the gate's)
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < m_e
-        mask_n = offs_n < NB
+        if PAIRED:  # b's rows of the tile: BLOCK_N / 2 gate rows, then the up rows N below them
+            col = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
+            offs_n = (tl.arange(0, BLOCK_N) // (BLOCK_N // 2)) * N + col
+            mask_n = col < N
+        else:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # b's rows of the tile (halves: the gate's)
+            mask_n = offs_n < NB
         srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
         c_idx = srow.to(tl.int64)
         if SLOTS:  # group e is slot e, whose row is row e: the weights are those of the expert it names
@@ -304,7 +318,9 @@ def masked_gemm_kernel(
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
             else:
                 a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-            if TMA:
+            if TMA and PAIRED:
+                b = b_ptr.load([e, 0, pid_n * (BLOCK_N // 2), k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif TMA:
                 b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
                 if HALVES:
                     u = b_ptr.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
@@ -358,8 +374,11 @@ def masked_gemm_kernel(
             acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             if HALVES:
                 acc_u += tl.load(bias_ptr + e64 * s_biasg + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if ACT_FUSED and GATED and INTERLEAVED:  # columns (2j, 2j + 1) of the tile: (gate, up) of output column j
-            g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+        if ACT_FUSED and GATED and (INTERLEAVED or PAIRED):  # half the tile's columns are gate, half up
+            if INTERLEAVED:  # columns (2j, 2j + 1) of the tile: (gate, up) of output column j
+                g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+            else:  # columns j and BLOCK_N / 2 + j
+                g, u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             acc = _act_epilogue(g, u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
             offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             mask_n = offs_n < N

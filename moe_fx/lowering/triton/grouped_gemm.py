@@ -26,6 +26,11 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 #: launch, so ``bench/fused_activation.py --switch fp8_scales`` can time both sides in one process. Not yet timed
 #: on a GPU (2026-12-04): the same scales and products, one step earlier.
 PREFETCH_FP8_SCALES = True
+#: gate/up halves in GEMM1's epilogue as one weight tile of gate rows and the up rows below them (one accumulator,
+#: the unfused tile's MMA shape and bytes, ``masked_gemm_kernel``'s PAIR_HALVES) instead of two accumulators of half
+#: the tile (a swapped tile: two weight tiles). Read at every launch: ``bench/fused_activation.py --switch
+#: pair_halves`` times both. Not yet timed on a GPU (2026-12-05).
+PAIR_GATE_UP = True
 _FP8 = FP8_DTYPE
 
 
@@ -278,8 +283,8 @@ def _launch_gemm(
 
     ``epilogue``: the activation's kernel arguments (:func:`moe_fx.lowering.triton.act_args.epilogue_args`)
     when GEMM1 applies it (bf16 kinds only)."""
-    # a swapped tile with gate/up halves in its epilogue loads the gate's and the up's weight tiles
-    b_tiles = 2 if epilogue and epilogue["GATED"] and not epilogue["INTERLEAVED"] and cfg.swap_ab else 1
+    # a swapped tile with gate/up halves in two accumulators loads the gate's and the up's weight tiles
+    b_tiles = 2 if epilogue and _halves(epilogue) and not epilogue["PAIR_HALVES"] and cfg.swap_ab else 1
     nprog = num_programs(a.device, cfg, tile_bound, configs.resident_programs(cfg, a.element_size(), b_tiles))
     device_tma = sorted_rows is not None and cfg.tma and _device_tma_ok(a, b, gather)
     if device_tma:
@@ -537,6 +542,7 @@ def sorted_gemm(
         if activation.gated and n % 2:
             raise ValueError(f"{name}: a gated activation needs an even number of weight rows, got {n}")
         epilogue = epilogue_args(activation, name)
+        epilogue["PAIR_HALVES"] = _halves(epilogue) and PAIR_GATE_UP
         n_out = n // 2 if activation.gated else n
     out = _out(name, out, (1, num_rows, n_out), torch.bfloat16 if fp8 else a.dtype, a.device)
     check_offsets(name, a if a.dim() == 3 else a.unsqueeze(0), out)
@@ -547,13 +553,13 @@ def sorted_gemm(
     cfg = config or _gemm_config(kind, a, n, k, hints, "sorted")
     if b_scale is not None:
         _check_fp8_block_k(name, cfg)
-    if epilogue is not None and activation.gated:
+    if epilogue is not None and activation.gated and not epilogue["PAIR_HALVES"]:
         cfg = _split_columns(cfg, activation.gate_up_layout)
     # group strides 0: row offsets come from the expert's start (the kernels' SORTED mode)
     a_strides = (0, *a.stride()) if gather else (0, *a.stride()[1:])
     as_strides = () if not fp8 else (0, *a_scale.stride()) if gather else (0, *a_scale.stride()[1:])
-    # the grid's tile columns: interleaved epilogue tiles walk b's rows (2 per output column)
-    tile_cols = n if epilogue is not None and epilogue["INTERLEAVED"] else n_out
+    # the grid's tile columns: interleaved and paired epilogue tiles walk b's rows (2 per output column)
+    tile_cols = n if epilogue is not None and (epilogue["INTERLEAVED"] or epilogue["PAIR_HALVES"]) else n_out
     # slot order: T * K groups (slots) of one row each; sorted: E experts of up to N rows
     groups, group_rows = (num_rows, 1) if slots else (e, num_rows)
     _launch_gemm(kind, a, a_scale, b, b_scale, index, out, groups, num_rows, n_out, k, cfg,
@@ -561,6 +567,11 @@ def sorted_gemm(
                  c_strides=(0, *out.stride()[1:]), bias=bias, sorted_rows=rows, gather=gather,
                  route_weights=route_weights, epilogue=epilogue)
     return out
+
+
+def _halves(epilogue: dict) -> bool:
+    """The epilogue applies a gated activation whose gate and up rows are halves of ``b`` (not interleaved)."""
+    return bool(epilogue["GATED"]) and not epilogue["INTERLEAVED"]
 
 
 def _split_columns(cfg: configs.TileConfig, gate_up_layout: str) -> configs.TileConfig:
