@@ -261,7 +261,8 @@ def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
     # side by side in registers too (tests/test_triton_compile.py compiles every candidate as launched): the
     # 32x128x128 fp8 tiles of 2026-12-04 asked for 3 with ~190 registers a thread (2 fit), so a third of their
     # grid ran as a second wave. The swapped bf16 16x64x64 / 32x64x64 tiles fit two programs per SM where GEMM1
-    # applies gate/up halves in its epilogue (two weight tiles per k step), which 16x64x128 / 32x64x128 do not.
+    # applies gate/up halves in two accumulators (two weight tiles per k step: grouped_gemm.PAIR_GATE_UP off), which
+    # 16x64x128 / 32x64x128 do not; paired gate/up rows (the default) load one weight tile like the unfused GEMM.
     return cands + [replace(c, flatten=True) for c in flat]
 
 
