@@ -1,6 +1,6 @@
 """bench/fused_activation.py end to end on CPU (--smoke: tiny qwen3 and gpt_oss forms under the interpreter),
 for each pipeline switch it times (the activation epilogue; bf16 activations with fp8 weights; fp8 scales
-loaded a step ahead)."""
+loaded a step ahead; the switch of the decode sort's bitonic network)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ pytest.importorskip("triton")
 @pytest.mark.parametrize("switch,stem,bound,tokens", [("epilogue", "fused_activation", 3e-2, 3),
                                                        ("w8a16", "w8a16", 8e-2, 3), ("fp8_scales", "fp8_scales", 8e-2, 3),
                                                        ("slot_rows", "slot_rows", 3e-2, 1),
-                                                       ("pair_halves", "pair_halves", 3e-2, 3)])
+                                                       ("pair_halves", "pair_halves", 3e-2, 3),
+                                                       ("bitonic_sort", "bitonic_sort", 3e-2, 3)])
 def test_smoke_writes_rows_with_both_variants_close_to_the_reference(tmp_path, switch, stem, bound, tokens):
     mod = load_bench("fused_activation")
     mod.main(["--smoke", "--switch", switch, "--tokens", str(tokens), "--out", str(tmp_path), "--tag", "t"])
@@ -32,7 +33,8 @@ def test_smoke_writes_rows_with_both_variants_close_to_the_reference(tmp_path, s
         assert r["on_vs_off_err"] < bound, r
     if switch == "w8a16":  # the variants differ in what they round: W8A16 keeps the activations in bf16
         assert all(r["ref_err_on"] < r["ref_err_off"] for r in rows), rows
-    if switch in ("fp8_scales", "slot_rows"):  # when the scales load / where the rows are, not what is computed
+    # when the scales load / where the rows are / how they were sorted (the same rows), not what is computed
+    if switch in ("fp8_scales", "slot_rows", "bitonic_sort"):
         assert all(r["on_vs_off_err"] == 0.0 for r in rows), rows
     md = json_path.with_suffix(".md").read_text()
     assert f"| qwen3 | {tokens} |" in md and f"| gpt_oss | {tokens} |" in md

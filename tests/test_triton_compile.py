@@ -302,7 +302,7 @@ def test_one_token_gemms_and_combine_compile_without_a_sort(form):
 
 
 def test_sort_kernels_compile():
-    from moe_fx.lowering.triton.sort import DECODE_PAIRWISE_SLOTS, pairwise_slots
+    from moe_fx.lowering.triton.sort import BITONIC_SORT_SLOTS, DECODE_PAIRWISE_SLOTS, pairwise_slots
 
     k = _kernels()
     for e_pow2 in (8, 128, 256, 512):  # 256: DeepSeek-V3's experts
@@ -317,12 +317,17 @@ def test_sort_kernels_compile():
                  "INTERP": False, "x_ptr": None, "q_ptr": None, "qs_ptr": None}
         # the slot count as a run-time value, and as a constant (a static shape; the constant that decides the
         # pairwise branches when the frontend folds them: a name bound in a folded branch must not reach the loops)
-        for n in (None, 20, 40, 128, 300, 1024):  # 300, 1024: one program per block of pairwise slots
+        # 1024: the bitonic sort alone; 2048, and 300 with it off: one program per block of pairwise slots. The
+        # bitonic network (seconds to compile) at two expert counts: its tiles do not depend on E but the histogram's
+        on = BITONIC_SORT_SLOTS if e_pow2 in (8, 256) else 0
+        for n, bitonic in ((None, on), (20, 0), (40, 0), (128, 0), (1024, on), (None, 0), (300, 0), (2048, on)):
+            consts = {**small, "SORT_LOG": max(bitonic, 1).bit_length() - 1} | ({} if n is None else {"N": n})
             ptx = _compile(k.sort_small_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
-                                                 "pos_ptr": "*i64"}, small if n is None else {**small, "N": n}).asm["ptx"]
+                                                 "pos_ptr": "*i64"}, consts).asm["ptx"]
             assert "atom.global" not in ptx and "ld.local" not in ptx  # no atomics, no spills
         # the fp8 decode step's launch: the sort's programs, then the token quantisation's
-        quant = {k: v for k, v in small.items() if not k.endswith("_ptr")} | {"QUANT": True}
+        quant = {k: v for k, v in small.items() if not k.endswith("_ptr")} | {"QUANT": True,
+                                                                           "SORT_LOG": max(on, 1).bit_length() - 1}
         for sizes in ({}, {"N": 1, "T": 1}):  # run-time sizes, and the ones Triton folds (1: one token, top-1)
             ptx = _compile(k.sort_small_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
                                                  "pos_ptr": "*i64", "x_ptr": "*bf16", "q_ptr": "*fp8e4nv",

@@ -28,10 +28,10 @@ def _ids(t, k, e, gen, extra=0):
 
 @pytest.mark.parametrize("small", [False, True])
 @pytest.mark.parametrize("t,k,e", [(9, 3, 5), (4, 6, 3), (1, 1, 1), (0, 2, 4), (40, 2, 3), (64, 2, 5), (70, 2, 3),
-                                   (17, 8, 128)])
+                                   (17, 8, 128), (120, 8, 128)])
 def test_sort_by_expert_puts_every_slot_in_its_expert_segment(t, k, e, small):
     # small: <= 32 slots rank pairwise in the decode tile, <= 128 in the larger one (sort.pairwise_slots up to
-    # E = 128); 140 and 136 slots take 2 programs of 128 (each ranks its block against the earlier ones)
+    # E = 128); 140 and 136 slots take the bitonic sort of sort.BITONIC_SORT_SLOTS (the blocks: the test below)
     gen = torch.Generator().manual_seed(t * 100 + k)
     ids = _ids(t, k, e, gen, extra=2)  # 2 ids past E: identity experts or out of range: no row either way
     rows = sort_by_expert(ids.to(torch.int32), e, small=small)
@@ -392,13 +392,16 @@ def test_every_regime_candidate_is_correct(fp8, device):
             assert torch.isnan(out[0, total:].float()).all(), cfg
 
 
+@pytest.mark.parametrize("bitonic", [0, 128])
 @pytest.mark.parametrize("t,k,e", [(20, 6, 5), (12, 8, 16)])
-def test_block_sort_gives_the_two_passes_rows(t, k, e, monkeypatch):
-    """More slots than one pairwise tile: the programs that each rank a block give the rows of the one-program
-    two passes (``PAIRWISE=False``, the other side of bench/kernel_breakdown.py --sort-ab), slot for slot. The
-    tiles are made small (32 slots) so that 3-4 programs, middle blocks among them, run in the interpreter's time."""
+def test_block_sort_gives_the_two_passes_rows(t, k, e, bitonic, monkeypatch):
+    """More slots than one pairwise tile: the programs that each rank a block (``BITONIC_SORT_SLOTS=0``), or
+    program 0's bitonic sort of every slot, give the rows of the one-program two passes (``PAIRWISE=False``, the
+    other side of bench/kernel_breakdown.py --sort-ab), slot for slot. The tiles are made small (32 slots) so that
+    3-4 programs, middle blocks among them, run in the interpreter's time."""
     from moe_fx.lowering.triton import sort as sort_mod
 
+    monkeypatch.setattr(sort_mod, "BITONIC_SORT_SLOTS", bitonic)
     monkeypatch.setattr(sort_mod, "pairwise_slots", lambda e_pow2: 32)
     monkeypatch.setattr(sort_mod, "DECODE_PAIRWISE_SLOTS", 16)
     gen = torch.Generator().manual_seed(t + k + e)
@@ -412,6 +415,31 @@ def test_block_sort_gives_the_two_passes_rows(t, k, e, monkeypatch):
     assert torch.equal(blocks.scratch[: e + 1], passes.scratch[: e + 1])
     assert torch.equal(blocks.slot_pos, passes.slot_pos)
     assert torch.equal(blocks.sorted_slots[:total], passes.sorted_slots[:total])
+
+
+# the blocks of pairwise ranks (bitonic 0) on the GPU only: minutes per case in the interpreter
+@pytest.mark.parametrize("device,bitonic", [pytest.param(d.values[0], 1024, id=f"{d.id}-bitonic", marks=d.marks)
+                                            for d in devices()]
+                         + [pytest.param("cuda", 0, id="cuda-blocks", marks=devices()[1].marks)])
+@pytest.mark.parametrize("t,k,e", [(17, 8, 128), (64, 8, 128), (120, 8, 256), (500, 2, 8), (200, 4, 32)])
+def test_decode_sort_gives_a_stable_sorts_rows(t, k, e, bitonic, device, monkeypatch):
+    """The one-launch sort at real sizes (136-1000 slots: the bitonic network, or blocks of pairwise ranks with it
+    off) gives the rows of torch's stable sort of the slots by expert, slot for slot, and the counts."""
+    from moe_fx.lowering.triton import sort as sort_mod
+
+    monkeypatch.setattr(sort_mod, "BITONIC_SORT_SLOTS", bitonic)
+    ids = _ids(t, k, e, torch.Generator().manual_seed(t * k + e), extra=1).to(torch.int32)
+    flat = ids.flatten().long()
+    valid = (flat >= 0) & (flat < e)
+    order = torch.sort(torch.where(valid, flat, e), stable=True).indices
+    total = int(valid.sum())
+    want_pos = torch.full_like(flat, -1)
+    want_pos[order[:total]] = torch.arange(total)
+    got = sort_by_expert(ids.to(device), e, small=True)
+    assert got.counts.cpu().tolist() == torch.bincount(flat[valid], minlength=e).tolist()
+    assert got.total.item() == total
+    assert torch.equal(got.slot_pos.cpu(), want_pos)
+    assert torch.equal(got.sorted_slots[:total].cpu().long(), order[:total])
 
 
 @pytest.mark.parametrize("device", devices())

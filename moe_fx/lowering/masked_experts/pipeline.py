@@ -220,7 +220,9 @@ def slot_rows(fp8: bool, tokens: object) -> bool:
     token: every batch-1 decode step), bf16/fp16/fp32 weights. One token's top-k ids name distinct experts, so
     each expert has one row either way and the GEMMs stream the same weights; the sort's launch and the gap after
     it (~4.5 of Qwen3-30B-A3B's 41 µs at T=1, bench/results/kernel_breakdown_2026-12-03.md) are gone. fp8 weights
-    keep the sort, whose launch quantises the tokens (one launch either way). Not yet timed on a GPU."""
+    keep the sort, whose launch quantises the tokens (one launch either way). Measured on the H200
+    (bench/results/slot_rows_2026-12-05.json, ``--switch slot_rows --on 4``): T=1 1.01-1.12x faster; at 2-4 tokens
+    sorted rows win (up to 1.44x), hence one token."""
     return (not fp8 and isinstance(tokens, int) and not isinstance(tokens, bool)
             and 1 <= tokens <= SLOT_ROWS_MAX_TOKENS)
 
@@ -236,7 +238,8 @@ def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bo
     weights with quantised activations (:func:`quantize_activations`) never: GEMM2 needs the activation
     quantised per 1x128 group, the activation kernel's job; with bf16 activations (W8A16) as bf16 weights.
     Halves now run one tile of gate and up rows by default (``grouped_gemm.PAIR_GATE_UP``, the unfused tile's MMA
-    shape; not yet timed), so the prefill bound may move once measured (``--switch epilogue`` after a retune).
+    shape; 1.00-1.02x up to 256 tokens, bench/results/pair_halves_2026-12-05.md); the prefill bound is the old
+    measurement until ``--switch epilogue`` runs again after the 2026-12-05 retune.
     ``fp8``: fp8 weights. ``regime``: the call's rows-per-expert regime (None, unknown: halves keep the
     separate kernel). The plan explain reports asks the same function (``ExpertsPlan.activation_epilogue``).
     """

@@ -997,6 +997,24 @@ def quantize_rows_kernel(
 
 
 @triton.jit
+def _bitonic_sort(x, LOG_N: tl.constexpr):
+    """``x [2**LOG_N]`` in ascending order: a bitonic network of compare-exchanges at distance ``2**j``, each on a
+    ``[pairs, 2, 2**j]`` view split into its two halves (``tl.sort`` is a compiled function of the triton package,
+    which the interpreted copy of these kernels cannot call)."""
+    N: tl.constexpr = x.shape[0]
+    for s in tl.static_range(1, LOG_N + 1):  # sorted runs of 2**s: ascending and descending in turn
+        for j in tl.static_range(s - 1, -1, -1):
+            lo, hi = tl.split(tl.permute(tl.reshape(x, (N >> (j + 1), 2, 1 << j)), (0, 2, 1)))
+            # the run of 2**s a pair belongs to, from its index: odd runs sort descending (none in the last stage)
+            down = ((tl.arange(0, N >> (j + 1)) >> (s - j - 1)) & 1)[:, None] == 1
+            small = tl.minimum(lo, hi)
+            big = tl.maximum(lo, hi)
+            x = tl.reshape(tl.permute(tl.join(tl.where(down, big, small), tl.where(down, small, big)), (0, 2, 1)),
+                           (N,))
+    return x
+
+
+@triton.jit
 def _store_pairwise_rows(ids, offs, N, E, offs_e, counts_ptr, sorted_ptr, pos_ptr):
     """The one-block sort of :func:`sort_small_kernel`: counts, total, and each slot's row from pairwise
     comparisons (the row of slot s = the valid slots of a smaller expert, or of its expert and before s).
@@ -1029,6 +1047,7 @@ def sort_small_kernel(
     DECODE_PAIRS: tl.constexpr,
     PAIRS: tl.constexpr,
     PAIRWISE: tl.constexpr = True,
+    SORT_LOG: tl.constexpr = 0,
     x_ptr=None,
     q_ptr=None,
     qs_ptr=None,
@@ -1054,8 +1073,10 @@ def sort_small_kernel(
     compares the slots pairwise: one load, no scan over the experts (the scan of a ``[CHUNK, E_POW2]``
     tile is most of the two passes' time at large E). With more slots the grid has one program per
     ``PAIRS`` slots (``cdiv(N, PAIRS)``): each counts all slots and ranks its own pairwise against the
-    earlier ones. ``PAIRWISE=False`` makes program 0 run two passes over the slots in chunks (the counts,
-    then the ranks by a scan) for every N, the same rows: the A/B of ``bench/kernel_breakdown.py --sort-ab``.
+    earlier ones, unless they fit ``2**SORT_LOG`` slots (0: never): then program 0 sorts them alone,
+    keys ``(expert, slot)`` in one bitonic sort and the counts from a histogram. ``PAIRWISE=False`` makes
+    program 0 run two passes over the slots in chunks (the counts, then the ranks by a scan) for every N,
+    the same rows: the A/B of ``bench/kernel_breakdown.py --sort-ab``.
 
     QUANT: the programs after the sort's first ``sort_programs`` quantise the tokens ``x [T, H]`` as
     :func:`quantize_rows_kernel` does (one ``[BLOCK_T, 128]`` block each: fp8 codes to ``q``, fp32 1x128
@@ -1093,6 +1114,30 @@ def sort_small_kernel(
             p_ids = tl.load(ids_ptr + _slot_offsets(p_offs, s_it, s_ik, TOPK), mask=p_offs < N, other=-1).to(tl.int32)
             _store_pairwise_rows(p_ids, p_offs, N, E, offs_e, counts_ptr, sorted_ptr, pos_ptr)
             return
+        if SORT_LOG > 0:
+            SORT_SLOTS: tl.constexpr = 1 << SORT_LOG
+            if N <= SORT_SLOTS:
+                # one program sorts keys (expert, slot) in registers (a bitonic network: log2(SORT_SLOTS)^2 / 2
+                # compare-exchange steps) and counts with a histogram: no [slots, slots] or [slots, E_POW2]
+                # tiles, which make most of the time of the blocks below at 128+ experts
+                if tl.program_id(0) > 0:
+                    return
+                k_offs = tl.arange(0, SORT_SLOTS)
+                k_mask = k_offs < N
+                k_ids = tl.load(ids_ptr + _slot_offsets(k_offs, s_it, s_ik, TOPK), mask=k_mask, other=-1).to(tl.int32)
+                k_valid = k_mask & (k_ids >= 0) & (k_ids < E)
+                k_counts = tl.histogram(tl.where(k_valid, k_ids, 0), E_POW2, mask=k_valid)
+                tl.store(counts_ptr + offs_e, k_counts, mask=offs_e < E)
+                tl.store(counts_ptr + E, tl.reduce(k_counts, 0, _add))
+                # slots of no expert and the tile's padding sort after every valid one; the slot in the low bits
+                # keeps the order inside an expert the slots' (the pairwise rows, exactly)
+                k_keys = _bitonic_sort(tl.where(k_valid, k_ids, E) * SORT_SLOTS + k_offs, SORT_LOG)
+                k_slot = k_keys % SORT_SLOTS
+                k_rows = k_keys < E * SORT_SLOTS
+                tl.store(sorted_ptr + k_offs, k_slot, mask=k_rows)
+                tl.store(pos_ptr + k_slot, k_offs.to(tl.int64), mask=k_rows)
+                tl.store(pos_ptr + k_offs, tl.full((SORT_SLOTS,), -1, tl.int64), mask=k_mask & ~k_valid)
+                return
         # More slots than one tile: one program per PAIRS slots (the grid's). Each counts every expert's slots
         # (a [PAIRS, E_POW2] tile per block of slots), then ranks its own slots pairwise among the earlier
         # ones: the two passes' rows, from programs that run side by side instead of one program's chunks.

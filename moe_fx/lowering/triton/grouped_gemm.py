@@ -23,13 +23,14 @@ __all__ = ["SlotRows", "SortedRows", "check_offsets", "masked_gemm", "masked_gem
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 #: fp8 GEMMs load each k step's scales one step ahead (``masked_gemm_fp8_kernel``'s PREFETCH_SCALES); read at every
-#: launch, so ``bench/fused_activation.py --switch fp8_scales`` can time both sides in one process. Not yet timed
-#: on a GPU (2026-12-04): the same scales and products, one step earlier.
-PREFETCH_FP8_SCALES = True
+#: launch, so ``bench/fused_activation.py --switch fp8_scales`` can time both sides in one process. Off: on the H200
+#: it measured 0.93-1.05x before the 2026-12-05 retune and 0.97-1.05x after (bench/results/fp8_scales_2026-12-05*),
+#: no consistent gain; the shipped tiles are tuned with it off.
+PREFETCH_FP8_SCALES = False
 #: gate/up halves in GEMM1's epilogue as one weight tile of gate rows and the up rows below them (one accumulator,
 #: the unfused tile's MMA shape and bytes, ``masked_gemm_kernel``'s PAIR_HALVES) instead of two accumulators of half
 #: the tile (a swapped tile: two weight tiles). Read at every launch: ``bench/fused_activation.py --switch
-#: pair_halves`` times both. Not yet timed on a GPU (2026-12-05).
+#: pair_halves`` times both: 1.00-1.02x on the H200 (bench/results/pair_halves_2026-12-05.md).
 PAIR_GATE_UP = True
 _FP8 = FP8_DTYPE
 

@@ -43,6 +43,12 @@ def pairwise_slots(e_pow2: int) -> int:
     return max(16, min(128, 16384 // e_pow2))
 
 
+#: The one-launch sort's program 0 sorts up to this many slots alone (a power of two; 0: off): keys (expert, slot)
+#: in one bitonic sort and the counts from ``tl.histogram``, where the pairwise blocks of more than
+#: :func:`pairwise_slots` slots spent 13-17 µs at 128 experts (Qwen3 T=32/64, kernel_breakdown_2026-12-05_sortab).
+#: Read at every launch, so ``bench/fused_activation.py --switch bitonic_sort`` times both sides in one process.
+BITONIC_SORT_SLOTS = 1024
+
 #: decode-sized sorts (at most this many slots, or the decode regime) run in one launch, without atomics
 SMALL_SORT_SLOTS = 1024
 
@@ -129,8 +135,16 @@ def _sort_small(topk_ids: torch.Tensor, num_experts: int, *, quantize: tuple | N
                      sort_programs=sort_programs, QUANT=True, BLOCK_T=QUANT_BLOCK_T, INTERP=dev.type == "cpu")
     launch("sort_small_kernel", dev, (programs,), topk_ids, scratch, sorted_slots, slot_pos, n, num_experts,
            *topk_ids.stride(), TOPK=int(k), CHUNK=max(16, min(64, 8192 // e_pow2)), E_POW2=e_pow2,
-           DECODE_PAIRS=DECODE_PAIRWISE_SLOTS, PAIRS=pairs, num_warps=4, **extra)
+           DECODE_PAIRS=DECODE_PAIRWISE_SLOTS, PAIRS=pairs, SORT_LOG=_bitonic_log(), num_warps=4, **extra)
     return SortedRows(scratch, sorted_slots, slot_pos, int(k), n, num_experts)
+
+
+def _bitonic_log() -> int:
+    """log2 of :data:`BITONIC_SORT_SLOTS` as the kernel's SORT_LOG (0: off)."""
+    n = BITONIC_SORT_SLOTS
+    if n < 0 or n & (n - 1):
+        raise ValueError(f"sort.BITONIC_SORT_SLOTS must be 0 or a power of two, got {n}")
+    return max(n, 1).bit_length() - 1
 
 
 def _quantized_like(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
