@@ -302,7 +302,7 @@ def test_one_token_gemms_and_combine_compile_without_a_sort(form):
 
 
 def test_sort_kernels_compile():
-    from moe_fx.lowering.triton.sort import BITONIC_SORT_SLOTS, DECODE_PAIRWISE_SLOTS, pairwise_slots
+    from moe_fx.lowering.triton.sort import BITONIC_SORT_SLOTS, DECODE_PAIRWISE_SLOTS, bitonic_log, pairwise_slots
 
     k = _kernels()
     for e_pow2 in (8, 128, 256, 512):  # 256: DeepSeek-V3's experts
@@ -321,13 +321,13 @@ def test_sort_kernels_compile():
         # bitonic network (seconds to compile) at two expert counts: its tiles do not depend on E but the histogram's
         on = BITONIC_SORT_SLOTS if e_pow2 in (8, 256) else 0
         for n, bitonic in ((None, on), (20, 0), (40, 0), (128, 0), (1024, on), (None, 0), (300, 0), (2048, on)):
-            consts = {**small, "SORT_LOG": max(bitonic, 1).bit_length() - 1} | ({} if n is None else {"N": n})
+            consts = {**small, "SORT_LOG": bitonic_log(bitonic)} | ({} if n is None else {"N": n})
             ptx = _compile(k.sort_small_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
                                                  "pos_ptr": "*i64"}, consts).asm["ptx"]
             assert "atom.global" not in ptx and "ld.local" not in ptx  # no atomics, no spills
         # the fp8 decode step's launch: the sort's programs, then the token quantisation's
-        quant = {k: v for k, v in small.items() if not k.endswith("_ptr")} | {"QUANT": True,
-                                                                           "SORT_LOG": max(on, 1).bit_length() - 1}
+        quant = {k: v for k, v in small.items() if not k.endswith("_ptr")}
+        quant |= {"QUANT": True, "SORT_LOG": bitonic_log(on)}
         for sizes in ({}, {"N": 1, "T": 1}):  # run-time sizes, and the ones Triton folds (1: one token, top-1)
             ptx = _compile(k.sort_small_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32",
                                                  "pos_ptr": "*i64", "x_ptr": "*bf16", "q_ptr": "*fp8e4nv",

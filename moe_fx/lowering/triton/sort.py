@@ -24,7 +24,8 @@ from moe_fx.lowering.triton._loader import launch
 from moe_fx.lowering.triton.grouped_gemm import SortedRows, _known_empty, _out, _pow2
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["ContiguousRows", "SortedRows", "contiguous_rows", "quantize_rows", "sort_and_quantize", "sort_by_expert"]
+__all__ = ["ContiguousRows", "SortedRows", "bitonic_log", "contiguous_rows", "quantize_rows", "sort_and_quantize",
+           "sort_by_expert"]
 
 
 def _slots_per_program(e_pow2: int) -> int:
@@ -135,16 +136,16 @@ def _sort_small(topk_ids: torch.Tensor, num_experts: int, *, quantize: tuple | N
                      sort_programs=sort_programs, QUANT=True, BLOCK_T=QUANT_BLOCK_T, INTERP=dev.type == "cpu")
     launch("sort_small_kernel", dev, (programs,), topk_ids, scratch, sorted_slots, slot_pos, n, num_experts,
            *topk_ids.stride(), TOPK=int(k), CHUNK=max(16, min(64, 8192 // e_pow2)), E_POW2=e_pow2,
-           DECODE_PAIRS=DECODE_PAIRWISE_SLOTS, PAIRS=pairs, SORT_LOG=_bitonic_log(), num_warps=4, **extra)
+           DECODE_PAIRS=DECODE_PAIRWISE_SLOTS, PAIRS=pairs, SORT_LOG=bitonic_log(BITONIC_SORT_SLOTS), num_warps=4,
+           **extra)
     return SortedRows(scratch, sorted_slots, slot_pos, int(k), n, num_experts)
 
 
-def _bitonic_log() -> int:
-    """log2 of :data:`BITONIC_SORT_SLOTS` as the kernel's SORT_LOG (0: off)."""
-    n = BITONIC_SORT_SLOTS
-    if n < 0 or n & (n - 1):
-        raise ValueError(f"sort.BITONIC_SORT_SLOTS must be 0 or a power of two, got {n}")
-    return max(n, 1).bit_length() - 1
+def bitonic_log(slots: int) -> int:
+    """The kernel's SORT_LOG for a bitonic sort of ``slots`` (:data:`BITONIC_SORT_SLOTS`): log2, 0 for off."""
+    if slots < 0 or slots & (slots - 1):
+        raise ValueError(f"sort.BITONIC_SORT_SLOTS must be 0 or a power of two, got {slots}")
+    return max(slots, 1).bit_length() - 1
 
 
 def _quantized_like(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
