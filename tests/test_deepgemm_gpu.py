@@ -67,6 +67,15 @@ class _CountingDeepGemm:
 
 
 @pytest.fixture
+def deepgemm_above_decode(monkeypatch):
+    """Under ``auto``, DeepGEMM from 5 rows per expert (the tiny models here have 20-24): these tests are about
+    DeepGEMM's plumbing in a compiled model, not about where it measured faster (tests/test_select.py)."""
+    from moe_fx.lowering.masked_experts import deepgemm as dg_mod
+
+    monkeypatch.setattr(dg_mod, "LOCAL_FROM_REGIME", 1)
+
+
+@pytest.fixture
 def counting_dg(monkeypatch):
     _need_deepgemm()
     from moe_fx.lowering.masked_experts import deepgemm as dg_mod
@@ -127,16 +136,17 @@ def test_op_auto_selects_deepgemm_and_explicit_requests():
     from moe_fx.ops.experts import bind_experts
 
     gen = torch.Generator(device="cuda").manual_seed(1)
+    t = 512  # 128 rows per expert: where auto prefers DeepGEMM on one GPU (deepgemm.LOCAL_FROM_REGIME)
     for inter, want in ((128, "deepgemm"), (96, "triton")):  # explain on this GPU's probed capabilities
-        h = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16)
+        h = torch.empty(t, 256, device="cuda", dtype=torch.bfloat16)
         w13 = torch.empty(8, 2 * inter, 256, device="cuda", dtype=torch.bfloat16)
         w2 = torch.empty(8, 256, inter, device="cuda", dtype=torch.bfloat16)
-        ids0, w0 = torch.zeros(64, 2, device="cuda", dtype=torch.long), torch.ones(64, 2, device="cuda")
+        ids0, w0 = torch.zeros(t, 2, device="cuda", dtype=torch.long), torch.ones(t, 2, device="cuda")
         why = explain_experts(bind_experts(h, ids0, w0, w13, w2))
         assert why.kernel == want, (inter, why.reasons)
     assert "gemm2 K=96" in why.reasons["deepgemm"]
-    hidden = torch.randn(64, 256, generator=gen, device="cuda").bfloat16()
-    ids, w = _ragged_routing(64, 8, 2, gen)
+    hidden = torch.randn(t, 256, generator=gen, device="cuda").bfloat16()
+    ids, w = _ragged_routing(t, 8, 2, gen)
     w13, w2, _, _ = _weights(8, 256, 128, False, gen)
     ref = experts_reference(hidden, ids, w, w13, w2)
     for kernel in ("auto", "deepgemm", "triton", "reference"):
@@ -148,7 +158,7 @@ def test_op_auto_selects_deepgemm_and_explicit_requests():
 
 
 @pytest.mark.parametrize("quantize", [None, "fp8"])
-def test_compiled_tiny_model_takes_deepgemm_end_to_end(counting_dg, quantize):
+def test_compiled_tiny_model_takes_deepgemm_end_to_end(counting_dg, deepgemm_above_decode, quantize):
     pytest.importorskip("transformers")
     from torch._inductor.utils import run_and_get_code
 
@@ -187,7 +197,7 @@ def test_compiled_tiny_model_takes_deepgemm_end_to_end(counting_dg, quantize):
     assert _rel(got, want) < (0.2 if quantize else 0.02) + 2 * noise, (_rel(got, want), noise)
 
 
-def test_fp8_checkpoint_model_uses_its_fp8_weights_on_deepgemm(counting_dg):
+def test_fp8_checkpoint_model_uses_its_fp8_weights_on_deepgemm(counting_dg, deepgemm_above_decode):
     """transformers FP8Experts (fp8 + 128x128 scale_inv) -> capture -> compiled -> DeepGEMM fp8.
 
     Compared with the eager model holding the dequantised weights.

@@ -143,13 +143,15 @@ def test_fp8_weights_trace_to_fp8_kernels(sm90, monkeypatch):
 
 
 def test_deepgemm_gemms_are_extern_calls_between_triton_launches(sm90):
-    gm = _trace(_experts, _inputs(FakeTensorMode(), t=64), caps=H200_DG)
+    gm = _trace(_experts, _inputs(FakeTensorMode(), t=512), caps=H200_DG)  # 128 rows per expert
     code = gm.code
     assert code.count("moe_fx_kernels.deepgemm_masked_gemm") == 2 and "moe_fx.experts" not in code
     assert [_kernel_name(n) for n in _launches(gm)] == ["permute_kernel", "activation_kernel", "unpermute_kernel"]
-    # decode-sized (<= 4 rows per expert): Triton's GEMMs instead, under auto
+    # decode-sized (<= 4 rows per expert) and up to 64 rows per expert: Triton's GEMMs instead, under auto
     gm = _trace(_experts, _inputs(FakeTensorMode(), t=2), caps=H200_DG)
     assert "deepgemm_masked_gemm" not in gm.code and [_kernel_name(n) for n in _launches(gm)] == list(DECODE)
+    gm = _trace(_experts, _inputs(FakeTensorMode(), t=64), caps=H200_DG)
+    assert "deepgemm_masked_gemm" not in gm.code and [_kernel_name(n) for n in _launches(gm)] == list(KERNELS)
 
 
 def test_dynamic_token_count_specialises_on_the_row_regime_only(sm90):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch
 import moe_fx.lowering.problem as problem_mod
 import moe_fx.lowering.select as select
 from moe_fx.lowering.experts import explain_experts
+from moe_fx.lowering.masked_experts import deepgemm
 from moe_fx.lowering.prepare_finalize import deepep_ll
 from moe_fx.lowering.problem import (
     ROW_REGIMES,
@@ -57,12 +59,20 @@ def _fresh_state(monkeypatch):
     problem_mod.probe_capabilities.cache_clear()
 
 
+@pytest.fixture
+def deepgemm_wherever_it_runs(monkeypatch):
+    """DeepGEMM preferred in every regime above decode: the capability rules are tested apart from where Triton
+    measured faster on one GPU (:func:`test_measured_preference_per_regime` tests the shipped rule)."""
+    monkeypatch.setattr(deepgemm, "LOCAL_FROM_REGIME", 1)
+
+
 def test_rows_per_expert_and_regimes():
     assert rows_per_expert(1, 8, 128) == 1 and rows_per_expert(4096, 8, 32) == 1024 and rows_per_expert(0, 2, 8) == 1
     assert [row_regime(r) for r in (1, 4, 5, 16, 17, 64, 65, 256, 257, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
 
 
 @pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_aligned_hopper_takes_deepgemm(fp8):
     c = experts(problem(7168, 2048, fp8=fp8), H100)
     assert (c.kernel, c.error) == ("deepgemm", None)
@@ -76,10 +86,38 @@ def test_decode_regime_takes_triton_under_auto_only(fp8):
     c = experts(small, H100)
     assert c.kernel == "triton" and "decode-size batch (<= 4 rows per expert)" in c.reasons["deepgemm"]
     assert experts(small, H100, "deepgemm").kernel == "deepgemm" and experts(small, H100, "deepgemm").error is None
-    assert experts(problem(7168, 2048, fp8=fp8, regime=1), H100).kernel == "deepgemm"
+    # behind expert-parallel dispatch (both kernels read the masked layout) DeepGEMM stays first above decode
+    assert experts(problem(7168, 2048, fp8=fp8, regime=1, masked_rows=256), H100).kernel == "deepgemm"
     # DeepGEMM's path needs Triton for its permute and activation: without it the reference runs
     no_triton = Capabilities("cuda", (9, 0), None, "triton is not installed")
     assert experts(small, no_triton).kernel == "reference"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("regime", range(len(ROW_REGIMES) + 1))
+def test_measured_preference_per_regime(fp8, regime):
+    """The shipped rule: on one GPU Triton's sorted layout up to 64 rows per expert, DeepGEMM above (bf16 and fp8);
+    behind EP dispatch (``masked_rows``) and with an unknown regime DeepGEMM above decode."""
+    assert deepgemm.LOCAL_FROM_REGIME == 3 and ROW_REGIMES[deepgemm.LOCAL_FROM_REGIME - 1] == 64
+    local = experts(problem(7168, 2048, fp8=fp8, regime=regime), H100)
+    want = "deepgemm" if regime >= 3 else "triton"
+    assert (local.kernel, local.error) == (want, None)
+    if regime == 0:
+        assert local.reasons["deepgemm"].startswith("decode-size batch")
+    elif want == "triton":
+        why = local.reasons["deepgemm"]
+        assert why.startswith("up to 64 rows per expert on one GPU: Triton's sorted layout measured faster"), why
+        # the figures the reason cites are in the repository
+        source = deepgemm.LOCAL_CHOICE_SOURCE.split(", ")[-1]
+        assert source in why and (Path(__file__).parents[1] / source).is_file()
+    else:
+        assert local.reasons == {"triton": "deepgemm preferred", "reference": "deepgemm preferred"}
+    ep = experts(problem(7168, 2048, fp8=fp8, regime=regime, masked_rows=256), H100)
+    assert ep.kernel == ("triton" if regime == 0 else "deepgemm")
+    assert experts(problem(7168, 2048, fp8=fp8, regime=None), H100).kernel == "deepgemm"
+    # a preference, not a capability: an explicit request runs DeepGEMM in every regime
+    forced = experts(problem(7168, 2048, fp8=fp8, regime=regime), H100, "deepgemm")
+    assert (forced.kernel, forced.error) == ("deepgemm", None)
 
 
 @pytest.mark.parametrize(
@@ -98,6 +136,7 @@ def test_unaligned_shapes_take_triton_and_say_which_dim(h, i, bad):
     assert c.reasons["reference"] == "triton preferred"
 
 
+@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_layout_and_bias_rules():
     c = experts(problem(k_major=False), H100)
     assert c.kernel == "triton" and "K-major" in c.reasons["deepgemm"]
@@ -134,6 +173,7 @@ def test_cpu_takes_reference_and_honours_a_triton_request():
     assert experts(problem(device="cpu"), CPU, "triton").error is None
 
 
+@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_dtype_block_and_activation_rules():
     c = experts(problem(dtype="float16"), H100)
     assert c.kernel == "triton" and "bfloat16" in c.reasons["deepgemm"]
@@ -173,6 +213,7 @@ def _explain(h, i, *, e=8, t=4096, fp8=False, kernel="auto", caps=H100, device="
     return explain_experts(bind_experts(*args, kernel_choice=kernel, **scales), caps=caps)
 
 
+@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_explain_experts_on_bound_arguments():
     why = _explain(4096, 1024, t=1024)  # 256 rows per expert: the masked layout
     assert (why.kernel, why.layout) == ("deepgemm", "masked") and why.plan.error is None
@@ -190,6 +231,24 @@ def test_explain_experts_on_bound_arguments():
     assert (why.kernel, why.layout) == ("triton", "sorted") and "decode-size batch" in why.reasons["deepgemm"]
 
 
+def test_explain_says_why_triton_runs_where_deepgemm_could():
+    """The shipped rule in explain's regimes line: each regime names the kernel a measured preference passed over
+    (decode; up to 64 rows per expert) before the layouts not taken; DeepGEMM's regimes name none."""
+    for fp8 in (False, True):
+        parts = _explain(4096, 1024, fp8=fp8).regimes.split("; rows per expert ")
+        assert [p.split(":")[0].removeprefix("rows per expert ") for p in parts] == ["1..4", "5..64", "65..256", "257.."]
+        assert "triton, sorted layout" in parts[0] and "(deepgemm: decode-size batch (<= 4 rows per expert)" in parts[0]
+        assert "triton, sorted layout" in parts[1] and (
+            "(deepgemm: up to 64 rows per expert on one GPU: Triton's sorted layout measured faster (H200, "
+            "bench/results/deepgemm_vs_triton_2026-12-05.md); local_permute: local_sorted preferred)") in parts[1]
+        assert parts[2].startswith("65..256: deepgemm, masked layout (local_sorted:")
+        assert parts[3].startswith("257..: deepgemm, contiguous layout (local_sorted:")
+    # without DeepGEMM nothing was passed over: the reasons are the layouts' alone
+    no_dg = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "x", 132, "NVIDIA H200")
+    assert "deepgemm:" not in _explain(4096, 1024, caps=no_dg).regimes
+
+
+@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_explain_says_layout_and_kernel_per_regime():
     """explain's regimes line is the lowering's own plan for every regime (decide_experts_plan)."""
     why = _explain(4096, 1024)
@@ -217,6 +276,7 @@ def test_explain_says_layout_and_kernel_per_regime():
                            "sorted layout (local_permute: local_sorted preferred)"), fp8.regimes
 
 
+@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_kernel_names_are_the_ops_contract():
     from moe_fx.ops.checks import EP_KERNELS, KERNELS
 
@@ -227,6 +287,7 @@ def test_kernel_names_are_the_ops_contract():
     assert c.implementation is select.candidates("experts")[0] and c.implementation.NAME == c.kernel
 
 
+@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_choice_is_logged_once_per_problem(caplog):
     caplog.set_level(logging.INFO, logger="moe_fx.lowering")
     for _ in range(3):

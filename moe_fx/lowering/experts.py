@@ -360,20 +360,28 @@ def _plan_in(a: dict, regime: int, masked_rows: int | None, top_k: int, caps: Ca
 
 
 def _regime_summary(plans: list[ExpertsPlan]) -> str:
-    """``"rows per expert 1..4: triton, sorted layout; 5..: deepgemm, masked layout (why)"``: runs of equal plans."""
+    """``"rows per expert 1..4: triton, sorted layout (why); 5..: deepgemm, masked layout (why)"``: runs of equal
+    plans. Why: the experts kernels a measured preference passed over, then the local layouts not taken."""
+
+    def why(plan: ExpertsPlan) -> str:
+        passed = [f"{k}: {plan.experts.reasons[k]}" for k in plan.experts.passed_over]
+        prepare = plan.prepare
+        # why the other local layouts were not taken; the aligned contiguous one only where the kernel reads it
+        reads = getattr(plan.experts.implementation, "LAYOUTS", ())
+        shown = [name for name, lay in LOCAL_LAYOUTS.items() if lay != "contiguous" or lay in reads]
+        layouts = [] if prepare is None else [f"{k}: {v}" for k, v in prepare.reasons.items() if k in shown]
+        return "; ".join(passed + layouts)
+
+    keys = [(plan.summary(), why(plan)) for plan in plans]
     parts: list[str] = []
     start = 0
     for r in range(1, len(plans) + 1):
-        if r < len(plans) and plans[r].summary() == plans[start].summary():
+        if r < len(plans) and keys[r] == keys[start]:
             continue
         lo, _ = regime_bounds(start)
         _, hi = regime_bounds(r - 1)
-        prepare = plans[start].prepare
-        # why the other local layouts were not taken; the aligned contiguous one only where the kernel reads it
-        reads = getattr(plans[start].experts.implementation, "LAYOUTS", ())
-        shown = [name for name, lay in LOCAL_LAYOUTS.items() if lay != "contiguous" or lay in reads]
-        why = "" if prepare is None else "; ".join(f"{k}: {v}" for k, v in prepare.reasons.items() if k in shown)
         span = f"{lo}..{hi}" if hi is not None else f"{lo}.."
-        parts.append(f"rows per expert {span}: {plans[start].summary()}" + (f" ({why})" if why else ""))
+        summary, reason = keys[start]
+        parts.append(f"rows per expert {span}: {summary}" + (f" ({reason})" if reason else ""))
         start = r
     return "; ".join(parts)

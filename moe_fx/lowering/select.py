@@ -76,6 +76,8 @@ class Choice:
             lost to a better one says ``"<winner> preferred"`` (or its own ``prefer`` reason).
         requested: what the ``kernel=`` argument asked for (``"auto"`` or a candidate name).
         error: ``None``, or why an explicit request cannot be honoured (the caller then raises).
+        passed_over: the better-ranked candidates that could run but their own ``prefer`` passed over under
+            ``auto`` (explain shows them per regime; their reasons are in ``reasons``).
     """
 
     family: str
@@ -84,6 +86,7 @@ class Choice:
     reasons: dict[str, str] = field(default_factory=dict)
     requested: str = "auto"
     error: str | None = None
+    passed_over: tuple[str, ...] = ()
 
     def summary(self) -> str:
         """One line for explain and the logs: ``"triton [not taken: deepgemm: ...; reference: ...]"``."""
@@ -125,6 +128,7 @@ def decide(family: str, problem: object, caps: Capabilities, kernel: str = "auto
         return Choice(family, kernel, by_name[kernel], {n: "not requested" for n in by_name if n != kernel}, kernel,
                       None if ok else why)
     reasons: dict[str, str] = {}
+    passed_over: list[str] = []
     for m in mods:
         ok, why = verdicts[m.NAME]
         if not ok:
@@ -133,11 +137,12 @@ def decide(family: str, problem: object, caps: Capabilities, kernel: str = "auto
         passed = m.prefer(problem, caps) if hasattr(m, "prefer") else None
         if passed is not None:
             reasons[m.NAME] = passed
+            passed_over.append(m.NAME)
             continue
         for n in by_name:
             if n not in reasons and n != m.NAME:
                 reasons[n] = f"{m.NAME} preferred" if verdicts[n][0] else verdicts[n][1]
-        return Choice(family, m.NAME, m, reasons, kernel)
+        return Choice(family, m.NAME, m, reasons, kernel, passed_over=tuple(passed_over))
     raise RuntimeError(f"moe_fx: no {family} implementation can run {problem}: {reasons}")
 
 

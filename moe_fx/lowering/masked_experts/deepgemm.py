@@ -22,11 +22,11 @@ from types import ModuleType
 import torch
 
 from moe_fx.lowering.masked_experts.pipeline import GemmHints
-from moe_fx.lowering.problem import DEEPGEMM_DOC, Capabilities, ExpertsProblem, mark_unusable
+from moe_fx.lowering.problem import DEEPGEMM_DOC, ROW_REGIMES, Capabilities, ExpertsProblem, mark_unusable
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["CONTIGUOUS_M_ALIGN", "GEMMS", "LAYOUTS", "MASKED_M_ALIGN", "NAME", "DeepGemms", "deepgemm_expected_m",
-           "prefer", "supports"]
+__all__ = ["CONTIGUOUS_M_ALIGN", "GEMMS", "LAYOUTS", "LOCAL_CHOICE_SOURCE", "LOCAL_FROM_REGIME", "MASKED_M_ALIGN",
+           "NAME", "DeepGemms", "deepgemm_expected_m", "prefer", "supports"]
 
 log = logging.getLogger("moe_fx.lowering")
 
@@ -41,6 +41,16 @@ MASKED_M_ALIGN = 256
 #: Each expert's segment of the contiguous layout is whole blocks of this many rows
 #: (``deep_gemm.get_mk_alignment_for_contiguous_layout()`` in v2.1).
 CONTIGUOUS_M_ALIGN = 128
+#: Under ``auto`` on one GPU, the first rows-per-expert regime (an index into
+#: :data:`~moe_fx.lowering.problem.ROW_REGIMES`: above 64 rows per expert) where DeepGEMM is preferred to
+#: Triton's sorted layout, bf16 and fp8 weights alike. Measured on the H200 (:data:`LOCAL_CHOICE_SOURCE`): from
+#: 5 to 64 rows per expert the sorted Triton pipeline is faster (Qwen3-30B-A3B T=256 bf16 318 vs 351 µs in one
+#: run; DeepSeek shard T=256 fp8 429 vs 481 in one run); above, fp8 DeepGEMM wins by 15-57% (DeepSeek shard
+#: T=1024 931 vs 1144 µs in one run) and bf16 ties within the spread between machine starts (Triton / DeepGEMM
+#: 0.87-1.09 across runs).
+LOCAL_FROM_REGIME = 3
+#: Where :data:`LOCAL_FROM_REGIME`'s figures are (the rows, which runs they come from, what is left to re-time).
+LOCAL_CHOICE_SOURCE = "H200, bench/results/deepgemm_vs_triton_2026-12-05.md"
 #: Activations DeepGEMM's path supports: the activation runs in moe_fx's Triton kernel between the GEMMs.
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 
@@ -77,16 +87,22 @@ def supports(problem: ExpertsProblem, caps: Capabilities) -> tuple[bool, str]:
 
 
 def prefer(problem: ExpertsProblem, caps: Capabilities) -> str | None:
-    """Under ``auto``: decode-sized batches (regime 0, <= 4 rows per expert) go to Triton.
+    """Under ``auto``: where Triton measured as fast or faster, a reason to pass DeepGEMM over, else ``None``.
 
-    A preference, not a capability (an explicit ``kernel="deepgemm"`` still runs DeepGEMM): there the
-    GEMMs only stream weights, and Triton's decode tiles are as fast or faster (H200, CUDA-graph
-    replays of a Qwen3-30B-A3B layer at T=1: 45 vs 67 µs bf16, 48 vs 60 fp8;
-    bench/results/moe_layer_2026-12-02_v2.md).
+    A preference, not a capability (an explicit ``kernel="deepgemm"`` still runs DeepGEMM). Decode-sized
+    batches (regime 0, <= 4 rows per expert) go to Triton everywhere: the GEMMs only stream weights, and
+    Triton's decode tiles are as fast or faster (H200: Qwen3-30B-A3B T=1 45 vs 67 µs bf16, 48 vs 60 fp8,
+    bench/results/moe_layer_2026-12-02_v2.md). On one GPU (``moe_fx::experts``, where Triton runs the sorted
+    layout) :data:`LOCAL_FROM_REGIME` says from which regime DeepGEMM is worth it. Behind expert-parallel
+    dispatch (``moe_fx::masked_experts``: ``masked_rows`` is set, both kernels read the masked layout) and
+    where the regime is unknown, DeepGEMM stays first above the decode regime.
     """
     if problem.regime == 0:
         return "decode-size batch (<= 4 rows per expert): Triton's decode tiles stream the weights as fast or faster"
-    return None
+    if problem.masked_rows is not None or problem.regime is None or problem.regime >= LOCAL_FROM_REGIME:
+        return None
+    return (f"up to {ROW_REGIMES[LOCAL_FROM_REGIME - 1]} rows per expert on one GPU: Triton's sorted layout "
+            f"measured faster ({LOCAL_CHOICE_SOURCE})")
 
 
 def deepgemm_expected_m(rows: object, max_m: object) -> object:
