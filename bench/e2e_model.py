@@ -100,7 +100,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # bench/moe_layer.py's helpers
 
-from moe_layer import log, machine_meta  # noqa: E402
+from moe_layer import layer_floor, log, machine_meta, measure_limits  # noqa: E402
 from pass_time import compile_metrics, compile_split  # noqa: E402
 
 # What is measured where (the issue's targets).
@@ -280,29 +280,64 @@ def spread(values: list[float]) -> float:
     return (q[2] - q[0]) / 2
 
 
-def gpu_time_per_call(fn: Callable[[], Any], iters: int) -> tuple[float | None, float | None]:
-    """(µs of GPU activity, GPU activities) per call of ``fn``, from torch.profiler; (None, None) without CUDA.
+def moe_kernel(name: str) -> bool:
+    """Whether a GPU kernel named ``name`` belongs to moe_fx's MoE layer: one of moe_fx's Triton kernels (the
+    ``*_kernel`` functions of :mod:`moe_fx.lowering.triton._kernels`, as Inductor names them, with or without an
+    index suffix) or one of DeepGEMM's GEMMs. Inductor's own kernels (``triton_*``) and cuBLAS's are not."""
+    from moe_fx.lowering.triton import _kernels
+
+    names = [n for n in vars(_kernels) if n.endswith("_kernel")]
+    return "deep_gemm" in name or any(name == n or name.startswith(n + "_") for n in names)
+
+
+def gpu_time_per_call(fn: Callable[[], Any], iters: int) -> tuple[float | None, float | None, float | None]:
+    """(µs of GPU activity, GPU activities, µs of it in moe_fx's MoE kernels) per call of ``fn``, from
+    torch.profiler; (None, None, None) without CUDA.
 
     Sums the durations of every GPU-side activity Kineto records (kernels, memcpy, memset) over ``iters``
-    calls: the time the GPU is busy, not the wall time.
+    calls: the time the GPU is busy, not the wall time. The MoE share is what :func:`moe_kernel` names.
     """
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
-        return None, None
+        return None, None, None
     synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             fn()
         synchronize()
-    total_ns, count = 0, 0
+    total_ns, moe_ns, count = 0, 0, 0
     for ev in prof.profiler.kineto_results.events():
         if ev.device_type() == DeviceType.CUDA:
-            total_ns += ev.duration_ns() if hasattr(ev, "duration_ns") else 1e3 * ev.duration_us()
+            ns = ev.duration_ns() if hasattr(ev, "duration_ns") else 1e3 * ev.duration_us()
+            total_ns += ns
+            moe_ns += ns if moe_kernel(ev.name()) else 0
             count += 1
-    return total_ns / 1e3 / iters, count / iters
+    return total_ns / 1e3 / iters, count / iters, moe_ns / 1e3 / iters
+
+
+def expected_experts_hit(t: int, e: int, k: int) -> float:
+    """Experts one layer's ``t`` tokens hit, each choosing ``k`` of ``e`` uniformly: ``e (1 - (1 - k/e)^t)``."""
+    return e * (1 - (1 - k / e) ** t)
+
+
+def moe_floor_us(spec: ModelSpec, layers: int, t: int, fp8: bool, limits: dict | None) -> float | None:
+    """The roofline floor of one forward's routed-expert layers (uniform routing; :func:`moe_layer.layer_floor`),
+    or None without measured limits."""
+    if not limits:
+        return None
+    hit = expected_experts_hit(t, spec.experts, spec.top_k)
+    return layers * layer_floor(t, hit, spec.top_k, spec.hidden, spec.intermediate, fp8, limits)[2]
+
+
+def gpu_ceiling(plain: dict, moe: dict, floor_us: float | None) -> float | None:
+    """The most moe_fx could gain in GPU time: plain's GPU µs over moe_fx's with its MoE kernels at the floor,
+    ``plain_gpu / (moe_gpu - moe_kernels + floor)``; None where a figure is missing (CPU, no MoE kernel seen)."""
+    if floor_us is None or not plain.get("gpu_us") or not moe.get("gpu_us") or not moe.get("moe_us"):
+        return None
+    return plain["gpu_us"] / (moe["gpu_us"] - moe["moe_us"] + floor_us)
 
 
 # ---------------------------------------------------------------------------------------------- cells
@@ -425,7 +460,7 @@ def measure_forward(calls: dict[str, Callable], s: Settings, reference: Callable
         for name in calls:
             timed[name].update(first[name])
         for name, fn in calls.items():
-            timed[name]["gpu_us"], timed[name]["kernels"] = gpu_time_per_call(fn, s.prof_iters)
+            timed[name]["gpu_us"], timed[name]["kernels"], timed[name]["moe_us"] = gpu_time_per_call(fn, s.prof_iters)
         if reference is not None:
             want = reference().logits.float()
             for name, fn in calls.items():
@@ -457,10 +492,14 @@ def run_cell(row: dict, measure: Callable[[], dict], budget: Budget, errors: tup
 
 
 def forward_row(calls: dict[str, Callable], mode: str, t: int, s: Settings,
-                reference: Callable[[], Any] | None = None, label: str = "forward") -> dict:
+                reference: Callable[[], Any] | None = None, label: str = "forward",
+                floor_us: float | None = None) -> dict:
     """The numbers of one forward row: per-backend times (and logit errors against ``reference``), first-call
-    and compile seconds, speed-up and the issue's target for it."""
+    and compile seconds, speed-up and the issue's target for it; with ``floor_us`` (:func:`moe_floor_us`), the
+    GPU-time ceiling of the speed-up (:func:`gpu_ceiling`)."""
     row: dict[str, Any] = measure_forward(calls, s, reference, label)
+    row["moe_floor_us"] = floor_us
+    row["gpu_ceiling"] = gpu_ceiling(row["plain"], row["moe_fx"], floor_us)
     row["speedup"] = row["plain"]["wall_us"] / row["moe_fx"]["wall_us"]
     row["target"] = forward_target(mode, t)
     row["ok"] = None if row["target"] is None else row["speedup"] >= row["target"]
@@ -788,6 +827,8 @@ def run_benchmark(args: argparse.Namespace) -> None:
         "dynamic": settings.dynamic,
         "specialize_float": bool(args.specialize_float),
         "deepgemm": dg,
+        # copy and matmul rates, for the MoE floor of each forward row (a few seconds, CUDA only)
+        "limits": measure_limits() if settings.device == "cuda" else None,
         "timing": (
             f"{settings.rounds} rounds x {settings.per_round} calls per backend, alternating; "
             f"{settings.warmup} warm-up calls; profiler over {settings.prof_iters} calls"
@@ -854,8 +895,9 @@ def run_benchmark(args: argparse.Namespace) -> None:
                 eager = forward_call(base_model, ids[t], "default")
                 finish(run_cell(
                     {"kind": "forward", **tag, "mode": mode, "T": t, "layers": layers},
-                    lambda: forward_row(calls, mode, t, settings, reference=eager,
-                                        label=f"{model_name} {mode} T={t}"), budget, errors,
+                    lambda: forward_row(calls, mode, t, settings, reference=eager, label=f"{model_name} {mode} T={t}",
+                                        floor_us=moe_floor_us(spec, layers, t, settings.weights != "bf16",
+                                                              meta["limits"])), budget, errors,
                     skip="needs CUDA" if mode == "reduce-overhead" and settings.device != "cuda" else None,
                 ))
         if not args.no_layer_host:
@@ -946,6 +988,7 @@ def summary_line(row: dict) -> str:
         p, m = row["plain"], row["moe_fx"]
         return (f"{head}  wall {p['wall_us']:.0f} / {m['wall_us']:.0f} µs  x{row['speedup']:.2f} "
                 f"(target {fmt(row['target'], 2)}: {verdict(row)})  gpu {fmt(p['gpu_us'], 0)} / {fmt(m['gpu_us'], 0)}  "
+                f"ceiling {fmt(row.get('gpu_ceiling'), 2)}  "
                 f"host {p['host_us']:.0f} / {m['host_us']:.0f}  first call {fmt(p.get('first_call_s'))} / {fmt(m.get('first_call_s'))} s")
     if row["kind"] == "layer_host":
         return (f"{head}  host/layer plain {row['plain']['host_per_layer_us']:.1f} moe_fx "
@@ -988,7 +1031,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"timing: {meta.get('timing')}. DeepGEMM: {meta.get('deepgemm')}.",
         "",
         "wall = one forward from an idle synchronised GPU to the sync after it; host = the same call until it returns "
-        "(enqueue time); GPU = profiler sum of GPU activity per forward; kernels = GPU activities per forward. "
+        "(enqueue time); GPU = profiler sum of GPU activity per forward; kernels = GPU activities per forward; "
+        "MoE kernels = the part of moe_fx's GPU time in its MoE kernels (moe_fx's Triton kernels, DeepGEMM's GEMMs); "
+        "MoE floor = the routed experts' roofline per forward (uniform routing, copy and matmul rates measured in "
+        "the run); GPU ceiling = plain GPU / (moe_fx GPU - MoE kernels + MoE floor), the most moe_fx could gain in "
+        "GPU time with its MoE layers at the floor. "
         "Speed-up = plain wall / moe_fx wall. Targets (issues 10 and 16): default >= 1.0x, >= 1.3x at T >= 1024; "
         "reduce-overhead >= 1.5x at T >= 1024.",
         "",
@@ -1010,14 +1057,15 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     lines += md_table(
         "Forward", "",
         ["model", "weights", "layers", "mode", "DeepGEMM", "T", "plain wall µs", "moe_fx wall µs", "speed-up", "target",
-         "", "plain GPU µs", "moe_fx GPU µs", "plain host µs", "moe_fx host µs", "kernels plain / moe_fx",
-         "logit err plain / moe_fx"],
+         "", "plain GPU µs", "moe_fx GPU µs", "moe_fx MoE kernels µs", "MoE floor µs", "GPU ceiling",
+         "plain host µs", "moe_fx host µs", "kernels plain / moe_fx", "logit err plain / moe_fx"],
         fw, lambda r: [r["model"], r.get("weights", "bf16"), str(r.get("layers", "?")), r["mode"], r["deepgemm"], str(r["T"])],
         lambda r: [
             f"{r['plain']['wall_us']:.0f} ± {r['plain']['wall_spread_us']:.0f}",
             f"{r['moe_fx']['wall_us']:.0f} ± {r['moe_fx']['wall_spread_us']:.0f}",
             f"{r['speedup']:.2f}x", fmt(r["target"], 1), verdict(r),
-            fmt(r["plain"]["gpu_us"], 0), fmt(r["moe_fx"]["gpu_us"], 0),
+            fmt(r["plain"]["gpu_us"], 0), fmt(r["moe_fx"]["gpu_us"], 0), fmt(r["moe_fx"].get("moe_us"), 0),
+            fmt(r.get("moe_floor_us"), 0), "-" if r.get("gpu_ceiling") is None else f"{r['gpu_ceiling']:.2f}x",
             f"{r['plain']['host_us']:.0f}", f"{r['moe_fx']['host_us']:.0f}",
             f"{fmt(r['plain']['kernels'], 0)} / {fmt(r['moe_fx']['kernels'], 0)}",
             f"{sci(r['plain'].get('logits_err'))} / {sci(r['moe_fx'].get('logits_err'))}",

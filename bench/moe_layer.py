@@ -236,18 +236,26 @@ def time_graph(fn, sets) -> float:
     return replay_us(capture_graphs(fn, sets)[0])
 
 
-def row_metrics(us: float, sets, e: int, k: int, h: int, i: int, fp8: bool, limits: dict) -> dict:
-    """Bytes (experts hit + hidden in/out), flops, and fractions of the measured limits."""
-    hidden, ids, _ = sets[0]
-    t = hidden.shape[0]
-    hit = torch.unique(ids).numel()
+def layer_floor(t: int, hit: float, k: int, h: int, i: int, fp8: bool, limits: dict) -> tuple[float, int, float]:
+    """(bytes, flops, floor µs) of one gated MoE layer of ``t`` tokens with ``hit`` experts hit: bytes = the hit
+    experts' weights (and fp8 128x128 scales) + hidden in and out; floor = max(bytes / copy rate, flops / matmul
+    rate of the weights' dtype), both rates measured (:func:`measure_limits`)."""
     wbytes = hit * 3 * h * i * (1 if fp8 else 2)
     if fp8:
         wbytes += hit * 4 * (math.ceil(2 * i / 128) * math.ceil(h / 128) + math.ceil(h / 128) * math.ceil(i / 128))
     nbytes = wbytes + 2 * t * h * 2
     flops = 2 * t * k * 3 * h * i
     rate = limits["fp8_tflops" if fp8 else "bf16_tflops"]
-    floor_us = max(nbytes / limits["copy_tbs"] / 1e6, flops / rate / 1e6)
+    return nbytes, flops, max(nbytes / limits["copy_tbs"] / 1e6, flops / rate / 1e6)
+
+
+def row_metrics(us: float, sets, e: int, k: int, h: int, i: int, fp8: bool, limits: dict) -> dict:
+    """Bytes (experts hit + hidden in/out), flops, and fractions of the measured limits."""
+    hidden, ids, _ = sets[0]
+    t = hidden.shape[0]
+    hit = torch.unique(ids).numel()
+    nbytes, flops, floor_us = layer_floor(t, hit, k, h, i, fp8, limits)
+    rate = limits["fp8_tflops" if fp8 else "bf16_tflops"]
     return {
         "us": us,
         "tbs": nbytes / us / 1e6,

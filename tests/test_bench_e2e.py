@@ -43,7 +43,7 @@ def test_e2e_model_smoke_writes_results(tmp_path):
     assert "error" not in row, row
     for backend in ("plain", "moe_fx"):
         assert row[backend]["wall_us"] > 0 and row[backend]["host_us"] > 0
-        assert row[backend]["gpu_us"] is None  # no CUDA: no profiler numbers
+        assert row[backend]["gpu_us"] is None and row[backend]["moe_us"] is None  # no CUDA: no profiler numbers
         # the row's first call compiled (static shapes, a new T): its seconds, split by phase
         split = row[backend]["compile"]
         assert split["backend_calls"] >= 1 and split["restarts"] >= 0, split
@@ -54,6 +54,7 @@ def test_e2e_model_smoke_writes_results(tmp_path):
     assert meta["explain_s"]["qwen3"]["wall_s"] > meta["explain_s"]["qwen3"]["passes_s"] > 0
     assert row["speedup"] == pytest.approx(row["plain"]["wall_us"] / row["moe_fx"]["wall_us"])
     assert row["target"] == 1.0 and isinstance(row["ok"], bool)
+    assert meta["limits"] is None and row["moe_floor_us"] is None and row["gpu_ceiling"] is None  # rates: CUDA only
     md = js.with_suffix(".md").read_text()
     assert "| qwen3 | bf16 | 1 | default | " in md and "## Host time of one MoE decoder layer" in md and "## generate()" in md
     assert "## Compile time" in md and f"| {row['plain']['first_call_s']:.1f} | {row['moe_fx']['first_call_s']:.1f} |" in md
@@ -106,3 +107,38 @@ def test_a_failed_first_call_names_its_backend(monkeypatch):
     named = " (in forward moe_fx)" if sys.version_info >= (3, 11) else ""
     assert e2e_model.error_text(info.value) == "AssertionError: " + named
     assert e2e_model.error_text(ValueError("bad\nmore")) == "ValueError: bad"
+
+
+def test_moe_kernels_floor_and_ceiling():
+    """The GPU-time ceiling's parts: which profiler names are moe_fx's MoE kernels, the experts a uniform routing
+    hits, the floor of a forward's MoE layers, and the ceiling's arithmetic."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import e2e_model
+    from moe_layer import layer_floor
+
+    for name in ("masked_gemm_kernel", "masked_gemm_kernel_0", "sort_small_kernel", "unpermute_kernel",
+                 "void deep_gemm::sm90_fp8_gemm_1d2d_impl<128u>(unsigned int)"):
+        assert e2e_model.moe_kernel(name), name
+    for name in ("triton_poi_fused_add_0", "triton_red_fused_mul_sum_1", "sm90_xmma_gemm_bf16bf16_bf16f32",
+                 "masked_gemm", "void at::native::vectorized_elementwise_kernel<4>()"):
+        assert not e2e_model.moe_kernel(name), name
+    assert e2e_model.expected_experts_hit(1, 128, 8) == pytest.approx(8)
+    assert e2e_model.expected_experts_hit(4096, 8, 2) == pytest.approx(8)
+    assert 8 < e2e_model.expected_experts_hit(16, 128, 8) < 128
+
+    limits = {"copy_tbs": 4.0, "bf16_tflops": 600.0, "fp8_tflops": 1200.0}
+    spec = e2e_model.MODELS["mixtral"]
+    # T=1: two experts' weights stream (3 * H * I bf16 each) plus the token in and out, at 4 TB/s
+    nbytes, flops, floor = layer_floor(1, 2, 2, 4096, 14336, False, limits)
+    assert nbytes == 2 * 3 * 4096 * 14336 * 2 + 4 * 4096 and floor == pytest.approx(nbytes / 4e6)
+    assert flops == 2 * 2 * 3 * 4096 * 14336
+    # T=4096: compute-bound; two layers, fp8 halves the floor
+    per_layer = 2 * 4096 * 2 * 3 * 4096 * 14336 / 600e6
+    assert e2e_model.moe_floor_us(spec, 2, 4096, False, limits) == pytest.approx(2 * per_layer)
+    assert e2e_model.moe_floor_us(spec, 2, 4096, True, limits) == pytest.approx(per_layer)
+    assert e2e_model.moe_floor_us(spec, 2, 4096, False, None) is None
+    # plain 13000 µs; moe_fx 12300 µs of which 9600 in its MoE kernels; floor 8500: 13000 / (2700 + 8500)
+    got = e2e_model.gpu_ceiling({"gpu_us": 13000.0}, {"gpu_us": 12300.0, "moe_us": 9600.0}, 8500.0)
+    assert got == pytest.approx(13000 / 11200)
+    assert e2e_model.gpu_ceiling({"gpu_us": 13000.0}, {"gpu_us": 12300.0, "moe_us": 0.0}, 8500.0) is None
+    assert e2e_model.gpu_ceiling({"gpu_us": None}, {"gpu_us": None, "moe_us": None}, None) is None
