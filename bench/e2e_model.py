@@ -86,6 +86,7 @@ import argparse
 import copy
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import os
@@ -284,10 +285,14 @@ def moe_kernel(name: str) -> bool:
     """Whether a GPU kernel named ``name`` belongs to moe_fx's MoE layer: one of moe_fx's Triton kernels (the
     ``*_kernel`` functions of :mod:`moe_fx.lowering.triton._kernels`, as Inductor names them, with or without an
     index suffix) or one of DeepGEMM's GEMMs. Inductor's own kernels (``triton_*``) and cuBLAS's are not."""
+    return "deep_gemm" in name or any(name == n or name.startswith(n + "_") for n in _moe_kernel_names())
+
+
+@functools.cache
+def _moe_kernel_names() -> tuple[str, ...]:
     from moe_fx.lowering.triton import _kernels
 
-    names = [n for n in vars(_kernels) if n.endswith("_kernel")]
-    return "deep_gemm" in name or any(name == n or name.startswith(n + "_") for n in names)
+    return tuple(n for n in vars(_kernels) if n.endswith("_kernel"))
 
 
 def gpu_time_per_call(fn: Callable[[], Any], iters: int) -> tuple[float | None, float | None, float | None]:
