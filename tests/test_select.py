@@ -61,8 +61,9 @@ def _fresh_state(monkeypatch):
 
 @pytest.fixture
 def deepgemm_wherever_it_runs(monkeypatch):
-    """DeepGEMM preferred in every regime above decode: the capability rules are tested apart from where Triton
-    measured faster on one GPU (:func:`test_measured_preference_per_regime` tests the shipped rule)."""
+    """DeepGEMM preferred in every regime above decode (the rule before 2026-12-05), so one explain line shows
+    both of a DeepGEMM layer's layouts from 5 rows per expert (:func:`test_measured_preference_per_regime` and
+    :func:`test_explain_says_why_triton_runs_where_deepgemm_could` test the shipped rule)."""
     monkeypatch.setattr(deepgemm, "LOCAL_FROM_REGIME", 1)
 
 
@@ -72,7 +73,6 @@ def test_rows_per_expert_and_regimes():
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_aligned_hopper_takes_deepgemm(fp8):
     c = experts(problem(7168, 2048, fp8=fp8), H100)
     assert (c.kernel, c.error) == ("deepgemm", None)
@@ -136,7 +136,6 @@ def test_unaligned_shapes_take_triton_and_say_which_dim(h, i, bad):
     assert c.reasons["reference"] == "triton preferred"
 
 
-@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_layout_and_bias_rules():
     c = experts(problem(k_major=False), H100)
     assert c.kernel == "triton" and "K-major" in c.reasons["deepgemm"]
@@ -173,7 +172,6 @@ def test_cpu_takes_reference_and_honours_a_triton_request():
     assert experts(problem(device="cpu"), CPU, "triton").error is None
 
 
-@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_dtype_block_and_activation_rules():
     c = experts(problem(dtype="float16"), H100)
     assert c.kernel == "triton" and "bfloat16" in c.reasons["deepgemm"]
@@ -213,7 +211,6 @@ def _explain(h, i, *, e=8, t=4096, fp8=False, kernel="auto", caps=H100, device="
     return explain_experts(bind_experts(*args, kernel_choice=kernel, **scales), caps=caps)
 
 
-@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_explain_experts_on_bound_arguments():
     why = _explain(4096, 1024, t=1024)  # 256 rows per expert: the masked layout
     assert (why.kernel, why.layout) == ("deepgemm", "masked") and why.plan.error is None
@@ -276,7 +273,6 @@ def test_explain_says_layout_and_kernel_per_regime():
                            "sorted layout (local_permute: local_sorted preferred)"), fp8.regimes
 
 
-@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_kernel_names_are_the_ops_contract():
     from moe_fx.ops.checks import EP_KERNELS, KERNELS
 
@@ -287,7 +283,6 @@ def test_kernel_names_are_the_ops_contract():
     assert c.implementation is select.candidates("experts")[0] and c.implementation.NAME == c.kernel
 
 
-@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_choice_is_logged_once_per_problem(caplog):
     caplog.set_level(logging.INFO, logger="moe_fx.lowering")
     for _ in range(3):
