@@ -108,8 +108,8 @@ def test_measured_preference_per_regime(fp8, regime):
         why = local.reasons["deepgemm"]
         assert why.startswith("up to 64 rows per expert on one GPU: Triton's sorted layout measured faster"), why
         # the figures the reason cites are in the repository
-        source = deepgemm.LOCAL_CHOICE_SOURCE.split(", ")[-1]
-        assert source in why and (Path(__file__).parents[1] / source).is_file()
+        source = deepgemm.LOCAL_CHOICE_SOURCE
+        assert f"(H200, {source})" in why and (Path(__file__).parents[1] / source).is_file()
     else:
         assert local.reasons == {"triton": "deepgemm preferred", "reference": "deepgemm preferred"}
     ep = experts(problem(7168, 2048, fp8=fp8, regime=regime, masked_rows=256), H100)

@@ -49,8 +49,9 @@ CONTIGUOUS_M_ALIGN = 128
 #: T=1024 931 vs 1144 µs in one run) and bf16 ties within the spread between machine starts (Triton / DeepGEMM
 #: 0.87-1.09 across runs).
 LOCAL_FROM_REGIME = 3
-#: Where :data:`LOCAL_FROM_REGIME`'s figures are (the rows, which runs they come from, what is left to re-time).
-LOCAL_CHOICE_SOURCE = "H200, bench/results/deepgemm_vs_triton_2026-12-05.md"
+#: The results file (repository path) of :data:`LOCAL_FROM_REGIME`'s figures: the rows, which runs they come from,
+#: what is left to re-time.
+LOCAL_CHOICE_SOURCE = "bench/results/deepgemm_vs_triton_2026-12-05.md"
 #: Activations DeepGEMM's path supports: the activation runs in moe_fx's Triton kernel between the GEMMs.
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 
@@ -102,7 +103,7 @@ def prefer(problem: ExpertsProblem, caps: Capabilities) -> str | None:
     if problem.masked_rows is not None or problem.regime is None or problem.regime >= LOCAL_FROM_REGIME:
         return None
     return (f"up to {ROW_REGIMES[LOCAL_FROM_REGIME - 1]} rows per expert on one GPU: Triton's sorted layout "
-            f"measured faster ({LOCAL_CHOICE_SOURCE})")
+            f"measured faster (H200, {LOCAL_CHOICE_SOURCE})")
 
 
 def deepgemm_expected_m(rows: object, max_m: object) -> object:
