@@ -295,32 +295,48 @@ def _moe_kernel_names() -> tuple[str, ...]:
     return tuple(n for n in vars(_kernels) if n.endswith("_kernel"))
 
 
-def gpu_time_per_call(fn: Callable[[], Any], iters: int) -> tuple[float | None, float | None, float | None]:
-    """(µs of GPU activity, GPU activities, µs of it in moe_fx's MoE kernels) per call of ``fn``, from
-    torch.profiler; (None, None, None) without CUDA.
+TOP_KERNELS = 8  # kernels per side kept in a row's ``top_kernels`` (where the GPU time goes)
 
-    Sums the durations of every GPU-side activity Kineto records (kernels, memcpy, memset) over ``iters``
-    calls: the time the GPU is busy, not the wall time. The MoE share is what :func:`moe_kernel` names.
-    """
+
+def gpu_time_per_call(fn: Callable[[], Any], iters: int) -> dict[str, Any]:
+    """What the GPU does in one call of ``fn``, from torch.profiler: :func:`tally_gpu` of the GPU-side
+    activities Kineto records (kernels, memcpy, memset) over ``iters`` calls; its numbers are None without
+    CUDA."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
-        return None, None, None
+        return tally_gpu([], 0)
     synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             fn()
         synchronize()
-    total_ns, moe_ns, count = 0, 0, 0
-    for ev in prof.profiler.kineto_results.events():
-        if ev.device_type() == DeviceType.CUDA:
-            ns = ev.duration_ns() if hasattr(ev, "duration_ns") else 1e3 * ev.duration_us()
-            total_ns += ns
-            moe_ns += ns if moe_kernel(ev.name()) else 0
-            count += 1
-    return total_ns / 1e3 / iters, count / iters, moe_ns / 1e3 / iters
+    events = [(ev.name(), ev.duration_ns() if hasattr(ev, "duration_ns") else 1e3 * ev.duration_us())
+              for ev in prof.profiler.kineto_results.events() if ev.device_type() == DeviceType.CUDA]
+    return tally_gpu(events, iters)
+
+
+def tally_gpu(events: list[tuple[str, float]], iters: int, top: int = TOP_KERNELS) -> dict[str, Any]:
+    """Per call, from ``(name, ns)`` GPU activities of ``iters`` calls: ``gpu_us`` (the time the GPU is busy,
+    not the wall time), ``kernels`` (activities), ``moe_us`` (the part in what :func:`moe_kernel` names) and
+    ``top_kernels``, the ``top`` names with the most GPU time as ``[name, µs, launches]``, names cut at 100
+    characters (C++ template names run to thousands). None / [] without events (no CUDA)."""
+    if not iters:
+        return {"gpu_us": None, "kernels": None, "moe_us": None, "top_kernels": []}
+    by_name: dict[str, list[float]] = {}
+    for name, ns in events:
+        tally = by_name.setdefault(name, [0.0, 0])
+        tally[0] += ns
+        tally[1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+    return {
+        "gpu_us": sum(ns for _, ns in events) / 1e3 / iters,
+        "kernels": len(events) / iters,
+        "moe_us": sum(ns for name, ns in events if moe_kernel(name)) / 1e3 / iters,
+        "top_kernels": [[name[:100], ns / 1e3 / iters, n / iters] for name, (ns, n) in ranked[:top]],
+    }
 
 
 def expected_experts_hit(t: int, e: int, k: int) -> float:
@@ -465,7 +481,7 @@ def measure_forward(calls: dict[str, Callable], s: Settings, reference: Callable
         for name in calls:
             timed[name].update(first[name])
         for name, fn in calls.items():
-            timed[name]["gpu_us"], timed[name]["kernels"], timed[name]["moe_us"] = gpu_time_per_call(fn, s.prof_iters)
+            timed[name].update(gpu_time_per_call(fn, s.prof_iters))
         if reference is not None:
             want = reference().logits.float()
             for name, fn in calls.items():
@@ -1077,6 +1093,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         ],
         sort_key=lambda r: (r["model"], r.get("weights", "bf16"), r["mode"], r["deepgemm"], r["T"]),
     )
+    lines += kernel_table(fw)
     lines += compile_table(fw, gen)
     lines += md_table(
         "Host time of one MoE decoder layer (default mode)",
@@ -1109,6 +1126,29 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         sort_key=lambda r: (r["model"], r.get("weights", "bf16"), r["deepgemm"]),
     )
     return "\n".join(lines) + "\n"
+
+
+KERNELS_SHOWN = 5  # of a row's top_kernels, the ones the markdown lists
+
+
+def kernel_table(fw: list[dict]) -> list[str]:
+    """The markdown section of where each forward row's GPU time goes: per side, the kernels with the most
+    GPU time per forward (rows recorded without ``top_kernels``, such as CPU runs, are left out)."""
+    rows = [dict(r, side=b) for r in fw if "error" not in r for b in BACKENDS if r[b].get("top_kernels")]
+    if not rows:
+        return []
+    return md_table(
+        "Where the GPU time goes",
+        f"Per forward, the {KERNELS_SHOWN} GPU activities with the most time on each side (profiler, the forward "
+        "table's calls): name (cut at 60 characters) µs x launches per forward. It shows where the two sides "
+        "differ outside the experts (attention, norms, the LM head), which the ceiling assumes equal.",
+        ["model", "weights", "layers", "mode", "DeepGEMM", "T", "side", "GPU µs", "top kernels"],
+        rows, lambda r: [r["model"], r.get("weights", "bf16"), str(r.get("layers", "?")), r["mode"], r["deepgemm"],
+                         str(r["T"]), r["side"]],
+        lambda r: [fmt(r[r["side"]]["gpu_us"], 0), "; ".join(
+            f"`{name[:60]}` {us:.0f} x {n:g}" for name, us, n in r[r["side"]]["top_kernels"][:KERNELS_SHOWN])],
+        sort_key=lambda r: (r["model"], r.get("weights", "bf16"), r["mode"], r["deepgemm"], r["T"], r["side"]),
+    )
 
 
 def compile_table(fw: list[dict], gen: list[dict]) -> list[str]:

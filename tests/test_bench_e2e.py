@@ -142,3 +142,33 @@ def test_moe_kernels_floor_and_ceiling():
     assert got == pytest.approx(13000 / 11200)
     assert e2e_model.gpu_ceiling({"gpu_us": 13000.0}, {"gpu_us": 12300.0, "moe_us": 0.0}, 8500.0) is None
     assert e2e_model.gpu_ceiling({"gpu_us": None}, {"gpu_us": None, "moe_us": None}, None) is None
+
+
+def test_gpu_tally_ranks_kernels_and_the_markdown_lists_them():
+    """tally_gpu: per-call totals, the MoE share and the kernels ranked by GPU time (summed over launches of one
+    name); the forward rows' markdown gains a section with each side's top kernels; no CUDA: no numbers."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import e2e_model
+
+    long_name = "void cutlass::Kernel<" + "x" * 300 + ">"
+    events = [("triton_red_fused_softmax_0", 3000.0), ("masked_gemm_kernel", 2000.0), (long_name, 1500.0),
+              ("triton_red_fused_softmax_0", 3000.0), ("masked_gemm_kernel", 2000.0), ("Memset (Device)", 100.0)]
+    got = e2e_model.tally_gpu(events, iters=2, top=3)
+    assert got["gpu_us"] == pytest.approx(11600 / 1e3 / 2) and got["kernels"] == 3
+    assert got["moe_us"] == pytest.approx(4000 / 1e3 / 2)
+    assert [k[0] for k in got["top_kernels"]] == ["triton_red_fused_softmax_0", "masked_gemm_kernel", long_name[:100]]
+    assert got["top_kernels"][0][1:] == [pytest.approx(3.0), 1.0]
+    assert e2e_model.tally_gpu([], 0) == {"gpu_us": None, "kernels": None, "moe_us": None, "top_kernels": []}
+
+    side = {"wall_us": 10.0, "wall_spread_us": 1.0, "host_us": 5.0, "kernels": 3, "gpu_us": got["gpu_us"],
+            "moe_us": got["moe_us"], "top_kernels": got["top_kernels"]}
+    row = {"kind": "forward", "model": "qwen3", "mode": "default", "deepgemm": "disabled", "T": 4096, "layers": 2,
+           "plain": dict(side, moe_us=0.0), "moe_fx": side, "speedup": 1.0, "target": 1.3, "ok": False}
+    text = e2e_model.markdown({"date": "d", "gpu": "g", "torch": "t", "triton": "tr", "transformers": "tf"}, [row])
+    section = text.split("## Where the GPU time goes")[1].split("\n## ")[0]
+    lines = [ln for ln in section.splitlines() if ln.startswith("| qwen3")]
+    assert [ln.split(" | ")[6] for ln in lines] == ["moe_fx", "plain"]
+    assert "`masked_gemm_kernel` 2 x 1" in lines[0] and "`" + long_name[:60] + "` 1 x 0.5" in lines[1]
+    cpu_row = dict(row, plain=dict(side, top_kernels=[]), moe_fx=dict(side, top_kernels=[]))
+    assert "Where the GPU time goes" not in e2e_model.markdown(
+        {"date": "d", "gpu": "g", "torch": "t", "triton": "tr", "transformers": "tf"}, [cpu_row])
