@@ -453,8 +453,14 @@ def test_explain_names_the_gemm_shapes_nobody_tuned(monkeypatch, tmp_path):
         "(tune them: docs/triton.md, Tile configs)"), why.tiles
     # a tiny layer is far from every tuned shape: a heuristic's tiles
     assert _explain(64, 32, t=16, caps=h200).tiles.startswith("64x64: none tuned on NVIDIA H200, a heuristic's")
-    # another GPU: nothing tuned there at all
+    # an H100: nothing tuned there; the H200's tiles (the same compute capability) stand in, and explain says so
     h100 = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "x", 132, "NVIDIA H100")
-    assert "1536x2048: none tuned on NVIDIA H100, a heuristic's" in _explain(2048, 768, e=128, t=16, caps=h100).tiles
+    assert _explain(2048, 768, e=128, t=16, caps=h100).tiles.startswith(
+        "1536x2048: none tuned on NVIDIA H100, NVIDIA H200's (compute capability 9.0); ")
+    assert "2816x2048: none tuned on NVIDIA H100, the nearest tuned shape's (2048x2048 on NVIDIA H200)" in _explain(
+        2048, 1408, e=64, t=16, caps=h100).tiles
+    # another compute capability borrows nothing
+    a100 = Capabilities("cuda", (8, 0), "deep_gemm is not installed", None, "x", 108, "NVIDIA A100")
+    assert "1536x2048: none tuned on NVIDIA A100, a heuristic's" in _explain(2048, 768, e=128, t=16, caps=a100).tiles
     # the reference and CPU plans have no tiles to speak of
     assert _explain(32, 16, t=5, kernel="triton", caps=CPU, device="cpu", dtype=torch.float32).tiles == ""

@@ -19,9 +19,10 @@ GPU = torch.device("cuda")  # only named: nothing runs on it
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
-    """An empty tuning cache in tmp_path, a fake GPU name, no shipped table."""
+    """An empty tuning cache in tmp_path, a fake GPU name (of no known compute capability), no shipped table."""
     monkeypatch.setenv("MOE_FX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(configs, "_device_name", lambda device: "FakeGPU")
+    monkeypatch.setattr(configs, "_capability", lambda device: None)  # borrows no other GPU's tiles, even on one
     monkeypatch.setattr(configs, "_shipped", lambda: {})
     monkeypatch.setattr(configs, "_memory", {})
     monkeypatch.setattr(configs, "_disk_loaded", None)
@@ -213,6 +214,38 @@ def test_untuned_shape_takes_the_nearest_tuned_shapes_regime_entry(fresh, monkey
     assert configs.get_config("bf16", 2048, 2048, 2, GPU, layout="sorted", regime=0, symbolic=True) == near
     configs.store({configs.regime_key("FakeGPU", "bf16", 2048, 2560, "sorted", 0): closer})
     assert configs.get_config("bf16", 2048, 2048, 3, GPU, layout="sorted", regime=0, symbolic=True) == closer
+
+
+def test_a_gpu_without_tiles_borrows_those_of_its_compute_capabilitys_tuned_gpu(fresh, monkeypatch):
+    """Exact entries of this GPU, then the TUNED_DEVICE of its compute capability's, then the nearest tuned shape
+    on this GPU, then on that one; a GPU of another capability borrows nothing."""
+    h200, own, near_own, near_h200 = (TileConfig(128, 256, 64, 8, 8, 3, 1), TileConfig(64, 128, 64),
+                                      TileConfig(32, 64, 128), TileConfig(16, 128, 128, 1, 4, 3, 3))
+    shipped = {
+        configs.regime_key("NVIDIA H200", "bf16", 1536, 2048, "sorted", 3): asdict(h200),
+        configs.regime_key("NVIDIA H200", "bf16", 4096, 4096, "sorted", 3): asdict(near_h200),
+        configs.regime_key("FakeGPU", "bf16", 2048, 2048, "sorted", 3): asdict(near_own),
+    }
+    monkeypatch.setattr(configs, "_shipped", lambda: shipped)
+    monkeypatch.setattr(configs, "_capability", lambda device: (9, 0))
+    assert configs.tile_devices("FakeGPU", (9, 0)) == ("FakeGPU", "NVIDIA H200")
+    assert configs.tile_devices("NVIDIA H200", (9, 0)) == ("NVIDIA H200",)
+    assert configs.tile_devices("FakeGPU", (8, 0)) == configs.tile_devices("FakeGPU", None) == ("FakeGPU",)
+    kw = {"layout": "sorted", "regime": 3, "symbolic": True}
+    # the H200's exact entry beats this GPU's nearest shape
+    assert configs.get_config("bf16", 1536, 2048, 300, GPU, **kw) == h200
+    # no exact entry anywhere: this GPU's nearest shape (2048x2048) before the H200's (4096x4096)
+    assert configs.get_config("bf16", 2048, 4096, 300, GPU, **kw) == near_own
+    # nothing near on this GPU: the H200's nearest shape
+    assert configs.get_config("bf16", 8192, 4096, 300, GPU, **kw) == near_h200
+    # this GPU's own entry, once tuned, wins
+    configs.store({configs.regime_key("FakeGPU", "bf16", 1536, 2048, "sorted", 3): own})
+    assert configs.get_config("bf16", 1536, 2048, 301, GPU, **kw) == own
+    # another compute capability: the nearest shape of its own, never the H200's tiles
+    monkeypatch.setattr(configs, "_capability", lambda device: (8, 0))
+    monkeypatch.setattr(configs, "_memory", {})
+    assert configs.get_config("bf16", 8192, 4096, 300, GPU, **kw) == configs._heuristic(
+        "bf16", 8192, 4096, configs.regime_bucket(3))
 
 
 def test_static_sizes_take_their_own_tile_and_dynamic_ones_the_regimes(fresh):

@@ -333,11 +333,13 @@ def _untuned_tiles(a: dict, plan: ExpertsPlan, caps: Capabilities | None) -> str
         return ""
     from moe_fx.lowering.triton.configs import tile_source
 
-    name = (caps or probe_capabilities(torch.device("cuda"))).device_name
+    caps = caps or probe_capabilities(torch.device("cuda"))
+    name = caps.device_name
     if not name or name == "cuda":  # no GPU to name (a CPU-only trace of CUDA tensors)
         return ""
     kind = "fp8" if plan.problem.fp8_block is not None else "bf16"
-    notes = [tile_source(kind, int(w.shape[1]), int(w.shape[2]), name) for w in (a["w13"], a["w2"])]
+    notes = [tile_source(kind, int(w.shape[1]), int(w.shape[2]), name, capability=caps.capability)
+             for w in (a["w13"], a["w2"])]
     notes = [n for n in notes if n]
     if not notes:
         return ""

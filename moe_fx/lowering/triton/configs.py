@@ -7,8 +7,9 @@ bucket of the expected rows per expert (``expected_m``, a host-side estimate suc
 16 to 4096; decode buckets (up to 32 rows) also by a bucket of the experts hit (``min(E, T * K)``:
 Mixtral at T=1 hits 2 of 8 experts, Qwen3 8 of 128, and the best tile differs). Lookup order for a key: this process's memory, the user cache file
 (``$MOE_FX_CACHE_DIR`` or ``~/.cache/moe_fx``, ``triton_tiles.json``), the table shipped with the
-package (``tuned_tiles.json``, measured on an H200), then the regime entry of the nearest tuned
-shape on the same device, then a Hopper heuristic (decode: 16-row tiles
+package (``tuned_tiles.json``, measured on an H200), then those keys under the tuned GPU of the same compute
+capability (:data:`TUNED_DEVICE`: an H100 reads the H200's tiles), then the regime entry of the nearest tuned
+shape on the same device (then on that GPU), then a Hopper heuristic (decode: 16-row tiles
 that stream the weights; prefill: 128-row tiles). :func:`tune` benchmarks the candidates of a
 bucket and writes the winner to the user cache, so a second run does not tune again.
 """
@@ -25,9 +26,25 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-__all__ = ["TileConfig", "cache_path", "candidates", "fit_smem", "get_config", "m_bucket", "nearest_regime_entry",
-           "pick_regime_config", "regime_bucket", "regime_candidates", "regime_key", "resident_programs", "store",
-           "tile_source", "tune"]
+__all__ = [
+    "TUNED_DEVICE",
+    "TileConfig",
+    "cache_path",
+    "candidates",
+    "fit_smem",
+    "get_config",
+    "m_bucket",
+    "nearest_regime_entry",
+    "pick_regime_config",
+    "regime_bucket",
+    "regime_candidates",
+    "regime_key",
+    "resident_programs",
+    "store",
+    "tile_devices",
+    "tile_source",
+    "tune",
+]
 
 log = logging.getLogger("moe_fx.lowering.triton")
 
@@ -315,6 +332,29 @@ def _device_name(device: torch.device) -> str:
 
     return probe_capabilities(device).device_name
 
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda":
+        return None
+    from moe_fx.lowering.problem import probe_capabilities
+
+    return probe_capabilities(device).capability
+
+
+#: The GPU whose tuned tiles a GPU of the same compute capability borrows for the shapes it has no tiles of its
+#: own for (:func:`tile_devices`). An H100 runs the H200's SM (sm_90, 132 SMs, the same shared memory); only the
+#: HBM differs. With the heuristic instead, an H100 ran Qwen3-30B-A3B's layer at 48% of its floor at T=4096
+#: (bench/results/h100_2026-12-05_summary.md).
+TUNED_DEVICE = {(9, 0): "NVIDIA H200"}
+
+
+def tile_devices(device_name: str, capability: tuple[int, int] | None) -> tuple[str, ...]:
+    """The device names whose tiles a GPU reads, in order: its own, then :data:`TUNED_DEVICE`'s of its compute
+    capability (when that is another GPU)."""
+    sibling = TUNED_DEVICE.get(capability) if capability is not None else None
+    return (device_name,) if sibling in (None, device_name) else (device_name, sibling)
+
+
 def _key(
     device_name: str, kind: str, n: int, k: int, bucket: int, active_groups: int | None = None, *, ptr: bool = False
 ) -> str:
@@ -414,24 +454,36 @@ def nearest_regime_entry(
     return (best[2], best[3]) if best else None
 
 
-def tile_source(kind: str, n: int, k: int, device_name: str, layout: str = "sorted") -> str | None:
+def tile_source(kind: str, n: int, k: int, device_name: str, layout: str = "sorted",
+                capability: tuple[int, int] | None = None) -> str | None:
     """What a ``N x K`` GEMM's tiles come from when nobody tuned that shape on ``device_name``; ``None`` if tuned.
 
-    For ``moe_fx.explain``: ``"2048x2048: none tuned on <gpu>, the nearest tuned shape's (1536x2048)"`` or
-    ``"...: none tuned on <gpu>, a heuristic's"``.
+    For ``moe_fx.explain``: ``"2048x2048: none tuned on <gpu>, <tuned gpu>'s (compute capability 9.0)"`` (the
+    shape tuned on :data:`TUNED_DEVICE`'s GPU of ``capability``), ``"...: none tuned on <gpu>, the nearest tuned
+    shape's (1536x2048)"`` or ``"...: none tuned on <gpu>, a heuristic's"``.
     """
     tables = (_disk(), _shipped())
-    if any((f := _regime_key_fields(key)) and f[:5] == (device_name, kind, n, k, layout) for t in tables for key in t):
+
+    def tuned(dev: str) -> bool:
+        return any((f := _regime_key_fields(key)) and f[:5] == (dev, kind, n, k, layout) for t in tables for key in t)
+
+    names = tile_devices(device_name, capability)
+    if tuned(device_name):
         return None
+    for dev in names[1:]:
+        if tuned(dev):
+            return f"{n}x{k}: none tuned on {device_name}, {dev}'s (compute capability {capability[0]}.{capability[1]})"
     from moe_fx.lowering.problem import ROW_REGIMES
 
     near = None
-    for regime in range(len(ROW_REGIMES) + 1):  # the first regime with a nearby tuned shape names it
-        near = near or nearest_regime_entry(tables, device_name, (kind,), n, k, layout, regime)
+    for dev in names:
+        for regime in range(len(ROW_REGIMES) + 1):  # the first regime with a nearby tuned shape names it
+            near = near or nearest_regime_entry(tables, dev, (kind,), n, k, layout, regime)
     if near is None:
         return f"{n}x{k}: none tuned on {device_name}, a heuristic's"
-    _, _, n2, k2, *_ = _regime_key_fields(near[0])
-    return f"{n}x{k}: none tuned on {device_name}, the nearest tuned shape's ({n2}x{k2})"
+    dev, _, n2, k2, *_ = _regime_key_fields(near[0])
+    where = "" if dev == device_name else f" on {dev}"
+    return f"{n}x{k}: none tuned on {device_name}, the nearest tuned shape's ({n2}x{k2}{where})"
 
 
 def _regime_key_fields(key: str) -> tuple[str, str, int, int, str, int, int | None] | None:
@@ -467,8 +519,9 @@ def get_config(
     Lookup: the regime's entry (``layout`` "masked" or "sorted", tuned over every token count of the
     regime by ``bench/tune_tiles.py``) when ``regime`` is given; else the rows bucket of
     ``expected_m`` — the regime's bucket when the token count is ``symbolic`` (never the size a graph
-    happened to be traced with) — in the user cache, then the shipped table; then, with a regime, the
-    entry of the nearest tuned shape (:func:`nearest_regime_entry`); then the heuristic.
+    happened to be traced with) — in the user cache, then the shipped table, for this GPU and then for the tuned
+    GPU of its compute capability (:func:`tile_devices`); then, with a regime, the entry of the nearest tuned
+    shape (:func:`nearest_regime_entry`), on the same two GPUs in that order; then the heuristic.
     ``active_groups`` (host-side estimate of the groups with rows, ``min(E, T * K)``) keys decode
     buckets. ``allow_tma=False`` (compiled graphs, see ``grouped_gemm._operands``) prefers, for the
     masked layout (host-made descriptors), the best tuned tile that loads through pointers, and never
@@ -482,6 +535,7 @@ def get_config(
     if layout not in ("masked", "sorted"):
         raise ValueError(f"moe_fx: unknown GEMM layout {layout!r}")
     name = _device_name(device)
+    names = tile_devices(name, _capability(device))
     if symbolic and regime is not None:
         expected_m, active_groups = regime_bucket(regime), None
     bucket = m_bucket(expected_m or 1)
@@ -490,22 +544,29 @@ def get_config(
     mkey = _key(name, kind, n, k, bucket, active_groups, ptr=not allow_tma) + f"|{layout}|r{regime}|s{slots}"
     cfg = _memory.get(mkey)
     if cfg is None:
-        keys: tuple[str, ...] = ()
         tables = (_disk(), _shipped())
         kinds = (kind, "fp8") if kind == "w8a16" else (kind,)  # w8a16 streams the fp8 weights' bytes
-        for kd in kinds:
-            if regime is not None:
-                if slots is not None:
-                    keys += (regime_key(name, kd, n, k, layout, regime, slots),)
-                keys += (regime_key(name, kd, n, k, layout, regime),)
-            keys += (_key(name, kd, n, k, bucket, active_groups, ptr=not allow_tma),
-                     _key(name, kd, n, k, bucket, ptr=not allow_tma))
-            if not allow_tma:
-                keys += (_key(name, kd, n, k, bucket, active_groups), _key(name, kd, n, k, bucket))
-        raw = next((table[key] for table in tables for key in keys if key in table), None)
-        if raw is None and regime is not None:  # a shape nobody tuned: the tile of the nearest one that was
-            near = nearest_regime_entry(tables, name, kinds, n, k, layout, regime)
+        raw = None
+        for dev in names:  # this GPU's tiles, else those of the tuned GPU of its compute capability
+            keys: tuple[str, ...] = ()
+            for kd in kinds:
+                if regime is not None:
+                    if slots is not None:
+                        keys += (regime_key(dev, kd, n, k, layout, regime, slots),)
+                    keys += (regime_key(dev, kd, n, k, layout, regime),)
+                keys += (_key(dev, kd, n, k, bucket, active_groups, ptr=not allow_tma),
+                         _key(dev, kd, n, k, bucket, ptr=not allow_tma))
+                if not allow_tma:
+                    keys += (_key(dev, kd, n, k, bucket, active_groups), _key(dev, kd, n, k, bucket))
+            raw = next((table[key] for table in tables for key in keys if key in table), None)
+            if raw is not None:
+                break
+        for dev in names if raw is None and regime is not None else ():
+            # a shape nobody tuned: the tile of the nearest one that was
+            near = nearest_regime_entry(tables, dev, kinds, n, k, layout, regime)
             raw = near[1] if near else None
+            if raw is not None:
+                break
         cfg = _from_dict(raw) if raw else _heuristic(kind, n, k, bucket, active_groups, num_sms)
         if not allow_tma and layout == "masked":  # the sorted layout makes its descriptors on the device
             cfg = replace(cfg, tma=False)
