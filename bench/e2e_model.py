@@ -876,7 +876,9 @@ def run_benchmark(args: argparse.Namespace) -> None:
         bar.update()
         write_results(base, meta, rows, plot_it=False)
 
-    cells = len(models) * (len(modes) * len(tokens) + (0 if args.no_layer_host else 1) + (0 if args.no_generate else 1))
+    forward_modes = [] if args.no_forward else modes
+    cells = len(models) * (len(forward_modes) * len(tokens) + (0 if args.no_layer_host else 1)
+                           + (0 if args.no_generate else 1))
     bar = tqdm(total=cells, desc="e2e cells", file=sys.stderr, mininterval=10)
     for model_name in models:
         if budget.exceeded():  # not even built: its rows are absent, the meta says why
@@ -906,7 +908,7 @@ def run_benchmark(args: argparse.Namespace) -> None:
             meta["explain"][model_name] = error_text(err)
             progress(f"explain {model_name}: {meta['explain'][model_name]}")
         compiled: dict[tuple[str, str], Callable] = {}
-        for mode in modes:
+        for mode in forward_modes:
             for b in BACKENDS:
                 src = plain_src if b == "plain" else moe_src
                 compiled[(b, mode)] = compile_forward(side(src), b, mode, settings.dynamic, settings.weights)
@@ -1325,6 +1327,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layer-host-tokens", type=int, default=16, help="T of the one-layer host-time cell")
     ap.add_argument("--no-layer-host", action="store_true", help="skip the one-layer host-time cell")
     ap.add_argument("--no-generate", action="store_true", help="skip the generate() cell")
+    ap.add_argument("--no-forward", action="store_true",
+                    help="skip the forward cells (--tokens then only feeds explain: a generate()-only run, such as "
+                         "a full-depth model whose four compiles would not fit one call otherwise)")
     ap.add_argument("--gen-batch", type=int, default=4)
     ap.add_argument("--gen-prompt", type=int, default=32)
     ap.add_argument("--gen-new", type=int, default=64)

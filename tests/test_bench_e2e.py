@@ -172,3 +172,17 @@ def test_gpu_tally_ranks_kernels_and_the_markdown_lists_them():
     cpu_row = dict(row, plain=dict(side, top_kernels=[]), moe_fx=dict(side, top_kernels=[]))
     assert "Where the GPU time goes" not in e2e_model.markdown(
         {"date": "d", "gpu": "g", "torch": "t", "triton": "tr", "transformers": "tf"}, [cpu_row])
+
+
+@pytest.mark.timeout(120)
+def test_e2e_model_no_forward_runs_no_forward_cell(tmp_path):
+    """``--no-forward`` (for generate()-only runs): the model is built and explained at the first T of --tokens,
+    no forward cell is compiled or written (here with --no-generate too: a results file without rows)."""
+    out = tmp_path / "res"
+    proc = _run(["--smoke", "--cpu", "--tokens", "8", "--layers", "1", "--no-forward", "--no-layer-host",
+                 "--no-generate", "--no-plot", "--out", str(out), "--tag", "nf"], timeout=100)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    [js] = out.glob("e2e_model_*_nf.json")
+    data = json.loads(js.read_text())
+    assert data["rows"] == [] and "1/1 regions rewritten" in data["meta"]["explain"]["qwen3"], data["meta"]
+    assert "compiled, first call" not in proc.stdout, proc.stdout[-2000:]
