@@ -503,3 +503,67 @@ def test_rows_in_slot_order_with_the_separate_activation_kernel(monkeypatch):
     slots = run_experts(a, plan)
     monkeypatch.setattr(pipeline, "SLOT_ROWS_MAX_TOKENS", 0)
     assert torch.equal(slots, run_experts(a, plan_experts(a)))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("form", list(FORMS))
+def test_down_combine_gives_gemm2_and_the_combine(form, device, monkeypatch):
+    """One token's rows in slot order with GEMM2 and the combine in one kernel (DOWN_COMBINE_MAX_TOKENS on): the
+    plan says so, and the output matches the two-kernel path and the fp32 reference for every activation form
+    (GEMM2's biases, identity experts, weights on the input), a repeated id and an id with no expert (-1)."""
+    from moe_fx.lowering.masked_experts import pipeline
+
+    gen = torch.Generator().manual_seed(7 + len(form))
+    k, e, h, i = 4, 5, 136, 72  # H and I not multiples of the kernel's column and K steps
+    spec, hidden, ids, w, w13, w2, b13, b2, on_input, identity = _layer(form, 1, k, e, h, i, gen)
+    ids[0, 1] = ids[0, 0].clamp(min=0)
+    ids[0, -1] = -1
+    args = [x if x is None else x.to(device) for x in (hidden, ids, w, w13, w2, b13, b2)]
+    a = bind_experts(*args[:5], spec.name, on_input, kernel_choice="triton", w13_bias=args[5], w2_bias=args[6],
+                     gated=spec.gated, gate_up_layout=spec.gate_up_layout, alpha=spec.alpha, limit=spec.limit,
+                     up_offset=spec.up_offset, identity_experts=identity)
+    assert not plan_experts(a).down_combine  # off until measured
+    two_kernels = run_experts(a, plan_experts(a))
+    monkeypatch.setattr(pipeline, "DOWN_COMBINE_MAX_TOKENS", 1)
+    plan = plan_experts(a)
+    assert plan.slot_rows and plan.down_combine and plan.summary().endswith(", GEMM2 with the combine")
+    fused = run_experts(a, plan)
+    assert fused.dtype == hidden.dtype and torch.isfinite(fused).all()
+    assert rel_err(fused, two_kernels) < 1e-2, rel_err(fused, two_kernels)
+    assert rel_err(fused, reference_of(a)) < 4e-2
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("won,bias,identity,dtype", [(True, False, 0, torch.float32), (True, True, 2, torch.bfloat16),
+                                                      (False, True, 1, torch.float32)])
+def test_down_combine_kernel_against_a_loop(won, bias, identity, dtype, device):
+    """The kernel alone, two tokens: every output element written (a NaN-poisoned buffer), slots with no expert
+    adding nothing even where their rows hold NaNs, identity experts adding w * hidden, GEMM2's biases weighted
+    (or not, with the weights on the input) like the rows."""
+    from moe_fx.lowering.triton.down_combine import down_combine
+
+    gen = torch.Generator().manual_seed(11)
+    t, k, e, h, i = 2, 3, 4, 40, 96
+    a2 = torch.randn(t * k, i, generator=gen).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=gen) / i**0.5).to(dtype)
+    ids = torch.tensor([[1, -1, e + identity - 1 if identity else 3], [2, 2, 0]])
+    a2[1] = float("nan")  # the row of the slot with no expert: never written by GEMM1
+    rw = torch.rand(t, k, generator=gen)
+    b2 = torch.randn(e, h, generator=gen).to(dtype) if bias else None
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    want = torch.zeros(t, h)
+    for tt in range(t):
+        for kk in range(k):
+            ex = int(ids[tt, kk])
+            if 0 <= ex < e:
+                y = a2[tt * k + kk].float() @ w2[ex].float().T + (b2[ex].float() if bias else 0.0)
+                want[tt] += (float(rw[tt, kk]) if won else 1.0) * y
+            elif e <= ex < e + identity:
+                want[tt] += float(rw[tt, kk]) * x[tt].float()
+    out = torch.full((t, h), float("nan"), device=device)
+    got = down_combine(a2.to(device), ids.to(device), rw.to(device), w2.to(device),
+                       w2_bias=None if b2 is None else b2.to(device), weights_on_output=won, hidden=x.to(device),
+                       identity_experts=identity, out=out)
+    assert got is out and torch.isfinite(got).all()
+    tol = 1e-5 if dtype == torch.float32 and device == "cpu" else 2e-2
+    assert rel_err(got.cpu(), want) < tol, rel_err(got.cpu(), want)

@@ -1493,3 +1493,98 @@ def contiguous_rows_kernel(
             tl.store(outs_ptr + prow * s_sr + offs_g * s_sc, sc, mask=gmask)
         tl.store(m_idx_ptr + prow, e)
         tl.store(pos_out_ptr + p, prow)
+
+
+@triton.jit
+def down_combine_kernel(
+    a_ptr,
+    w_ptr,
+    ids_ptr,
+    rw_ptr,
+    bias_ptr,
+    h_ptr,
+    out_ptr,
+    E,
+    E_IDENTITY,
+    H,
+    I,
+    s_ar,
+    s_ai,
+    s_we,
+    s_wh,
+    s_wi,
+    s_it,
+    s_ik,
+    s_rt,
+    s_rk,
+    s_be,
+    s_ht,
+    s_hh,
+    s_ot,
+    s_oh,
+    TOPK: tl.constexpr,
+    K_POW2: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IDENTITY: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """GEMM2 and the combine of rows in slot order, one launch: ``out[t] = sum_k w[t, k] * (a[t*K + k] W2[e]^T
+    + b2[e])`` in fp32 (grid: ``(cdiv(H, BLOCK_H), T)``), for a static token count of one or a few.
+
+    Each program streams the ``BLOCK_H`` rows of ``W2[e]`` of every slot of its token in one loop of ``TOPK *
+    cdiv(I, BLOCK_I)`` steps (the loads pipeline across slots), as MMAs with the weight tile as M (swap-AB) and
+    the slot's activation, scaled by its routing weight, as the one live column of a 16-column operand. No
+    ``[T * K, H]`` rows are stored and no combine kernel runs. Slots whose id lies outside ``[0, E)`` add
+    nothing, except identity experts (IDENTITY: ids in ``[E, E + E_IDENTITY)``), which add ``w[t, k] *
+    hidden[t]``. HAS_W false: the routing weights were applied to the input (each slot counts once; identity
+    slots still scale ``hidden`` by theirs, as :func:`unpermute_kernel`).
+    """
+    pid_h = tl.program_id(0)
+    t64 = tl.program_id(1).to(tl.int64)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    col = tl.arange(0, 16)
+    acc = tl.full((BLOCK_H, 16), 0.0, tl.float32)
+    steps_i = (I + BLOCK_I - 1) // BLOCK_I
+    for step in range(TOPK * steps_i):
+        kk = step // steps_i
+        offs_i = (step - kk * steps_i) * BLOCK_I + tl.arange(0, BLOCK_I)
+        # the slot's expert id as vectors: the interpreter takes no scalar in a load's mask
+        e_h = tl.load(ids_ptr + t64 * s_it + kk * s_ik + tl.full([BLOCK_H], 0, tl.int64)).to(tl.int64)
+        e_i = tl.load(ids_ptr + t64 * s_it + kk * s_ik + tl.full([BLOCK_I], 0, tl.int64)).to(tl.int64)
+        ok_h = hmask & (e_h >= 0) & (e_h < E)
+        ok_i = (offs_i < I) & (e_i >= 0) & (e_i < E)
+        if HAS_W:
+            scale = tl.load(rw_ptr + t64 * s_rt + kk * s_rk + tl.full([BLOCK_I], 0, tl.int64)).to(tl.float32)
+        else:
+            scale = tl.full([BLOCK_I], 1.0, tl.float32)
+        # a slot without an expert loads nothing (its row of a is never written: it may hold NaNs)
+        w = tl.load(w_ptr + tl.where(ok_h, e_h, 0)[:, None] * s_we + offs_h[:, None] * s_wh + offs_i[None, :] * s_wi,
+                    mask=ok_h[:, None] & ok_i[None, :], other=0.0)
+        a = tl.load(a_ptr + (t64 * TOPK + kk) * s_ar + offs_i * s_ai, mask=ok_i, other=0.0)
+        b = tl.where(col[None, :] == 0, (a.to(tl.float32) * scale)[:, None], 0.0).to(w.dtype)
+        if IEEE:
+            acc = tl.dot(w.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, b, acc)
+    out = tl.reduce(tl.where(col[None, :] == 0, acc, 0.0), 1, _add)
+    if HAS_BIAS or IDENTITY:
+        offs_k = tl.arange(0, K_POW2)
+        kmask = offs_k < TOPK
+        ids = tl.load(ids_ptr + t64 * s_it + offs_k * s_ik, mask=kmask, other=-1).to(tl.int64)
+        rw = tl.load(rw_ptr + t64 * s_rt + offs_k * s_rk, mask=kmask, other=0.0).to(tl.float32)
+        if HAS_BIAS:  # sum_k w[t, k] * b2[e_k] over the slots with an expert
+            ok_k = kmask & (ids >= 0) & (ids < E)
+            wb = tl.where(ok_k, rw, 0.0) if HAS_W else tl.where(ok_k, 1.0, 0.0)
+            bias = tl.load(bias_ptr + tl.where(ok_k, ids, 0)[:, None] * s_be + offs_h[None, :],
+                           mask=ok_k[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+            out += tl.reduce(bias * wb[:, None], 0, _add)
+        if IDENTITY:
+            ident = kmask & (ids >= E) & (ids < E + E_IDENTITY)
+            wi = tl.reduce(tl.where(ident, rw, 0.0), 0, _add)
+            x = tl.load(h_ptr + t64 * s_ht + offs_h * s_hh, mask=hmask, other=0.0).to(tl.float32)
+            out += wi * x
+    tl.store(out_ptr + t64 * s_ot + offs_h * s_oh, out.to(out_ptr.dtype.element_ty), mask=hmask)
