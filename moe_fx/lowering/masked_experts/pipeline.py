@@ -281,36 +281,17 @@ def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bo
     return hi is not None and hi <= FUSE_HALVES_MAX_ROWS
 
 
-def run_sorted_experts(
-    hidden: torch.Tensor,
-    rows: object,
-    weights: ExpertWeights,
-    spec: ExpertActivation,
-    gemms: MaskedGemms,
-    hints: GemmHints,
-    *,
-    route_weights: torch.Tensor | None = None,
-    tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+def run_sorted_experts(hidden: torch.Tensor, rows: object, weights: ExpertWeights, spec: ExpertActivation,
+                       gemms: MaskedGemms, hints: GemmHints, **kwargs: object) -> torch.Tensor:
     """Every slot's expert MLP on the contiguous layout: ``y[row] = expert_e(x_t)`` for each sorted row.
 
-    Args:
-        hidden: ``[T, H]`` tokens, read in place by GEMM1 (fp8 weights: quantised 1x128 once, T rows, where
-            :func:`quantize_activations` says so; else read as bf16 by GEMMs that dequantise the weights).
-        rows: :class:`~moe_fx.lowering.triton.grouped_gemm.SortedRows` of the call, or its rows in slot order
-            (:class:`~moe_fx.lowering.triton.grouped_gemm.SlotRows`, :func:`slot_rows`).
-        weights, spec, gemms, hints: as in :func:`run_masked_experts` (``gemms`` must run ``"sorted"``).
-        route_weights: ``[T, K]`` routing weights applied to the expert's input (``weights_on_input``);
-            GEMM1 multiplies its rows by them before the bias (``(w x) W^T = w (x W^T)``).
-        tokens: ``hidden``'s fp8 codes and 1x128 scales where the sort quantised them already
-            (:func:`quantize_tokens_in_sort`); else quantised here when :func:`quantize_activations` says so.
+    :func:`sorted_activations` (GEMM1 and the activation; the arguments are its own) and then GEMM2.
 
     Returns:
         ``[1, T * K, H]`` in sorted row order (slot order for SlotRows; bf16 with fp8 weights, else the weights'
         dtype); rows past the total (of slots without an expert) unspecified.
     """
-    a2, a2_scale = sorted_activations(hidden, rows, weights, spec, gemms, hints, route_weights=route_weights,
-                                      tokens=tokens)
+    a2, a2_scale = sorted_activations(hidden, rows, weights, spec, gemms, hints, **kwargs)
     return gemms.sorted_gemm(a2, a2_scale, weights.w2, weights.w2_scale, rows, bias=weights.w2_bias, hints=hints,
                              gather=False, route_weights=None)
 
@@ -326,8 +307,20 @@ def sorted_activations(
     route_weights: torch.Tensor | None = None,
     tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """GEMM1 and the activation of :func:`run_sorted_experts` (same arguments): ``(a2 [1, T * K, I], its 1x128
-    scales or None)``, the input of GEMM2 (or of :func:`down_combine`'s kernel), rows in ``rows``' order."""
+    """GEMM1 and the activation of :func:`run_sorted_experts`: ``(a2 [1, T * K, I], its 1x128 scales or None)``,
+    the input of GEMM2 (or of :func:`down_combine`'s kernel), rows in ``rows``' order.
+
+    Args:
+        hidden: ``[T, H]`` tokens, read in place by GEMM1 (fp8 weights: quantised 1x128 once, T rows, where
+            :func:`quantize_activations` says so; else read as bf16 by GEMMs that dequantise the weights).
+        rows: :class:`~moe_fx.lowering.triton.grouped_gemm.SortedRows` of the call, or its rows in slot order
+            (:class:`~moe_fx.lowering.triton.grouped_gemm.SlotRows`, :func:`slot_rows`).
+        weights, spec, gemms, hints: as in :func:`run_masked_experts` (``gemms`` must run ``"sorted"``).
+        route_weights: ``[T, K]`` routing weights applied to the expert's input (``weights_on_input``);
+            GEMM1 multiplies its rows by them before the bias (``(w x) W^T = w (x W^T)``).
+        tokens: ``hidden``'s fp8 codes and 1x128 scales where the sort quantised them already
+            (:func:`quantize_tokens_in_sort`); else quantised here when :func:`quantize_activations` says so.
+    """
     from moe_fx.lowering.triton.activation import expert_activation
     from moe_fx.lowering.triton.grouped_gemm import SlotRows
     from moe_fx.lowering.triton.sort import quantize_rows
