@@ -1552,15 +1552,16 @@ def down_combine_kernel(
     for step in range(TOPK * steps_i):
         kk = step // steps_i
         offs_i = (step - kk * steps_i) * BLOCK_I + tl.arange(0, BLOCK_I)
-        # the slot's expert id as vectors: the interpreter takes no scalar in a load's mask
-        e_h = tl.load(ids_ptr + t64 * s_it + kk * s_ik + tl.full([BLOCK_H], 0, tl.int64)).to(tl.int64)
-        e_i = tl.load(ids_ptr + t64 * s_it + kk * s_ik + tl.full([BLOCK_I], 0, tl.int64)).to(tl.int64)
+        e = tl.load(ids_ptr + t64 * s_it + kk * s_ik).to(tl.int64)
+        # the id broadcast to vectors: the interpreter takes no scalar in a load's mask
+        e_h = tl.full([BLOCK_H], 0, tl.int64) + e
+        e_i = tl.full([BLOCK_I], 0, tl.int64) + e
         ok_h = hmask & (e_h >= 0) & (e_h < E)
         ok_i = (offs_i < I) & (e_i >= 0) & (e_i < E)
         if HAS_W:
-            scale = tl.load(rw_ptr + t64 * s_rt + kk * s_rk + tl.full([BLOCK_I], 0, tl.int64)).to(tl.float32)
+            scale = tl.load(rw_ptr + t64 * s_rt + kk * s_rk).to(tl.float32)
         else:
-            scale = tl.full([BLOCK_I], 1.0, tl.float32)
+            scale = 1.0
         # a slot without an expert loads nothing (its row of a is never written: it may hold NaNs)
         w = tl.load(w_ptr + tl.where(ok_h, e_h, 0)[:, None] * s_we + offs_h[:, None] * s_wh + offs_i[None, :] * s_wi,
                     mask=ok_h[:, None] & ok_i[None, :], other=0.0)
