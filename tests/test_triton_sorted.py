@@ -152,6 +152,15 @@ FORMS = {
 }
 
 
+def _assert_same_rows(got: torch.Tensor, want: torch.Tensor, device: str, gpu_tol: float) -> None:
+    """Two routes to the same rows: bit for bit under the interpreter (one order of operations), within ``gpu_tol``
+    on a GPU (tiles and MMA orders may differ)."""
+    if device == "cpu":
+        assert torch.equal(got, want)
+    else:
+        assert rel_err(got, want) < gpu_tol, rel_err(got, want)
+
+
 def _layer(form, t, k, e, h, i, gen, dtype=torch.bfloat16):
     spec, biases, on_input, identity = FORMS[form]
     n1 = spec.columns(i)
@@ -468,10 +477,7 @@ def test_rows_in_slot_order_give_the_sorted_layouts_output(form, t, max_tokens, 
     sorted_plan = plan_experts(a)
     assert not sorted_plan.slot_rows
     ref = run_experts(a, sorted_plan)
-    if device == "cpu":
-        assert torch.equal(slots, ref)
-    else:
-        assert rel_err(slots, ref) < 1e-2
+    _assert_same_rows(slots, ref, device, 1e-2)
     assert rel_err(slots, reference_of(a)) < 4e-2
 
 
@@ -521,10 +527,7 @@ def test_fp8_gemm_quantizes_its_rows_in_the_kernel(swap_ab, device):
         valid = (ids[:1].reshape(-1) >= 0 if isinstance(rows, SlotRows)
                  else torch.arange(n_rows, device=device) < rows.total.item())
         assert torch.isfinite(got[0, valid]).all() and torch.isnan(got[0, ~valid]).all()
-        if device == "cpu":
-            assert torch.equal(got[0, valid], want[0, valid])
-        else:
-            assert rel_err(got[0, valid], want[0, valid]) < 1e-3
+        _assert_same_rows(got[0, valid], want[0, valid], device, 1e-3)
     with pytest.raises(ValueError, match="quantize_a"):
         sorted_gemm(codes[:1], q, SlotRows.of(ids[:1], e), a_scale=scales[:1], b_scale=s, gather=True, quantize_a=True)
     with pytest.raises(ValueError, match="quantize_a"):
@@ -560,10 +563,7 @@ def test_fp8_one_token_in_slot_order_gives_the_sorted_output(form, device, monke
     assert plan.slot_rows and not plan.down_combine
     assert "rows in slot order (no sort), the token quantised in GEMM1" in plan.summary()
     got = run_experts(a, plan)
-    if device == "cpu":
-        assert torch.equal(got, want)
-    else:
-        assert rel_err(got, want) < 1e-2
+    _assert_same_rows(got, want, device, 1e-2)
     assert rel_err(got, reference_of(a)) < 8e-2
     monkeypatch.setattr(pipeline, "DOWN_COMBINE_MAX_TOKENS", 1)
     plan = plan_experts(a)
