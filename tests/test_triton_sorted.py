@@ -674,3 +674,5 @@ def test_down_combine_kernel_against_a_loop(won, bias, identity, dtype, device):
             down_combine(a2, ids, rw, w2, w2_scale=w2_s)  # no scales of a2
         with pytest.raises(ValueError, match="block_h"):
             down_combine(a2, ids, rw, w2, a2_scale=a2_s, w2_scale=w2_s, block_h=256)
+        with pytest.raises(ValueError, match="e5m2"):
+            down_combine(a2_deq.bfloat16(), ids, rw, w2.to(torch.float8_e5m2))

@@ -64,6 +64,8 @@ def down_combine(
         out: a ``[T, H]`` buffer to write (every element is written); default a new one.
     """
     e, h, i = w2.shape
+    if torch.float8_e5m2 in (w2.dtype, a2.dtype):
+        raise ValueError("down_combine: fp8 means float8_e4m3fn codes with their scales, got float8_e5m2")
     fp8 = w2.dtype == FP8_DTYPE
     if fp8 != (a2.dtype == FP8_DTYPE) or fp8 != (w2_scale is not None) or fp8 != (a2_scale is not None):
         raise ValueError(f"down_combine: fp8 needs a2 and w2 in float8_e4m3fn, each with its scales; got a2 {a2.dtype}, "
