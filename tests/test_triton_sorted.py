@@ -499,23 +499,23 @@ def test_rows_in_slot_order_only_for_a_static_token_count_and_unquantised_weight
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("swap_ab", [False, True])
-def test_fp8_gemm_quantizes_its_rows_in_the_kernel(swap_ab, device):
+@pytest.mark.parametrize("swap_ab,tma", [(False, False), (True, False), (True, True)])
+def test_fp8_gemm_quantizes_its_rows_in_the_kernel(swap_ab, tma, device):
     """``sorted_gemm(quantize_a=True)``: bf16 rows times fp8 weights, each k step's 1x128 group quantised in
     registers, equals quantize_rows then the fp8 GEMM (bit for bit under the interpreter: the same codes and
     scales), on rows in slot order (a repeated id, a slot with no expert left unwritten) and on sorted rows,
-    with a K tail and a tile whose block_k is not 128 (made 128)."""
+    with a K tail and a tile whose block_k is not 128 (made 128); weights through pointers or descriptors."""
     from dataclasses import replace
 
     from moe_fx.lowering.triton import configs
     from moe_fx.lowering.triton.grouped_gemm import SlotRows
 
-    gen = torch.Generator().manual_seed(3 + swap_ab)
+    gen = torch.Generator().manual_seed(3 + swap_ab + 2 * tma)
     e, n, h = 5, 96, 320  # K = H: two whole 128-groups and a tail of 64
     x = (torch.randn(2, h, generator=gen) * torch.rand(2, 1, generator=gen) * 8).bfloat16().to(device)
     q, s = quantize_fp8_blockwise(torch.randn(e, n, h, generator=gen) / h**0.5)
     q, s = q.to(device), s.to(device)
-    cfg = replace(configs.TileConfig(16, 32, 64, 1, 4, 2), swap_ab=swap_ab)
+    cfg = replace(configs.TileConfig(16, 32, 64, 1, 4, 2), swap_ab=swap_ab, tma=tma)
     codes, scales = quantize_rows(x)
     ids = torch.tensor([[3, 1, 3], [-1, 0, 4]], device=device)
     for rows, a in ((SlotRows.of(ids[:1], e), x[:1]), (sort_by_expert(ids, e), x)):
@@ -534,6 +534,27 @@ def test_fp8_gemm_quantizes_its_rows_in_the_kernel(swap_ab, device):
         sorted_gemm(x[:1], q.bfloat16(), SlotRows.of(ids[:1], e), gather=True, quantize_a=True)
     with pytest.raises(ValueError, match="quantize_a"):  # rows already in the layout: no token tile to gather
         sorted_gemm(x[:1].expand(3, h).unsqueeze(0), q, SlotRows.of(ids[:1], e), b_scale=s, quantize_a=True)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_rows_in_slot_order_with_weight_descriptors(swap_ab, device):
+    """The bf16 GEMM's slot mode with its weights through descriptors made in the kernel (a tile with ``tma``): the
+    expert a slot names (int64 ids) is an int32 coordinate, and the rows equal the pointer tile's."""
+    from dataclasses import replace
+
+    from moe_fx.lowering.triton import configs
+    from moe_fx.lowering.triton.grouped_gemm import SlotRows
+
+    gen = torch.Generator().manual_seed(9 + swap_ab)
+    e, n, h = 5, 96, 192
+    x = torch.randn(1, h, generator=gen).bfloat16().to(device)
+    w = (torch.randn(e, n, h, generator=gen) / h**0.5).bfloat16().to(device)
+    rows = SlotRows.of(torch.tensor([[3, 1, -1]], device=device), e)
+    cfg = replace(configs.TileConfig(16, 32, 64, 1, 4, 2), swap_ab=swap_ab)
+    got = sorted_gemm(x, w, rows, gather=True, config=replace(cfg, tma=True))[0, :2]
+    _assert_same_rows(got, sorted_gemm(x, w, rows, gather=True, config=cfg)[0, :2], device, 1e-2)
+    assert rel_err(got, (x.float() @ w[[3, 1]].float().transpose(1, 2))[:, 0]) < 1e-2
 
 
 @pytest.mark.parametrize("device", devices())

@@ -288,7 +288,7 @@ def masked_gemm_kernel(
         srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
         c_idx = srow.to(tl.int64)
         if SLOTS:  # group e is slot e, whose row is row e: the weights are those of the expert it names
-            e = tl.reduce(tl.where(offs_e == e, slot_w, 0), 0, _add)
+            e = tl.reduce(tl.where(offs_e == e, slot_w, 0), 0, _add).to(tl.int32)  # ids may be int64: TMA wants i32
             e64 = e.to(tl.int64)
         if GATHER_A and SLOTS:  # the row is the slot
             slot = srow
@@ -506,7 +506,7 @@ def masked_gemm_fp8_kernel(
         srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
         c_idx = srow.to(tl.int64)
         if SLOTS:  # group e is slot e, whose row is row e: the weights (and their scales) of the expert it names
-            e = tl.reduce(tl.where(offs_e == e, slot_w, 0), 0, _add)
+            e = tl.reduce(tl.where(offs_e == e, slot_w, 0), 0, _add).to(tl.int32)  # ids may be int64: TMA wants i32
             e64 = e.to(tl.int64)
         if GATHER_A and SLOTS:  # the row is the slot
             slot = srow
