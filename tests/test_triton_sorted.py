@@ -499,15 +499,18 @@ def test_rows_in_slot_order_only_for_a_static_token_count_and_unquantised_weight
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("swap_ab,tma", [(False, False), (True, False), (True, True)])
-def test_fp8_gemm_quantizes_its_rows_in_the_kernel(swap_ab, tma, device):
+@pytest.mark.parametrize("swap_ab,tma,prefetch", [(False, False, False), (True, False, True), (True, True, False)])
+def test_fp8_gemm_quantizes_its_rows_in_the_kernel(swap_ab, tma, prefetch, device, monkeypatch):
     """``sorted_gemm(quantize_a=True)``: bf16 rows times fp8 weights, each k step's 1x128 group quantised in
     registers, equals quantize_rows then the fp8 GEMM (bit for bit under the interpreter: the same codes and
     scales), on rows in slot order (a repeated id, a slot with no expert left unwritten) and on sorted rows,
-    with a K tail and a tile whose block_k is not 128 (made 128); weights through pointers or descriptors."""
+    with a K tail and a tile whose block_k is not 128 (made 128); weights through pointers or descriptors, the
+    weight scales loaded in their step or one step ahead."""
     from dataclasses import replace
 
-    from moe_fx.lowering.triton import configs
+    from moe_fx.lowering.triton import configs, grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "PREFETCH_FP8_SCALES", prefetch)
     from moe_fx.lowering.triton.grouped_gemm import SlotRows
 
     gen = torch.Generator().manual_seed(3 + swap_ab + 2 * tma)
