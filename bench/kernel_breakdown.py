@@ -9,6 +9,10 @@ bytes of the weights of the experts hit over the copy rate measured in the same 
 moe_layer's (``max(bytes / copy rate, flops / matmul rate)``).
 
     python bench/kernel_breakdown.py [--shapes qwen3,gpt_oss,mixtral] [--tokens 1,4,16] [--fp8]
+                                     [--set masked_experts.pipeline.FP8_SLOT_ROWS=True ...]
+
+``--set`` runs every row with a lowering constant changed (a switch of docs/triton.md's table), to see where a
+switch moves the time; the settings are written beside the results.
 
 Writes ``kernel_breakdown_<date>[_tag].{md,json}`` to ``--out`` (default bench/results).
 """
@@ -28,6 +32,28 @@ from moe_layer import SHAPES, bench_meta, capture_graphs, replay_us, results_ste
 
 SETS = 3
 PROFILED_REPLAYS = 5
+
+
+def apply_settings(pairs: list[str]) -> dict[str, object]:
+    """Set ``module.ATTR=value`` (a module under ``moe_fx.lowering``, a Python literal) for each of ``pairs``;
+    returns ``{name: value}`` as set. Raises ``ValueError`` for a malformed pair and ``AttributeError`` for a
+    constant the module does not have (a typo must not run the defaults under another name)."""
+    import ast
+    import importlib
+
+    settings = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or "." not in name:
+            raise ValueError(f"--set wants module.ATTR=value (module under moe_fx.lowering), got {pair!r}")
+        path, attr = name.strip().rsplit(".", 1)
+        module = importlib.import_module(f"moe_fx.lowering.{path}")
+        if not hasattr(module, attr):
+            raise AttributeError(f"--set: moe_fx.lowering.{path} has no {attr}")
+        value = ast.literal_eval(text.strip())
+        setattr(module, attr, value)
+        settings[name.strip()] = value
+    return settings
 
 
 def per_launch_us(events: list[tuple[str, float, float]], replays: int) -> list[tuple[str, float]]:
@@ -123,10 +149,15 @@ def main(argv: list[str] | None = None) -> None:
                     "passes against its pairwise ranks (alternating rounds)")
     ap.add_argument("--pair", default=None, help="kernel/layout forced as in bench/layouts.py, e.g. "
                     "deepgemm/local_contiguous (default: the op's own choice)")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                    help="a lowering constant for the whole run, e.g. masked_experts.pipeline.FP8_SLOT_ROWS=True "
+                         "(repeatable)")
     args = ap.parse_args(argv)
     import moe_fx  # noqa: F401
 
+    settings = apply_settings(args.set)
     meta = bench_meta()
+    meta["settings"] = settings
     limits = meta["limits"]
     rows = []
     for shape in args.shapes.split(","):
@@ -168,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         f.write(f"# One MoE layer's kernels, CUDA-graph replay ({meta['date']})\n\n")
         f.write(f"{meta.get('gpu', '')} · torch {torch.__version__} · limits in this run: copy "
                 f"{limits['copy_tbs']:.2f} TB/s, bf16 {limits['bf16_tflops']:.0f} TFLOP/s\n\n")
+        if settings:
+            f.write("Settings: " + ", ".join(f"`moe_fx.lowering.{n}` = {v!r}" for n, v in settings.items()) + "\n\n")
         f.write("| shape | dtype | pair | T | replay µs | floor µs (%) | kernels, launch order: GPU µs (GEMM bandwidth floor) "
                 "| gaps µs |\n|---|---|---|---|---|---|---|---|\n")
         for r in rows:

@@ -1,4 +1,5 @@
-"""bench/kernel_breakdown.py's pure parts: per-launch means from a profile of identical replays, GEMM floors."""
+"""bench/kernel_breakdown.py's pure parts: per-launch means from a profile of identical replays, GEMM floors, the
+lowering constants a run sets."""
 
 from __future__ import annotations
 
@@ -64,3 +65,18 @@ def test_two_pass_sort_context_gives_the_same_rows_through_the_other_branch(mod,
     for a, b in ((new.counts, old.counts), (new.sorted_slots[:7], old.sorted_slots[:7]), (new.slot_pos, old.slot_pos)):
         assert torch.equal(a, b)
     assert old.sorted_slots[:7].tolist() == [4, 1, 2, 6, 7, 0, 5]
+
+
+def test_settings_change_the_lowering_constants_and_refuse_typos(mod, monkeypatch):
+    from moe_fx.lowering.masked_experts import pipeline
+
+    monkeypatch.setattr(pipeline, "FP8_SLOT_ROWS", False)  # restored after the test
+    monkeypatch.setattr(pipeline, "DOWN_COMBINE_MAX_TOKENS", 0)
+    got = mod.apply_settings(["masked_experts.pipeline.FP8_SLOT_ROWS=True",
+                              " masked_experts.pipeline.DOWN_COMBINE_MAX_TOKENS = 1"])
+    assert got == {"masked_experts.pipeline.FP8_SLOT_ROWS": True, "masked_experts.pipeline.DOWN_COMBINE_MAX_TOKENS": 1}
+    assert pipeline.FP8_SLOT_ROWS is True and pipeline.DOWN_COMBINE_MAX_TOKENS == 1
+    with pytest.raises(AttributeError, match="FP8_SLOT_ROW"):
+        mod.apply_settings(["masked_experts.pipeline.FP8_SLOT_ROW=True"])
+    with pytest.raises(ValueError, match="module.ATTR=value"):
+        mod.apply_settings(["FP8_SLOT_ROWS"])
