@@ -838,6 +838,10 @@ def run_benchmark(args: argparse.Namespace) -> None:
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), cache_limit))
     dg = deepgemm_state(args.no_deepgemm)
+    if args.static_launch:  # moe_fx's side only: plain's graphs hold no user-defined Triton kernel
+        import moe_fx.backend
+
+        moe_fx.backend.STATIC_LAUNCH_KERNELS = True
     meta = {
         **machine_meta(),
         "smoke": args.smoke,
@@ -847,6 +851,7 @@ def run_benchmark(args: argparse.Namespace) -> None:
         "vocab": settings.vocab,
         "dynamic": settings.dynamic,
         "specialize_float": bool(args.specialize_float),
+        "static_launch": bool(args.static_launch),
         "deepgemm": dg,
         # copy and matmul rates, for the MoE floor of each forward row (a few seconds, CUDA only)
         "limits": measure_limits() if settings.device == "cuda" else None,
@@ -1050,7 +1055,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "",
         f"{meta.get('layers')} decoder layers, {meta.get('dtype')}, random weights, vocabulary reduced to {meta.get('vocab')}, "
         f"experts implementation `{meta.get('experts_implementation')}`, sdpa attention, dynamic={meta.get('dynamic')}"
-        f"{', specialize_float' if meta.get('specialize_float') else ''}; "
+        f"{', specialize_float' if meta.get('specialize_float') else ''}"
+        f"{'; moe_fx launches its Triton kernels statically (--static-launch)' if meta.get('static_launch') else ''}; "
         f"timing: {meta.get('timing')}. DeepGEMM: {meta.get('deepgemm')}.",
         "",
         "wall = one forward from an idle synchronised GPU to the sync after it; host = the same call until it returns "
@@ -1327,6 +1333,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layer-host-tokens", type=int, default=16, help="T of the one-layer host-time cell")
     ap.add_argument("--no-layer-host", action="store_true", help="skip the one-layer host-time cell")
     ap.add_argument("--no-generate", action="store_true", help="skip the generate() cell")
+    ap.add_argument("--static-launch", action="store_true",
+                    help="moe_fx.backend.STATIC_LAUNCH_KERNELS = True: Inductor's static launcher for moe_fx's Triton "
+                         "kernels (less host time per launch; compare a run without it)")
     ap.add_argument("--no-forward", action="store_true",
                     help="skip the forward cells (--tokens then only feeds explain: a generate()-only run, such as "
                          "a full-depth model whose four compiles would not fit one call otherwise)")

@@ -41,6 +41,13 @@ log = logging.getLogger("moe_fx")
 
 #: The key of the moe_fx passes in ``torch._dynamo.utils.compile_times()`` (seconds per compiled graph).
 PASSES_TIMER = "moe_fx_passes"
+#: Whether the compiled code launches user-defined Triton kernels (moe_fx's, and any of the model's own) through
+#: Inductor's static CUDA launcher (``torch._inductor.config.static_launch_user_defined_triton_kernels``, torch's C++
+#: launch path) instead of Triton's Python launcher: less host time per launch, which a decode step of many layers
+#: pays several times a layer. A kernel the static launcher cannot take (device-made TMA descriptors need Triton's
+#: global scratch) keeps Triton's launcher, kernel by kernel (Inductor logs why). ``MoEConfig.inductor_options``
+#: overrides it. Read at every compile; False until timed on a GPU (bench/e2e_model.py ``--static-launch``).
+STATIC_LAUNCH_KERNELS = False
 
 
 def enable_capture() -> None:
@@ -233,6 +240,7 @@ class MoEFxBackend:
             from torch._inductor.compile_fx import compile_fx
 
             patches = {
+                **({"static_launch_user_defined_triton_kernels": True} if STATIC_LAUNCH_KERNELS else {}),
                 **(list_mode_options(mode) if mode else {}),
                 **(options or {}),
                 "post_grad_custom_post_pass": _cache_salt(),

@@ -48,7 +48,7 @@ def test_entry_point_backend_works_without_importing_moe_fx(tmp_path):
 
 
 def test_cache_key_follows_pass_sources(tmp_path, monkeypatch):
-    import moe_fx.backend as backend
+    from moe_fx import backend
 
     salt = _cache_salt()
     assert salt.uuid() == "moe_fx-" + passes_fingerprint()
@@ -194,6 +194,32 @@ def test_mode_and_options_of_torch_compile_reach_inductor(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert seen[0][0]["triton.cudagraphs"] is True and "torch.ops.moe_fx.experts" in seen[0][1]
     assert seen[1][0]["max_autotune"] is False and "triton.cudagraphs" not in seen[1][0]
+
+
+def test_static_launch_of_user_kernels_is_one_switch_the_config_overrides(monkeypatch):
+    """``backend.STATIC_LAUNCH_KERNELS`` asks Inductor to launch user-defined Triton kernels statically (off until
+    timed on a GPU: no such patch), and ``MoEConfig.inductor_options`` has the last word."""
+    import torch._inductor.compile_fx as cfx
+
+    from moe_fx import backend
+    from moe_fx import MoEConfig
+
+    seen = []
+
+    def spy(gm, inputs, config_patches=None, **kw):
+        seen.append(dict(config_patches or {}))
+        return gm.forward  # the patches are what this test reads: no Inductor compile
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    x = [torch.randn(2, 4)]
+    key = "static_launch_user_defined_triton_kernels"
+    assert not backend.STATIC_LAUNCH_KERNELS
+    backend.MoEFxBackend(captured=True)(gm, x)
+    monkeypatch.setattr(backend, "STATIC_LAUNCH_KERNELS", True)
+    backend.MoEFxBackend(captured=True)(gm, x)
+    backend.MoEFxBackend(MoEConfig(inductor_options={key: False}), captured=True)(gm, x)
+    assert key not in seen[0] and seen[1][key] is True and seen[2][key] is False
 
 
 @pytest.mark.gpu

@@ -177,12 +177,15 @@ def test_gpu_tally_ranks_kernels_and_the_markdown_lists_them():
 @pytest.mark.timeout(120)
 def test_e2e_model_no_forward_runs_no_forward_cell(tmp_path):
     """``--no-forward`` (for generate()-only runs): the model is built and explained at the first T of --tokens,
-    no forward cell is compiled or written (here with --no-generate too: a results file without rows)."""
+    no forward cell is compiled or written (here with --no-generate too: a results file without rows). With
+    --static-launch the run says so in its meta and its markdown."""
     out = tmp_path / "res"
     proc = _run(["--smoke", "--cpu", "--tokens", "8", "--layers", "1", "--no-forward", "--no-layer-host",
-                 "--no-generate", "--no-plot", "--out", str(out), "--tag", "nf"], timeout=100)
+                 "--no-generate", "--no-plot", "--static-launch", "--out", str(out), "--tag", "nf"], timeout=100)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     [js] = out.glob("e2e_model_*_nf.json")
     data = json.loads(js.read_text())
     assert data["rows"] == [] and "1/1 regions rewritten" in data["meta"]["explain"]["qwen3"], data["meta"]
     assert "compiled, first call" not in proc.stdout, proc.stdout[-2000:]
+    assert data["meta"]["static_launch"] is True
+    assert "launches its Triton kernels statically" in js.with_suffix(".md").read_text()

@@ -72,6 +72,36 @@ def test_one_token_compiles_to_three_launches_without_a_sort():
     assert rel_err(out, experts_reference(hidden, ids, w, w13, w2) * 2) < 1e-2
 
 
+@pytest.mark.parametrize("t", [1, 512])
+def test_static_launch_of_the_kernels_gives_the_same_numbers(t, monkeypatch):
+    """``backend.STATIC_LAUNCH_KERNELS`` on (Inductor's static launcher for user-defined Triton kernels; those it
+    cannot take keep Triton's): a decode step and a prefill-sized call through ``backend="moe_fx"`` give the
+    reference's numbers, and at least one moe_fx kernel is launched statically."""
+    import torch._inductor.runtime.triton_heuristics as th
+
+    from moe_fx import backend
+
+    monkeypatch.setattr(backend, "STATIC_LAUNCH_KERNELS", True)
+    static = []  # (kernel, launched statically?) as Inductor decided for each compiled kernel
+    real = th.StaticTritonCompileResult.can_statically_launch
+
+    def spy(kernel, *args, **kwargs):
+        result = real(kernel, *args, **kwargs)
+        static.append((kernel.src.fn.__name__, result is not None))
+        return result
+
+    monkeypatch.setattr(th.StaticTritonCompileResult, "can_statically_launch", staticmethod(spy))
+    hidden, ids, w, w13, w2 = _layer(t)
+
+    def layer(hidden, ids, w):
+        return torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, kernel_choice="triton") * 2
+
+    torch._dynamo.reset()
+    out = torch.compile(layer, backend="moe_fx", fullgraph=True)(hidden, ids, w)
+    assert rel_err(out, experts_reference(hidden, ids, w, w13, w2) * 2) < 1e-2
+    assert any(ok and ("gemm" in name or "unpermute" in name) for name, ok in static), static
+
+
 def test_dynamic_token_count_recompiles_per_regime_only():
     """One dynamic graph per rows-per-expert regime (<= 4 rows, <= 16, <= 64, <= 256, more), each exact."""
     from torch._dynamo.utils import counters
