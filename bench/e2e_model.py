@@ -101,7 +101,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # bench/moe_layer.py's helpers
 
-from moe_layer import layer_floor, log, machine_meta, measure_limits  # noqa: E402
+from moe_layer import apply_settings, layer_floor, log, machine_meta, measure_limits  # noqa: E402
 from pass_time import compile_metrics, compile_split  # noqa: E402
 
 # What is measured where (the targets).
@@ -842,6 +842,7 @@ def run_benchmark(args: argparse.Namespace) -> None:
         import moe_fx.backend
 
         moe_fx.backend.STATIC_LAUNCH_KERNELS = True
+    settings_set = apply_settings(args.set)  # lowering constants: moe_fx's side only, as above
     meta = {
         **machine_meta(),
         "smoke": args.smoke,
@@ -852,6 +853,7 @@ def run_benchmark(args: argparse.Namespace) -> None:
         "dynamic": settings.dynamic,
         "specialize_float": bool(args.specialize_float),
         "static_launch": bool(args.static_launch),
+        "settings": settings_set,
         "deepgemm": dg,
         # copy and matmul rates, for the MoE floor of each forward row (a few seconds, CUDA only)
         "limits": measure_limits() if settings.device == "cuda" else None,
@@ -1056,7 +1058,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"{meta.get('layers')} decoder layers, {meta.get('dtype')}, random weights, vocabulary reduced to {meta.get('vocab')}, "
         f"experts implementation `{meta.get('experts_implementation')}`, sdpa attention, dynamic={meta.get('dynamic')}"
         f"{', specialize_float' if meta.get('specialize_float') else ''}"
-        f"{'; moe_fx launches its Triton kernels statically (--static-launch)' if meta.get('static_launch') else ''}; "
+        f"{'; moe_fx launches its Triton kernels statically (--static-launch)' if meta.get('static_launch') else ''}"
+        + "".join(f"; `moe_fx.lowering.{n}` = {v!r}" for n, v in (meta.get("settings") or {}).items()) + "; "
         f"timing: {meta.get('timing')}. DeepGEMM: {meta.get('deepgemm')}.",
         "",
         "wall = one forward from an idle synchronised GPU to the sync after it; host = the same call until it returns "
@@ -1336,6 +1339,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--static-launch", action="store_true",
                     help="moe_fx.backend.STATIC_LAUNCH_KERNELS = True: Inductor's static launcher for moe_fx's Triton "
                          "kernels (less host time per launch; compare a run without it)")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                    help="a lowering constant for the whole run (moe_fx's side), e.g. "
+                         "masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS=4 (repeatable)")
     ap.add_argument("--no-forward", action="store_true",
                     help="skip the forward cells (--tokens then only feeds explain: a generate()-only run, such as "
                          "a full-depth model whose four compiles would not fit one call otherwise)")

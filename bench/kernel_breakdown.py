@@ -28,32 +28,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fused_activation import layer
-from moe_layer import SHAPES, bench_meta, capture_graphs, replay_us, results_stem, routing_sets, row_metrics
+from moe_layer import (
+    SHAPES,
+    apply_settings,
+    bench_meta,
+    capture_graphs,
+    replay_us,
+    results_stem,
+    routing_sets,
+    row_metrics,
+)
 
 SETS = 3
 PROFILED_REPLAYS = 5
-
-
-def apply_settings(pairs: list[str]) -> dict[str, object]:
-    """Set ``module.ATTR=value`` (a module under ``moe_fx.lowering``, a Python literal) for each of ``pairs``;
-    returns ``{name: value}`` as set. Raises ``ValueError`` for a malformed pair and ``AttributeError`` for a
-    constant the module does not have (a typo must not run the defaults under another name)."""
-    import ast
-    import importlib
-
-    settings = {}
-    for pair in pairs:
-        name, sep, text = pair.partition("=")
-        if not sep or "." not in name:
-            raise ValueError(f"--set wants module.ATTR=value (module under moe_fx.lowering), got {pair!r}")
-        path, attr = name.strip().rsplit(".", 1)
-        module = importlib.import_module(f"moe_fx.lowering.{path}")
-        if not hasattr(module, attr):
-            raise AttributeError(f"--set: moe_fx.lowering.{path} has no {attr}")
-        value = ast.literal_eval(text.strip())
-        setattr(module, attr, value)
-        settings[name.strip()] = value
-    return settings
 
 
 def per_launch_us(events: list[tuple[str, float, float]], replays: int) -> list[tuple[str, float]]:

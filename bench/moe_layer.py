@@ -102,6 +102,28 @@ def results_stem(name: str, tag: str = "") -> str:
     return f"{name}_{datetime.date.today().isoformat()}" + (f"_{tag}" if tag else "")
 
 
+def apply_settings(pairs: list[str]) -> dict[str, object]:
+    """Set ``module.ATTR=value`` (a module under ``moe_fx.lowering``, a Python literal) for each of ``pairs``;
+    returns ``{name: value}`` as set. Raises ``ValueError`` for a malformed pair and ``AttributeError`` for a
+    constant the module does not have (a typo must not run the defaults under another name)."""
+    import ast
+    import importlib
+
+    settings = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or "." not in name:
+            raise ValueError(f"--set wants module.ATTR=value (module under moe_fx.lowering), got {pair!r}")
+        path, attr = name.strip().rsplit(".", 1)
+        module = importlib.import_module(f"moe_fx.lowering.{path}")
+        if not hasattr(module, attr):
+            raise AttributeError(f"--set: moe_fx.lowering.{path} has no {attr}")
+        value = ast.literal_eval(text.strip())
+        setattr(module, attr, value)
+        settings[name.strip()] = value
+    return settings
+
+
 def bench_us(fn, warmup: int = 3, rep_ms: float = 30.0) -> float:
     from triton.testing import do_bench
 

@@ -178,14 +178,17 @@ def test_gpu_tally_ranks_kernels_and_the_markdown_lists_them():
 def test_e2e_model_no_forward_runs_no_forward_cell(tmp_path):
     """``--no-forward`` (for generate()-only runs): the model is built and explained at the first T of --tokens,
     no forward cell is compiled or written (here with --no-generate too: a results file without rows). With
-    --static-launch the run says so in its meta and its markdown."""
+    --static-launch and --set (a lowering constant, here at its default) the run says so in its meta and markdown."""
     out = tmp_path / "res"
     proc = _run(["--smoke", "--cpu", "--tokens", "8", "--layers", "1", "--no-forward", "--no-layer-host",
-                 "--no-generate", "--no-plot", "--static-launch", "--out", str(out), "--tag", "nf"], timeout=100)
+                 "--no-generate", "--no-plot", "--static-launch", "--set", "masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS=1",
+                 "--out", str(out), "--tag", "nf"], timeout=100)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     [js] = out.glob("e2e_model_*_nf.json")
     data = json.loads(js.read_text())
     assert data["rows"] == [] and "1/1 regions rewritten" in data["meta"]["explain"]["qwen3"], data["meta"]
     assert "compiled, first call" not in proc.stdout, proc.stdout[-2000:]
     assert data["meta"]["static_launch"] is True
-    assert "launches its Triton kernels statically" in js.with_suffix(".md").read_text()
+    assert data["meta"]["settings"] == {"masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS": 1}
+    md = js.with_suffix(".md").read_text()
+    assert "launches its Triton kernels statically" in md and "SLOT_ROWS_MAX_TOKENS` = 1" in md
