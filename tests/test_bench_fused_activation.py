@@ -1,7 +1,7 @@
 """bench/fused_activation.py end to end on CPU (--smoke: tiny qwen3 and gpt_oss forms under the interpreter),
 for each pipeline switch it times (the activation epilogue; bf16 activations with fp8 weights; fp8 scales
-loaded a step ahead; the switch of the decode sort's bitonic network; one token's GEMM2 with the combine; one
-fp8 token in slot order, quantised by GEMM1)."""
+loaded a step ahead; the switch of the decode sort's bitonic network; one token's GEMM2 with the combine, bf16 and
+fp8, the fp8 one with one fp8 token in slot order on both sides), and that every switch names real constants."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ pytest.importorskip("triton")
                                                        ("w8a16", "w8a16", 8e-2, 3), ("fp8_scales", "fp8_scales", 8e-2, 3),
                                                        ("slot_rows", "slot_rows", 3e-2, 1),
                                                        ("down_combine", "down_combine", 3e-2, 1),
-                                                       ("fp8_slot_rows", "fp8_slot_rows", 8e-2, 1),
                                                        ("fp8_down_combine", "fp8_down_combine", 8e-2, 1),
                                                        ("pair_halves", "pair_halves", 3e-2, 3),
                                                        ("bitonic_sort", "bitonic_sort", 3e-2, 3)])
@@ -38,9 +37,23 @@ def test_smoke_writes_rows_with_both_variants_close_to_the_reference(tmp_path, s
     if switch == "w8a16":  # the variants differ in what they round: W8A16 keeps the activations in bf16
         assert all(r["ref_err_on"] < r["ref_err_off"] for r in rows), rows
     # when the scales load / where the rows are / how they were sorted (the same rows), not what is computed
-    if switch in ("fp8_scales", "slot_rows", "bitonic_sort", "fp8_slot_rows"):
+    if switch in ("fp8_scales", "slot_rows", "bitonic_sort"):
         assert all(r["on_vs_off_err"] == 0.0 for r in rows), rows
     md = json_path.with_suffix(".md").read_text()
     if switch == "fp8_down_combine":  # both sides run one token in slot order: the setting is in the table's note
         assert "Both sides: `masked_experts.pipeline.FP8_SLOT_ROWS` = True." in md
     assert f"| qwen3 | {tokens} |" in md and f"| gpt_oss | {tokens} |" in md
+
+
+def test_every_switch_names_constants_the_lowering_has():
+    """Each switch (and each setting both of its sides share) names a module attribute under moe_fx.lowering that
+    exists, with its 'on' value of the constant's type: a typo would otherwise surface only on the GPU (the smoke
+    runs above cover a few of the switches end to end)."""
+    import importlib
+
+    mod = load_bench("fused_activation")
+    for name, entry in mod.SWITCHES.items():
+        for path, value in [(entry[0], entry[1]), *mod.shared_settings(name).items()]:
+            module, attr = path.rsplit(".", 1)
+            current = getattr(importlib.import_module(f"moe_fx.lowering.{module}"), attr)
+            assert type(current) is type(value), (name, path, current, value)
