@@ -21,10 +21,7 @@
 * ``--switch fp8_slot_rows``: fp8 weights, one token's rows in slot order with GEMM1 quantising the token vs the
   sort's launch quantising it (``pipeline.FP8_SLOT_ROWS``): only T=1 differs;
 * ``--switch fp8_down_combine``: fp8 weights, one token in slot order on both sides (``FP8_SLOT_ROWS``), GEMM2 and
-  the combine in one kernel vs two (``pipeline.DOWN_COMBINE_MAX_TOKENS`` 1 vs 0): only T=1 differs;
-* ``--switch fp8_warp_spec``: fp8 weights, the GEMMs' k loop warp-specialised where triton splits it (GEMM2 on
-  64-row descriptor tiles, ``grouped_gemm.warp_specialized``) vs not (``grouped_gemm.FP8_WARP_SPECIALIZE``):
-  prefill sizes differ.
+  the combine in one kernel vs two (``pipeline.DOWN_COMBINE_MAX_TOKENS`` 1 vs 0): only T=1 differs.
 
 For each shape and token count T, ``torch.ops.moe_fx.experts(kernel_choice="triton")`` is captured in CUDA
 graphs twice (switch on / off: the switch is read when a call runs, so each capture launches its own
@@ -33,7 +30,7 @@ kernels), over the same rotating routing sets, and the two are timed alternately
 matmul rate)`` with both limits measured in the same run, and the relative error of each variant against the
 fp32 reference (first routing set of the row), and of one variant against the other at every T.
 
-    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|pair_halves|slot_rows|bitonic_sort|down_combine|fp8_slot_rows|fp8_down_combine|fp8_warp_spec] [--shapes qwen3,mixtral,gpt_oss]
+    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|pair_halves|slot_rows|bitonic_sort|down_combine|fp8_slot_rows|fp8_down_combine] [--shapes qwen3,mixtral,gpt_oss]
                                      [--tokens 1,16,256,1024,4096] [--rounds 3]
     python bench/fused_activation.py --smoke   # CPU, Triton interpreter, tiny shapes: checks the script end to end
 
@@ -124,9 +121,6 @@ SWITCHES = {
                          ("fp8 weights, one token in slot order (GEMM1 quantising it): GEMM2 and the combine in one "
                           "kernel (on) vs GEMM2 and the combine kernel (off) (T=1 rows only differ)"),
                          {"masked_experts.pipeline.FP8_SLOT_ROWS": True}),
-    "fp8_warp_spec": ("triton.grouped_gemm.FP8_WARP_SPECIALIZE", True, False, True,
-                      ("fp8 weights: the GEMMs' k loop warp-specialised where triton splits it (on: GEMM2 on 64-row "
-                       "descriptor tiles) vs not (off)")),
 }
 
 

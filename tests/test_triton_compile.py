@@ -53,8 +53,8 @@ GEMM = {"GROUP_M": 8, "E_POW2": 128, "EVEN_K": True, "UPCAST": False, "s_ak": 1,
 #: masked_gemm_kernel's epilogue activation and fp8 weights off (the bf16 kernel's extra constants)
 NO_ACT = {"ACT_FUSED": False, "ACT": 0, "GATED": False, "INTERLEAVED": False, "HAS_LIMIT": False, "B_FP8": False,
           "bs_ptr": None, "SLOTS": False, "ids_ptr": None, "PAIR_HALVES": False}
-#: masked_gemm_fp8_kernel's slot mode, in-kernel token quantisation and warp specialisation off (its extra constants)
-FP8_OFF = {"SLOTS": False, "ids_ptr": None, "QUANT_A": False, "WARP_SPEC": False}
+#: masked_gemm_fp8_kernel's slot mode and in-kernel token quantisation off (its extra constants)
+FP8_OFF = {"SLOTS": False, "ids_ptr": None, "QUANT_A": False}
 #: Inductor types Python float arguments as fp64 (seen on torch 2.11): the kernels must compile with those
 ACT_FLOATS = {"alpha": "fp64", "limit": "fp64", "up_offset": "fp64"}
 
@@ -321,29 +321,6 @@ def test_fp8_one_token_gemms_compile_without_a_sort_or_a_quantisation():
         ptx = _compile(fn, types, consts, 4, 4).asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async" in ptx, gather
         assert "ld.local" not in ptx and "st.local" not in ptx, gather
-
-
-@pytest.mark.parametrize("bn", [64, 128])
-def test_warp_specialized_fp8_gemm_compiles_split(bn):
-    """The fp8 GEMM's WARP_SPEC on the tiles the rule admits (grouped_gemm.warp_specialized: descriptors made in
-    the kernel, 4 warps, one weight-scale block, 64 rows): triton splits them into producer and consumer warp groups
-    (``setmaxnreg``), the consumers on wgmma, no spills (triton 3.6, the GPU machine's, and 3.9, this one's); the
-    rule refuses a gathered token tile, which does not split."""
-    bm = 64
-    from moe_fx.lowering.triton import grouped_gemm
-    from moe_fx.lowering.triton.configs import TileConfig
-
-    fn, types, consts = _sorted_gemm(True, False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128)
-    consts.update(WARP_SPEC=True, PREFETCH_SCALES=False, DEVICE_TMA=True, TMA=True, SCALAR_BS=True)
-    ptx = _compile(fn, types, consts, 4, 4).asm["ptx"]
-    assert "setmaxnreg" in ptx, "not warp-specialised"
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
-    rule = grouped_gemm.warp_specialized
-    cfg = TileConfig(bm, bn, 128, 8, 4, 4, 1, tma=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(grouped_gemm, "FP8_WARP_SPECIALIZE", True)
-        assert rule(cfg, True, False, False) and not rule(cfg, True, True, False)
 
 
 def test_sort_kernels_compile():

@@ -539,66 +539,6 @@ def test_fp8_gemm_quantizes_its_rows_in_the_kernel(swap_ab, tma, prefetch, devic
         sorted_gemm(x[:1].expand(3, h).unsqueeze(0), q, SlotRows.of(ids[:1], e), b_scale=s, quantize_a=True)
 
 
-def test_warp_specialized_launches_are_the_ones_triton_splits(monkeypatch):
-    """The rule for WARP_SPEC (grouped_gemm.warp_specialized): off unless FP8_WARP_SPECIALIZE; then 64-row prefill
-    tiles of 4 warps and one weight-scale block, both operands through in-kernel descriptors, tokens already quantised,
-    scales loaded in their step (what compiles split for sm_90: tests/test_triton_compile.py)."""
-    from dataclasses import replace
-
-    from moe_fx.lowering.triton import grouped_gemm
-    from moe_fx.lowering.triton.configs import TileConfig
-
-    cfg = TileConfig(64, 128, 128, 8, 4, 4, 1, tma=True)
-    assert not grouped_gemm.warp_specialized(cfg, True, False, False)  # off until timed
-    monkeypatch.setattr(grouped_gemm, "FP8_WARP_SPECIALIZE", True)
-    assert grouped_gemm.warp_specialized(cfg, True, False, False)
-    assert grouped_gemm.warp_specialized(replace(cfg, block_n=64), True, False, False)
-    for bad in (replace(cfg, num_warps=8), replace(cfg, block_n=256), replace(cfg, block_m=16, swap_ab=True),
-                replace(cfg, flatten=True), replace(cfg, block_m=128)):
-        assert not grouped_gemm.warp_specialized(bad, True, False, False), bad
-    assert not grouped_gemm.warp_specialized(cfg, False, False, False)  # pointer loads
-    assert not grouped_gemm.warp_specialized(cfg, True, True, False)  # gathered tokens
-    assert not grouped_gemm.warp_specialized(cfg, True, False, True)  # tokens quantised in the kernel
-    monkeypatch.setattr(grouped_gemm, "PREFETCH_FP8_SCALES", True)
-    assert not grouped_gemm.warp_specialized(cfg, True, False, False)
-
-
-@pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("slots", [False, True])
-def test_warp_specialized_fp8_gemm_gives_the_same_rows(slots, device, monkeypatch):
-    """WARP_SPEC on (its tile bookkeeping made twice by reductions, from two loads of the counts) against off: the
-    same rows, bit for bit under the interpreter, on sorted rows with uneven loads (experts past one 64-row tile,
-    empty experts, a slot with no expert) and on rows in slot order; rows past the layout's total left unwritten."""
-    from moe_fx.lowering.triton import grouped_gemm
-    from moe_fx.lowering.triton.configs import TileConfig
-    from moe_fx.lowering.triton.grouped_gemm import SlotRows
-
-    gen = torch.Generator().manual_seed(21 + slots)
-    e, k, n, h = 6, 2, 128 + 64, 256
-    t = 1 if slots else 50
-    ids = torch.randint(0, 3, (t, k), generator=gen)  # experts 0-2 only: 3-5 stay empty
-    ids[0, -1] = -1
-    ids[0, 0] = 4
-    rows = SlotRows.of(ids, e) if slots else sort_by_expert(ids, e)
-    a, a_s = quantize_rows(torch.randn(t * k, h, generator=gen).bfloat16())
-    q, w_s = quantize_fp8_blockwise(torch.randn(e, n, h, generator=gen) / h**0.5)
-    args = [x.to(device) for x in (a, q, a_s, w_s)]
-    if device == "cuda":
-        rows = SlotRows.of(ids.to(device), e) if slots else sort_by_expert(ids.to(device), e)
-    cfg = TileConfig(64, 128, 128, 1, 4, 4, 1, tma=True)
-    assert not grouped_gemm.warp_specialized(cfg, True, False, False)
-    outs = []
-    for on in (False, True):
-        monkeypatch.setattr(grouped_gemm, "FP8_WARP_SPECIALIZE", on)
-        assert grouped_gemm.warp_specialized(cfg, True, False, False) == on
-        out = torch.full((1, t * k, n), float("nan"), dtype=torch.bfloat16, device=device)
-        outs.append(sorted_gemm(args[0][None], args[1], rows, out, a_scale=args[2][None], b_scale=args[3],
-                                config=cfg)[0])
-    valid = ids.reshape(-1).to(device) >= 0 if slots else torch.arange(t * k, device=device) < rows.total.item()
-    assert torch.isfinite(outs[1][valid].float()).all() and torch.isnan(outs[1][~valid].float()).all()
-    _assert_same_rows(outs[1][valid], outs[0][valid], device, 1e-3)
-
-
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("swap_ab", [False, True])
 def test_rows_in_slot_order_with_weight_descriptors(swap_ab, device):

@@ -43,50 +43,16 @@ def _minf(a, b):
 
 
 @triton.jit
-def _valid_tiles(rows, M, BLOCK_M: tl.constexpr, SCAN: tl.constexpr = True):
+def _valid_tiles(rows, M, BLOCK_M: tl.constexpr):
     """Rows and row tiles of every expert from its loaded count: (rows, tiles, inclusive cumsum of tiles).
 
     The kernels load ``masked_m`` themselves and pass the values: Inductor's mutation analysis of
     user kernels follows a helper's arguments as if it could write through them, so a pointer handed
     to a helper would mark ``masked_m`` as written (and make Inductor copy it before every launch).
-    SCAN False: the cumulative sum by :func:`_inclusive_sum` (a warp-specialised loop takes no scan).
     """
     rows = tl.minimum(tl.maximum(rows, 0), M)  # never trust a count beyond the buffer
     tiles = (rows + BLOCK_M - 1) // BLOCK_M
-    if SCAN:
-        cum = tl.associative_scan(tiles, 0, _add)
-    else:
-        cum = _inclusive_sum(tiles)
-    return rows, tiles, cum
-
-
-@triton.jit
-def _inclusive_sum(x):
-    """The inclusive prefix sum of a 1-D vector as one masked reduction of its square (``sum_{j <= i} x[j]``), for
-    code where triton 3.6's warp specialisation takes no scan."""
-    i = tl.arange(0, x.shape[0])
-    return tl.reduce(tl.where(i[None, :] <= i[:, None], x[None, :], 0), 1, _add)
-
-
-@triton.jit
-def _tile_of(counts, slot_w, t, M, num_n, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, E_POW2: tl.constexpr,
-             SORTED: tl.constexpr, SLOTS: tl.constexpr):
-    """Everything about valid tile ``t`` that follows from the loaded per-group counts (``slot_w``: the slots' expert
-    ids, SLOTS), by reductions only: ``(e, m_e, pid_m, pid_n, srow, g0, m0)`` as :func:`_tile_coords` and
-    :func:`_row_index` give them, ``e`` the weights' group (the slot's expert with SLOTS). For a warp-specialised
-    loop, which each side of computes from its own load of the counts (see ``masked_gemm_fp8_kernel``)."""
-    offs_e = tl.arange(0, E_POW2)
-    rows, tiles, cum = _valid_tiles(counts, M, BLOCK_M, False)
-    if SLOTS:
-        starts = offs_e
-    else:
-        starts = _inclusive_sum(rows) - rows
-    e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
-    if SLOTS:
-        e = tl.reduce(tl.where(offs_e == e, slot_w, 0), 0, _add).to(tl.int32)
-    return e, m_e, pid_m, pid_n, srow, g0, m0
+    return rows, tiles, tl.associative_scan(tiles, 0, _add)
 
 
 @triton.jit
@@ -481,7 +447,6 @@ def masked_gemm_fp8_kernel(
     NUM_W=0,
     SLOTS: tl.constexpr = False,
     QUANT_A: tl.constexpr = False,
-    WARP_SPEC: tl.constexpr = False,
 ):
     """fp8 x fp8 -> bf16 (+ bias[g]): a with 1x128 per-row group scales, b with 128x128 block scales.
 
@@ -499,14 +464,6 @@ def masked_gemm_fp8_kernel(
     that a few programs share (a decode step): every program of a row's column tiles quantises it again. A tile
     computed on before the MMA is not loaded by the pipeliner's asynchronous copies (so every k step waited for
     its load when this was first timed, docs/triton.md): each step loads the next step's tile into registers.
-    WARP_SPEC (not FLATTEN, not QUANT_A): the k loop warp-specialised (``tl.range(warp_specialize=True)``, triton
-    3.6's sm_90 pass): producer warps issue the tile loads, consumer warps run the MMAs, the scale promotion and the
-    epilogue. That pass aborts when a scan, or a value made before the loop, reaches the loads' coordinates, and
-    when a value the producer loaded (the counts behind a tile's rows) reaches the consumer's code. So under
-    WARP_SPEC each tile's bookkeeping is made twice in the loop, by reductions (:func:`_tile_of`), each from its own
-    load of the counts (the second ``volatile``, which keeps the two loads apart): one for the tiles'
-    coordinates, one for the scales, routing weights, bias and store. E_POW2^2 lanes per copy and tile: small
-    beside a prefill tile's k loop; decode tiles never take it.
     TMA, SORTED, GATHER_A, ROUTE_W, SWAP_AB, FLATTEN, SLOTS: as in :func:`masked_gemm_kernel` (``as`` rows follow
     ``a``'s).
     """
@@ -529,93 +486,61 @@ def masked_gemm_fp8_kernel(
     offs_e = tl.arange(0, E_POW2)
     if SLOTS:  # one row per slot naming an expert of b (as masked_gemm_kernel's)
         slot_w = tl.load(ids_ptr + _slot_offsets(offs_e, s_it, s_ik, TOPK), mask=offs_e < E, other=-1)
-        counts = ((slot_w >= 0) & (slot_w < NUM_W)).to(tl.int32)
+        rows, tiles, cum = _valid_tiles(((slot_w >= 0) & (slot_w < NUM_W)).to(tl.int32), M, BLOCK_M)
     else:
-        counts = tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0)
-        slot_w = counts  # not read
-    rows, tiles, cum = _valid_tiles(counts, M, BLOCK_M, not WARP_SPEC)
+        rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
     if SLOTS:  # slot g's row is row g
         starts = offs_e
-    elif not WARP_SPEC:
+    else:
         starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
     for t in tl.range(pid, total, nprog, flatten=FLATTEN):  # FLATTEN: see masked_gemm_kernel
-        if WARP_SPEC:  # two copies of the tile's bookkeeping, each from its own load of the counts (see above)
-            if SLOTS:
-                ids_p = tl.load(ids_ptr + _slot_offsets(offs_e, s_it, s_ik, TOPK), mask=offs_e < E, other=-1)
-                ids_c = tl.load(ids_ptr + _slot_offsets(offs_e, s_it, s_ik, TOPK), mask=offs_e < E, other=-1,
-                                volatile=True)
-                counts_p = ((ids_p >= 0) & (ids_p < NUM_W)).to(tl.int32)
-                counts_c = ((ids_c >= 0) & (ids_c < NUM_W)).to(tl.int32)
-            else:
-                counts_p = tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0)
-                counts_c = tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0, volatile=True)
-                ids_p = counts_p  # not read
-                ids_c = counts_c
-            e, m_e, pid_m, pid_n, srow, g0, m0 = _tile_of(counts_p, ids_p, t, M, num_n, BLOCK_M, GROUP_M, E_POW2,
-                                                          SORTED, SLOTS)
-            e_c, m_e_c, pid_m_c, pid_n_c, srow_c, _, _ = _tile_of(counts_c, ids_c, t, M, num_n, BLOCK_M, GROUP_M,
-                                                                  E_POW2, SORTED, SLOTS)
-        else:
-            e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
-            srow, g0, m0 = _row_index(e, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_m, starts, offs_e, BLOCK_M,
-                                      SORTED)
-            if SLOTS:  # group e is slot e, whose row is row e: the weights (and their scales) of the expert it names
-                e = tl.reduce(tl.where(offs_e == e, slot_w, 0), 0, _add).to(tl.int32)  # int64 ids: TMA wants i32
-            e_c, m_e_c, pid_m_c, pid_n_c, srow_c = e, m_e, pid_m, pid_n, srow  # one copy serves both sides
-        # the tile loads' rows and columns (the producer's, under WARP_SPEC)
+        e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
         e64 = e.to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < m_e
         mask_n = offs_n < N
-        # the scales', routing weights', bias' and store's (the consumer's, under WARP_SPEC; else the same values)
-        ec64 = e_c.to(tl.int64)
-        offs_mc = pid_m_c * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_nc = pid_n_c * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_mc = offs_mc < m_e_c
-        mask_nc = offs_nc < N
-        c_idx = srow_c.to(tl.int64)
+        srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
+        c_idx = srow.to(tl.int64)
+        if SLOTS:  # group e is slot e, whose row is row e: the weights (and their scales) of the expert it names
+            e = tl.reduce(tl.where(offs_e == e, slot_w, 0), 0, _add).to(tl.int32)  # ids may be int64: TMA wants i32
+            e64 = e.to(tl.int64)
         if GATHER_A and SLOTS:  # the row is the slot
             slot = srow
-            slot_c = srow_c
+            a_idx = (slot // TOPK).to(tl.int64)
         elif GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
             slot = tl.load(sorted_ptr + srow, mask=mask_m, other=0)
-            if WARP_SPEC:
-                slot_c = tl.load(sorted_ptr + srow_c, mask=mask_mc, other=0, volatile=True)
-            else:
-                slot_c = slot
+            a_idx = (slot // TOPK).to(tl.int64)
         else:
             slot = srow
-            slot_c = srow_c
-        a_idx = (slot // TOPK).to(tl.int64) if GATHER_A else srow.to(tl.int64)
-        a_idx_c = (slot_c // TOPK).to(tl.int64) if GATHER_A else c_idx
+            a_idx = c_idx
         if not (TMA and not GATHER_A):
             a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
         if not TMA:
             b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
         if not QUANT_A:
-            as_ptrs = as_ptr + ec64 * s_asg + a_idx_c * s_asm  # a's scales follow a's rows
+            as_ptrs = as_ptr + e64 * s_asg + a_idx * s_asm  # a's scales follow a's rows
         if SCALAR_BS:
-            bs_ptrs = bs_ptr + ec64 * s_bsg + ((pid_n_c * BLOCK_N) // 128) * s_bsn
+            bs_ptrs = bs_ptr + e64 * s_bsg + ((pid_n * BLOCK_N) // 128) * s_bsn
         else:
-            bs_ptrs = bs_ptr + ec64 * s_bsg + (offs_nc // 128) * s_bsn
+            bs_ptrs = bs_ptr + e64 * s_bsg + (offs_n // 128) * s_bsn
         if SWAP_AB:  # acc^T = b^T a^T: the weight tile is the MMA's M (wgmma needs 64+), the few rows its N
             acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
         else:
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         if PREFETCH_SCALES:  # the first k step's scales; each step then loads the next step's
             if not QUANT_A:
-                a_s = tl.load(as_ptrs, mask=mask_mc, other=0.0)
+                a_s = tl.load(as_ptrs, mask=mask_m, other=0.0)
             if SCALAR_BS:
                 b_s = tl.load(bs_ptrs)
             else:
-                b_s = tl.load(bs_ptrs, mask=mask_nc, other=0.0)
+                b_s = tl.load(bs_ptrs, mask=mask_n, other=0.0)
         if QUANT_A:  # the first k step's token tile (each step then loads the next step's: see the docstring)
             a_next = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
-        for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPEC):
+        for k0 in range(0, K, BLOCK_K):
             if TMA and not GATHER_A:
                 a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
                 b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
@@ -650,11 +575,11 @@ def masked_gemm_fp8_kernel(
             if not PREFETCH_SCALES:  # this step's scales, loaded now (waited for after the MMA)
                 kg = k0 // 128
                 if not QUANT_A:
-                    a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_mc, other=0.0)
+                    a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_m, other=0.0)
                 if SCALAR_BS:
                     b_s = tl.load(bs_ptrs + kg * s_bsk)
                 else:
-                    b_s = tl.load(bs_ptrs + kg * s_bsk, mask=mask_nc, other=0.0)
+                    b_s = tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)
             if SWAP_AB:  # the same step transposed: rows are the accumulator's columns
                 if SCALAR_BS:
                     scale = (a_s * b_s)[None, :]
@@ -668,11 +593,11 @@ def masked_gemm_fp8_kernel(
                 # the last step loads its own group again (in bounds; never used)
                 kn = tl.minimum((k0 + BLOCK_K) // 128, (K - 1) // 128)
                 if not QUANT_A:
-                    a_s = tl.load(as_ptrs + kn * s_ask, mask=mask_mc, other=0.0)
+                    a_s = tl.load(as_ptrs + kn * s_ask, mask=mask_m, other=0.0)
                 if SCALAR_BS:
                     b_s = tl.load(bs_ptrs + kn * s_bsk)
                 else:
-                    b_s = tl.load(bs_ptrs + kn * s_bsk, mask=mask_nc, other=0.0)
+                    b_s = tl.load(bs_ptrs + kn * s_bsk, mask=mask_n, other=0.0)
             if UPCAST:  # the CPU interpreter's dot mis-reads fp8 operands; fp32 is exact there
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -685,12 +610,12 @@ def masked_gemm_fp8_kernel(
         if SWAP_AB:
             acc = tl.trans(acc)
         if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)
-            rw = tl.load(rw_ptr + _slot_offsets(slot_c, s_rwt, s_rwk, TOPK), mask=mask_mc, other=0.0)
+            rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0)
             acc = acc * rw.to(tl.float32)[:, None]
         if HAS_BIAS:  # bias [G, N], contiguous along N
-            acc += tl.load(bias_ptr + ec64 * s_biasg + offs_nc, mask=mask_nc, other=0.0).to(tl.float32)[None, :]
-        c_ptrs = c_ptr + ec64 * s_cg + c_idx[:, None] * s_cm + offs_nc[None, :] * s_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_mc[:, None] & mask_nc[None, :])
+            acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit

@@ -19,7 +19,7 @@ from moe_fx.ops import ExpertActivation
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
 __all__ = ["SlotRows", "SortedRows", "check_offsets", "masked_gemm", "masked_gemm_fp8", "num_programs", "sorted_gemm",
-           "tune_masked_gemm", "warp_specialized"]
+           "tune_masked_gemm"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 #: fp8 GEMMs load each k step's scales one step ahead (``masked_gemm_fp8_kernel``'s PREFETCH_SCALES); read at every
@@ -32,10 +32,6 @@ PREFETCH_FP8_SCALES = False
 #: the tile (a swapped tile: two weight tiles). Read at every launch: ``bench/fused_activation.py --switch
 #: pair_halves`` times both: 1.00-1.02x on the H200 (bench/results/pair_halves_2026-12-05.md).
 PAIR_GATE_UP = True
-#: fp8 GEMMs on rows read through descriptors (the sorted layout's GEMM2) warp-specialise their k loop where triton
-#: 3.6 compiles that (:func:`warp_specialized`): producer warps load, consumer warps multiply and promote the block
-#: scales. Read at every launch; False until timed on a GPU (``bench/fused_activation.py --switch fp8_warp_spec``).
-FP8_WARP_SPECIALIZE = False
 _FP8 = FP8_DTYPE
 
 
@@ -277,18 +273,6 @@ def _gemm_config(kind: str, a: torch.Tensor, n: int, k: int, hints: dict, layout
     return configs.fit_smem(cfg, a.element_size()) if kind in ("bf16", "w8a16") else cfg
 
 
-def warp_specialized(cfg: configs.TileConfig, device_tma: bool, gather: bool, quantize_a: bool) -> bool:
-    """Whether an fp8 launch warp-specialises its k loop (``masked_gemm_fp8_kernel``'s WARP_SPEC): while
-    :data:`FP8_WARP_SPECIALIZE`, for the launches whose kernel triton 3.6 splits into producer and consumer warps for
-    sm_90, as compiled on the CPU machine (tests/test_triton_compile.py): both operands through descriptors made in
-    the kernel (a gathered token tile is loaded through pointers, which the pass does not take), 4 warps (8 are left
-    unsplit), a tile of one 128-column scale block (a vector of weight scales per step aborts the pass), scales
-    loaded in their step (:data:`PREFETCH_FP8_SCALES` off), 64-row prefill tiles, not flattened (128 rows split with
-    triton 3.6, the GPU machine's, but abort the pass of triton 3.9), the tokens already quantised."""
-    return (FP8_WARP_SPECIALIZE and device_tma and not gather and not quantize_a and not cfg.flatten
-            and cfg.num_warps == 4 and cfg.block_m == 64 and FP8_BLOCK % cfg.block_n == 0 and not PREFETCH_FP8_SCALES)
-
-
 def _launch_gemm(
     kind: str, a, a_scale, b, b_scale, masked_m, out, groups: int, m: object, n: int, k: int,
     cfg: configs.TileConfig, tile_bound: object, *, a_strides: tuple, as_strides: tuple, c_strides: tuple,
@@ -338,8 +322,7 @@ def _launch_gemm(
             a_in, a_scale, b_in, b_scale, out, masked_m,
             groups, m, n, k,
             *a_strides, *as_strides, *b.stride(), *b_scale.stride(), *c_strides,
-            SCALAR_BS=FP8_BLOCK % cfg.block_n == 0, PREFETCH_SCALES=PREFETCH_FP8_SCALES, QUANT_A=quantize_a,
-            WARP_SPEC=warp_specialized(cfg, device_tma, gather, quantize_a), **common,
+            SCALAR_BS=FP8_BLOCK % cfg.block_n == 0, PREFETCH_SCALES=PREFETCH_FP8_SCALES, QUANT_A=quantize_a, **common,
         )  # fmt: skip
     else:
         w8a16 = {} if kind != "w8a16" else {"bs_ptr": b_scale, "s_bsg": b_scale.stride(0), "s_bsn": b_scale.stride(1),
