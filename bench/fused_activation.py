@@ -17,11 +17,7 @@
   network vs blocks of pairwise ranks (``moe_fx.lowering.triton.sort.BITONIC_SORT_SLOTS`` 1024 vs 0): T * K
   between the pairwise tile (128 slots at 128 experts) and 1024 differs;
 * ``--switch down_combine``: bf16 weights, one token's GEMM2 and combine in one kernel vs GEMM2 and the combine
-  kernel (``pipeline.DOWN_COMBINE_MAX_TOKENS`` 1 vs 0): only T=1 differs;
-* ``--switch fp8_slot_rows``: fp8 weights, one token's rows in slot order with GEMM1 quantising the token vs the
-  sort's launch quantising it (``pipeline.FP8_SLOT_ROWS``): only T=1 differs;
-* ``--switch fp8_down_combine``: fp8 weights, one token in slot order on both sides (``FP8_SLOT_ROWS``), GEMM2 and
-  the combine in one kernel vs two (``pipeline.DOWN_COMBINE_MAX_TOKENS`` 1 vs 0): only T=1 differs.
+  kernel (``pipeline.DOWN_COMBINE_MAX_TOKENS`` 1 vs 0): only T=1 differs.
 
 For each shape and token count T, ``torch.ops.moe_fx.experts(kernel_choice="triton")`` is captured in CUDA
 graphs twice (switch on / off: the switch is read when a call runs, so each capture launches its own
@@ -30,7 +26,7 @@ kernels), over the same rotating routing sets, and the two are timed alternately
 matmul rate)`` with both limits measured in the same run, and the relative error of each variant against the
 fp32 reference (first routing set of the row), and of one variant against the other at every T.
 
-    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|pair_halves|slot_rows|bitonic_sort|down_combine|fp8_slot_rows|fp8_down_combine] [--shapes qwen3,mixtral,gpt_oss]
+    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|pair_halves|slot_rows|bitonic_sort|down_combine] [--shapes qwen3,mixtral,gpt_oss]
                                      [--tokens 1,16,256,1024,4096] [--rounds 3]
     python bench/fused_activation.py --smoke   # CPU, Triton interpreter, tiny shapes: checks the script end to end
 
@@ -90,7 +86,7 @@ def layer(shape: str, dims: tuple, device: str, seed: int = 0, fp8: bool = False
 
 
 #: the switches this bench times: name -> (module attribute under moe_fx.lowering, value on, value off, fp8 weights,
-#: title[, {module attribute: value} set on both sides])
+#: title)
 SWITCHES = {
     "epilogue": ("masked_experts.pipeline.FUSE_ACTIVATION", True, False, False,
                  "GEMM1 with the activation in its epilogue (on) vs the separate activation kernel (off), bf16"),
@@ -114,19 +110,7 @@ SWITCHES = {
     "down_combine": ("masked_experts.pipeline.DOWN_COMBINE_MAX_TOKENS", 1, 0, False,
                      ("one token: GEMM2 and the combine in one kernel (on) vs GEMM2 and the combine kernel (off), "
                       "bf16 (T=1 rows only differ)")),
-    "fp8_slot_rows": ("masked_experts.pipeline.FP8_SLOT_ROWS", True, False, True,
-                      ("fp8 weights, one token: rows in slot order, GEMM1 quantising the token (on) vs the sort's "
-                       "launch quantising it (off) (T=1 rows only differ)")),
-    "fp8_down_combine": ("masked_experts.pipeline.DOWN_COMBINE_MAX_TOKENS", 1, 0, True,
-                         ("fp8 weights, one token in slot order (GEMM1 quantising it): GEMM2 and the combine in one "
-                          "kernel (on) vs GEMM2 and the combine kernel (off) (T=1 rows only differ)"),
-                         {"masked_experts.pipeline.FP8_SLOT_ROWS": True}),
 }
-
-
-def shared_settings(switch: str) -> dict[str, object]:
-    """``{module attribute under moe_fx.lowering: value}`` that both sides of ``switch`` run with."""
-    return SWITCHES[switch][5] if len(SWITCHES[switch]) > 5 else {}
 
 
 def variant(switch: str, on: bool, w: dict, kw: dict, on_value: object = None):
@@ -136,22 +120,16 @@ def variant(switch: str, on: bool, w: dict, kw: dict, on_value: object = None):
 
     path, value_on, value_off = SWITCHES[switch][:3]
     value_on = value_on if on_value is None else on_value
-    # the switch, then the settings both sides share (a switch's sixth field)
-    settings = [(path, value_on if on else value_off), *shared_settings(switch).items()]
-    targets = []
-    for name, value in settings:
-        module, attr = name.rsplit(".", 1)
-        targets.append((importlib.import_module(f"moe_fx.lowering.{module}"), attr, value))
+    module, attr = path.rsplit(".", 1)
+    module = importlib.import_module(f"moe_fx.lowering.{module}")
 
     def fn(x, ids, rw):
-        saved = [getattr(module, attr) for module, attr, _ in targets]
-        for module, attr, value in targets:
-            setattr(module, attr, value)
+        saved = getattr(module, attr)
+        setattr(module, attr, value_on if on else value_off)
         try:
             return torch.ops.moe_fx.experts(x, ids, rw, w["w13"], w["w2"], **kw)
         finally:
-            for (module, attr, _), old in zip(targets, saved):
-                setattr(module, attr, old)
+            setattr(module, attr, saved)
 
     return fn
 
@@ -272,9 +250,7 @@ def write(out: str, stem: str, meta: dict, rows: list[dict]) -> None:
         "",
         f"Switch: `moe_fx.lowering.{SWITCHES[meta.get('switch', 'epilogue')][0]}` = "
         f"{meta.get('on_value', SWITCHES[meta.get('switch', 'epilogue')][1])!r} (on) / "
-        f"{SWITCHES[meta.get('switch', 'epilogue')][2]!r} (off)."
-        + "".join(f" Both sides: `{name}` = {value!r}." for name, value in
-                  shared_settings(meta.get("switch", "epilogue")).items()),
+        f"{SWITCHES[meta.get('switch', 'epilogue')][2]!r} (off).",
         "",
         ("CUDA-graph replays of `torch.ops.moe_fx.experts(kernel_choice='triton')` (sorted layout), the two variants "
          "timed alternately; µs, lower is better. Speed-up = off / on. Floor = max(bytes / copy rate, "

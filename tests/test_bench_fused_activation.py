@@ -17,7 +17,6 @@ pytest.importorskip("triton")
                                                        ("w8a16", "w8a16", 8e-2, 3), ("fp8_scales", "fp8_scales", 8e-2, 3),
                                                        ("slot_rows", "slot_rows", 3e-2, 1),
                                                        ("down_combine", "down_combine", 3e-2, 1),
-                                                       ("fp8_down_combine", "fp8_down_combine", 8e-2, 1),
                                                        ("pair_halves", "pair_halves", 3e-2, 3),
                                                        ("bitonic_sort", "bitonic_sort", 3e-2, 3)])
 def test_smoke_writes_rows_with_both_variants_close_to_the_reference(tmp_path, switch, stem, bound, tokens):
@@ -40,20 +39,17 @@ def test_smoke_writes_rows_with_both_variants_close_to_the_reference(tmp_path, s
     if switch in ("fp8_scales", "slot_rows", "bitonic_sort"):
         assert all(r["on_vs_off_err"] == 0.0 for r in rows), rows
     md = json_path.with_suffix(".md").read_text()
-    if switch == "fp8_down_combine":  # both sides run one token in slot order: the setting is in the table's note
-        assert "Both sides: `masked_experts.pipeline.FP8_SLOT_ROWS` = True." in md
     assert f"| qwen3 | {tokens} |" in md and f"| gpt_oss | {tokens} |" in md
 
 
 def test_every_switch_names_constants_the_lowering_has():
-    """Each switch (and each setting both of its sides share) names a module attribute under moe_fx.lowering that
+    """Each switch names a module attribute under moe_fx.lowering that
     exists, with its 'on' value of the constant's type: a typo would otherwise surface only on the GPU (the smoke
     runs above cover a few of the switches end to end)."""
     import importlib
 
     mod = load_bench("fused_activation")
-    for name, entry in mod.SWITCHES.items():
-        for path, value in [(entry[0], entry[1]), *mod.shared_settings(name).items()]:
-            module, attr = path.rsplit(".", 1)
-            current = getattr(importlib.import_module(f"moe_fx.lowering.{module}"), attr)
-            assert type(current) is type(value), (name, path, current, value)
+    for name, (path, value, *_) in mod.SWITCHES.items():
+        module, attr = path.rsplit(".", 1)
+        current = getattr(importlib.import_module(f"moe_fx.lowering.{module}"), attr)
+        assert type(current) is type(value), (name, path, current, value)

@@ -302,41 +302,6 @@ def test_one_token_runs_without_a_sort(sm90):
     assert _kernel_name(_launches(fp8)[0]) == "sort_small_kernel"
 
 
-def test_one_fp8_token_runs_without_a_sort_or_a_quantisation(sm90, monkeypatch):
-    """FP8_SLOT_ROWS on: one fp8 token's graph launches GEMM1 reading the bf16 token in the SLOTS mode and quantising
-    it (QUANT_A), the activation kernel (quantising), GEMM2 in the SLOTS mode and the combine: four launches, each
-    writing only its outputs; the [T, H] codes and scales are never allocated."""
-    from moe_fx.lowering.masked_experts import pipeline
-
-    monkeypatch.setattr(pipeline, "FP8_SLOT_ROWS", True)
-    gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), t=1, fp8=True))
-    launches = _launches(gm)
-    assert [_kernel_name(n) for n in launches] == ["masked_gemm_fp8_kernel", "activation_kernel",
-                                                   "masked_gemm_fp8_kernel", "unpermute_kernel"]
-    gemm1, _, gemm2, combine = launches
-    assert gemm1.kwargs["kwargs"]["SLOTS"] and gemm1.kwargs["kwargs"]["QUANT_A"] and gemm1.kwargs["kwargs"]["GATHER_A"]
-    assert gemm2.kwargs["kwargs"]["SLOTS"] and not gemm2.kwargs["kwargs"]["QUANT_A"]
-    assert combine.kwargs["kwargs"]["SLOT_ROWS"]
-    for node in (gemm1, gemm2):
-        assert set(node.kwargs["tensors_to_clone"]) == {"c_ptr"}, node.kwargs["tensors_to_clone"]
-    for node in launches:
-        _assert_every_parameter_passed(node)
-    monkeypatch.setattr(pipeline, "FP8_SLOT_ROWS", False)
-    sorted_gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), t=1, fp8=True))
-    assert _kernel_name(_launches(sorted_gm)[0]) == "sort_small_kernel"
-    h = 256  # _inputs' default
-    # the sort's 2-D buffers: the token's codes [1, H] and scales [1, H / 128], beside the [1, H] output
-    assert _allocated(sorted_gm)["out"] - _allocated(gm)["out"] == h + h // 128 * 4, (_allocated(sorted_gm),
-                                                                                      _allocated(gm))
-    # with GEMM2 and the combine in one kernel too: three launches, the last reading the codes and both scales
-    monkeypatch.setattr(pipeline, "FP8_SLOT_ROWS", True)
-    monkeypatch.setattr(pipeline, "DOWN_COMBINE_MAX_TOKENS", 1)
-    fused = _launches(_trace(_experts_fp8, _inputs(FakeTensorMode(), t=1, fp8=True)))
-    assert [_kernel_name(n) for n in fused] == ["masked_gemm_fp8_kernel", "activation_kernel", "down_combine_kernel"]
-    assert fused[-1].kwargs["kwargs"]["FP8"] and set(fused[-1].kwargs["tensors_to_clone"]) == {"out_ptr"}
-    _assert_every_parameter_passed(fused[-1])
-
-
 def test_one_token_with_gemm2_and_the_combine_in_one_kernel(sm90, monkeypatch):
     """DOWN_COMBINE_MAX_TOKENS on: one token's graph launches GEMM1 (slot rows, activation in its epilogue) and the
     down-combine kernel, which writes only the [T, H] output; no GEMM2 launch, no combine kernel, no [T * K, H]

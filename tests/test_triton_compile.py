@@ -53,8 +53,6 @@ GEMM = {"GROUP_M": 8, "E_POW2": 128, "EVEN_K": True, "UPCAST": False, "s_ak": 1,
 #: masked_gemm_kernel's epilogue activation and fp8 weights off (the bf16 kernel's extra constants)
 NO_ACT = {"ACT_FUSED": False, "ACT": 0, "GATED": False, "INTERLEAVED": False, "HAS_LIMIT": False, "B_FP8": False,
           "bs_ptr": None, "SLOTS": False, "ids_ptr": None, "PAIR_HALVES": False}
-#: masked_gemm_fp8_kernel's slot mode and in-kernel token quantisation off (its extra constants)
-FP8_OFF = {"SLOTS": False, "ids_ptr": None, "QUANT_A": False}
 #: Inductor types Python float arguments as fp64 (seen on torch 2.11): the kernels must compile with those
 ACT_FLOATS = {"alpha": "fp64", "limit": "fp64", "up_offset": "fp64"}
 
@@ -86,7 +84,6 @@ def test_gemm_compiles_pipelined(fp8, bm, bn, bk, warps, stages, tma):
         consts["s_ask"] = 1
         consts["SCALAR_BS"] = bn <= 128
         consts["PREFETCH_SCALES"] = True
-        consts.update(FP8_OFF)
     else:
         fn = k.masked_gemm_kernel
         consts.update(IEEE=False, **NO_ACT)
@@ -170,7 +167,6 @@ def _sorted_gemm(fp8: bool, gather: bool, route_w: bool = False, act: dict | Non
     if fp8:
         types.update({"as_ptr": "*fp32", "bs_ptr": "*fp32"})
         consts.update(s_ask=1, s_asg=0, SCALAR_BS=consts["BLOCK_N"] <= 128, PREFETCH_SCALES=True)
-        consts = {**FP8_OFF, **consts}
         return k.masked_gemm_fp8_kernel, types, consts
     consts.update(IEEE=False, **{**NO_ACT, **(act or {})})
     if consts["B_FP8"]:  # fp8 weights with their block scales (W8A16)
@@ -303,24 +299,6 @@ def test_one_token_gemms_and_combine_compile_without_a_sort(form):
     else:
         consts["h_ptr"] = None
     _compile(k.unpermute_kernel, types, consts)
-
-
-def test_fp8_one_token_gemms_compile_without_a_sort_or_a_quantisation():
-    """fp8 rows in slot order: GEMM1 reading the bf16 token and quantising each k step's 1x128 group in registers
-    (QUANT_A), GEMM2 reading the activation kernel's codes and scales, both in the SLOTS mode on the swapped decode
-    tile: wgmma, pipelined, no spills."""
-    for gather in (True, False):
-        fn, types, consts = _sorted_gemm(True, gather, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SWAP_AB=True,
-                                         SLOTS=True, QUANT_A=gather)
-        del consts["ids_ptr"]
-        types["ids_ptr"] = "*i64"
-        if gather:
-            types["a_ptr"] = "*bf16"
-            del types["sorted_ptr"]  # the slot is the row: no sorted ids
-            consts["sorted_ptr"] = None
-        ptx = _compile(fn, types, consts, 4, 4).asm["ptx"]
-        assert "wgmma.mma_async" in ptx and "cp.async" in ptx, gather
-        assert "ld.local" not in ptx and "st.local" not in ptx, gather
 
 
 def test_sort_kernels_compile():
@@ -465,23 +443,16 @@ def test_bf16_activations_fp8_weights_gemm_compiles(form, bm, bn, bk, warps, sta
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
 
 
-@pytest.mark.parametrize("bias,identity,fp8", [(False, False, False), (True, True, False), (True, False, True)])
-def test_down_combine_kernel_compiles_pipelined(bias, identity, fp8):
+@pytest.mark.parametrize("bias,identity", [(False, False), (True, True)])
+def test_down_combine_kernel_compiles_pipelined(bias, identity):
     """GEMM2 with the combine (rows in slot order): its one loop over the slots' weight tiles pipelines (async
-    copies) into MMAs, with no spills, at the shipped tile (16 columns of H, 256 of I; fp8: 128 of I, the scale
-    group, the codes converted to bf16 in registers)."""
+    copies) into MMAs, with no spills, at the shipped tile (16 columns of H, 256 of I)."""
     from moe_fx.lowering.triton.down_combine import DOWN_COMBINE_BLOCK_H, DOWN_COMBINE_BLOCK_I
 
     k = _kernels()
-    elem = "fp8e4nv" if fp8 else "bf16"
-    types = {"a_ptr": f"*{elem}", "w_ptr": f"*{elem}", "ids_ptr": "*i64", "rw_ptr": "*fp32", "out_ptr": "*bf16"}
-    consts = {"TOPK": 8, "K_POW2": 8, "BLOCK_H": DOWN_COMBINE_BLOCK_H, "BLOCK_I": 128 if fp8 else DOWN_COMBINE_BLOCK_I,
-              "HAS_W": True, "HAS_BIAS": bias, "IDENTITY": identity, "IEEE": False, "s_ai": 1, "s_wi": 1, "FP8": fp8}
-    if fp8:
-        types.update({"as_ptr": "*fp32", "ws_ptr": "*fp32"})
-        consts.update(s_asg=1, s_wsg=1)
-    else:
-        consts.update(as_ptr=None, ws_ptr=None)
+    types = {"a_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*fp32", "out_ptr": "*bf16"}
+    consts = {"TOPK": 8, "K_POW2": 8, "BLOCK_H": DOWN_COMBINE_BLOCK_H, "BLOCK_I": DOWN_COMBINE_BLOCK_I,
+              "HAS_W": True, "HAS_BIAS": bias, "IDENTITY": identity, "IEEE": False, "s_ai": 1, "s_wi": 1}
     for name, on in (("bias_ptr", bias), ("h_ptr", identity)):
         if on:
             types[name] = "*bf16"

@@ -481,62 +481,16 @@ def test_rows_in_slot_order_give_the_sorted_layouts_output(form, t, max_tokens, 
     assert rel_err(slots, reference_of(a)) < 4e-2
 
 
-def test_rows_in_slot_order_only_for_a_static_token_count_and_unquantised_weights(monkeypatch):
-    from moe_fx.lowering.masked_experts import pipeline
+def test_rows_in_slot_order_only_for_a_static_token_count_and_unquantised_weights():
     from moe_fx.lowering.masked_experts.pipeline import SLOT_ROWS_MAX_TOKENS, slot_rows
 
     assert SLOT_ROWS_MAX_TOKENS == 1
     assert slot_rows(False, 1) and not slot_rows(False, 2) and not slot_rows(False, 0)
-    assert not slot_rows(True, 1)  # fp8 weights: the sort's launch quantises the tokens (FP8_SLOT_ROWS off)
+    assert not slot_rows(True, 1)  # fp8 weights: the sort's launch quantises the tokens
     assert not slot_rows(False, None) and not slot_rows(False, True)
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     assert not slot_rows(False, ShapeEnv().create_unbacked_symint())
-    monkeypatch.setattr(pipeline, "FP8_SLOT_ROWS", True)  # GEMM1 quantises the token: fp8 one token in slot order
-    assert slot_rows(True, 1) and not slot_rows(True, 2) and not slot_rows(True, None)
-    monkeypatch.setattr(pipeline, "W8A16_MAX_ROWS", 16)  # unquantised activations (W8A16): the sorted rows again
-    assert not slot_rows(True, 1)
-
-
-@pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("swap_ab,tma,prefetch", [(False, False, False), (True, False, True), (True, True, False)])
-def test_fp8_gemm_quantizes_its_rows_in_the_kernel(swap_ab, tma, prefetch, device, monkeypatch):
-    """``sorted_gemm(quantize_a=True)``: bf16 rows times fp8 weights, each k step's 1x128 group quantised in
-    registers, equals quantize_rows then the fp8 GEMM (bit for bit under the interpreter: the same codes and
-    scales), on rows in slot order (a repeated id, a slot with no expert left unwritten) and on sorted rows,
-    with a K tail and a tile whose block_k is not 128 (made 128); weights through pointers or descriptors, the
-    weight scales loaded in their step or one step ahead."""
-    from dataclasses import replace
-
-    from moe_fx.lowering.triton import configs, grouped_gemm
-
-    monkeypatch.setattr(grouped_gemm, "PREFETCH_FP8_SCALES", prefetch)
-    from moe_fx.lowering.triton.grouped_gemm import SlotRows
-
-    gen = torch.Generator().manual_seed(3 + swap_ab + 2 * tma)
-    e, n, h = 5, 96, 192  # K = H: a whole 128-group and a tail of 64
-    x = (torch.randn(2, h, generator=gen) * torch.rand(2, 1, generator=gen) * 8).bfloat16().to(device)
-    q, s = quantize_fp8_blockwise(torch.randn(e, n, h, generator=gen) / h**0.5)
-    q, s = q.to(device), s.to(device)
-    cfg = replace(configs.TileConfig(16, 32, 64, 1, 4, 2), swap_ab=swap_ab, tma=tma)
-    codes, scales = quantize_rows(x)
-    ids = torch.tensor([[3, 1, 3], [-1, 0, 4]], device=device)
-    for rows, a in ((SlotRows.of(ids[:1], e), x[:1]), (sort_by_expert(ids, e), x)):
-        n_rows = rows.num_rows
-        got = torch.full((1, n_rows, n), float("nan"), dtype=torch.bfloat16, device=device)
-        sorted_gemm(a, q, rows, got, b_scale=s, gather=True, quantize_a=True, config=cfg)
-        want = sorted_gemm(codes[: a.shape[0]], q, rows, a_scale=scales[: a.shape[0]], b_scale=s, gather=True,
-                           config=replace(cfg, block_k=128))
-        valid = (ids[:1].reshape(-1) >= 0 if isinstance(rows, SlotRows)
-                 else torch.arange(n_rows, device=device) < rows.total.item())
-        assert torch.isfinite(got[0, valid]).all() and torch.isnan(got[0, ~valid]).all()
-        _assert_same_rows(got[0, valid], want[0, valid], device, 1e-3)
-    with pytest.raises(ValueError, match="quantize_a"):
-        sorted_gemm(codes[:1], q, SlotRows.of(ids[:1], e), a_scale=scales[:1], b_scale=s, gather=True, quantize_a=True)
-    with pytest.raises(ValueError, match="quantize_a"):
-        sorted_gemm(x[:1], q.bfloat16(), SlotRows.of(ids[:1], e), gather=True, quantize_a=True)
-    with pytest.raises(ValueError, match="quantize_a"):  # rows already in the layout: no token tile to gather
-        sorted_gemm(x[:1].expand(3, h).unsqueeze(0), q, SlotRows.of(ids[:1], e), b_scale=s, quantize_a=True)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -558,44 +512,6 @@ def test_rows_in_slot_order_with_weight_descriptors(swap_ab, device):
     got = sorted_gemm(x, w, rows, gather=True, config=replace(cfg, tma=True))[0, :2]
     _assert_same_rows(got, sorted_gemm(x, w, rows, gather=True, config=cfg)[0, :2], device, 1e-2)
     assert rel_err(got, (x.float() @ w[[3, 1]].float().transpose(1, 2))[:, 0]) < 1e-2
-
-
-@pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("form", list(FORMS))
-def test_fp8_one_token_in_slot_order_gives_the_sorted_output(form, device, monkeypatch):
-    """fp8 weights, one token, FP8_SLOT_ROWS on: no sort and no quantisation launch (GEMM1 quantises the token),
-    the plan says rows in slot order, and the output is the quantising sort's (bit for bit under the interpreter)
-    for every activation form, a repeated id and an id with no expert; with DOWN_COMBINE_MAX_TOKENS on too, GEMM2
-    and the combine in one kernel reading the codes and both scales, close to the two kernels."""
-    from moe_fx.lowering.masked_experts import pipeline
-
-    gen = torch.Generator().manual_seed(17 + len(form))
-    k, e, h, i = 3, 4, 128 + 64, 96  # K and N tails of the 128-wide groups
-    spec, hidden, ids, w, w13, w2, b13, b2, on_input, identity = _layer(form, 1, k, e, h, i, gen)
-    ids[0, 1] = ids[0, 0].clamp(min=0)
-    ids[0, -1] = -1
-    (q13, s13), (q2, s2) = quantize_fp8_blockwise(w13.float()), quantize_fp8_blockwise(w2.float())
-    args = [x if x is None else x.to(device) for x in (hidden, ids, w, q13, q2, s13, s2, b13, b2)]
-    a = bind_experts(*args[:5], spec.name, on_input, args[5], args[6], kernel_choice="triton", w13_bias=args[7],
-                     w2_bias=args[8], gated=spec.gated, gate_up_layout=spec.gate_up_layout, alpha=spec.alpha,
-                     limit=spec.limit, up_offset=spec.up_offset, identity_experts=identity)
-    sorted_plan = plan_experts(a)
-    assert not sorted_plan.slot_rows and "quantised in GEMM1" not in sorted_plan.summary()  # off until measured
-    want = run_experts(a, sorted_plan)
-    monkeypatch.setattr(pipeline, "FP8_SLOT_ROWS", True)
-    plan = plan_experts(a)
-    assert plan.slot_rows and not plan.down_combine
-    assert "rows in slot order (no sort), the token quantised in GEMM1" in plan.summary()
-    got = run_experts(a, plan)
-    _assert_same_rows(got, want, device, 1e-2)
-    assert rel_err(got, reference_of(a)) < 8e-2
-    monkeypatch.setattr(pipeline, "DOWN_COMBINE_MAX_TOKENS", 1)
-    plan = plan_experts(a)
-    assert plan.down_combine and plan.summary().endswith(", GEMM2 with the combine")
-    fused = run_experts(a, plan)
-    assert fused.dtype == hidden.dtype and torch.isfinite(fused).all()
-    assert rel_err(fused, got) < 1e-2, rel_err(fused, got)
-    assert rel_err(fused, reference_of(a)) < 8e-2
 
 
 def test_rows_in_slot_order_with_the_separate_activation_kernel(monkeypatch):
@@ -646,57 +562,35 @@ def test_down_combine_gives_gemm2_and_the_combine(form, device, monkeypatch):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("won,bias,identity,dtype", [(True, False, 0, torch.float32), (True, True, 2, torch.bfloat16),
-                                                      (False, True, 1, torch.float32),
-                                                      (True, True, 1, torch.float8_e4m3fn)])
+                                                      (False, True, 1, torch.float32)])
 def test_down_combine_kernel_against_a_loop(won, bias, identity, dtype, device):
     """The kernel alone, two tokens: every output element written (a NaN-poisoned buffer), slots with no expert
     adding nothing even where their rows hold NaNs, identity experts adding w * hidden, GEMM2's biases weighted
-    (or not, with the weights on the input) like the rows. fp8: codes with their 1x128 / 128x128 scales (I and H
-    past one scale group, with tails), against the loop on the dequantised values."""
+    (or not, with the weights on the input) like the rows."""
     from moe_fx.lowering.triton.down_combine import down_combine
 
-    fp8 = dtype == torch.float8_e4m3fn
     gen = torch.Generator().manual_seed(11)
-    t, k, e, h, i = 2, 3, 4, 40 + 128 * fp8, 96 + 128 * fp8
-    a2 = torch.randn(t * k, i, generator=gen) * (torch.rand(t * k, 1, generator=gen) * 4 + 0.1)
-    w2 = torch.randn(e, h, i, generator=gen) / i**0.5
-    a2_s = w2_s = None
-    if fp8:
-        (a2, a2_s), (w2, w2_s) = quantize_fp8_per_token_group(a2), quantize_fp8_blockwise(w2)
-        a2_s[1] = float("nan")
-        a2_deq = a2.float() * a2_s.repeat_interleave(128, -1)[:, :i]
-        w2_deq = dequantize_blockwise(w2, w2_s)
-    else:
-        a2, w2 = a2.to(dtype), w2.to(dtype)
-        a2_deq, w2_deq = a2.float(), w2.float()
+    t, k, e, h, i = 2, 3, 4, 40, 96
+    a2 = torch.randn(t * k, i, generator=gen).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=gen) / i**0.5).to(dtype)
     ids = torch.tensor([[1, -1, e + identity - 1 if identity else 3], [2, 2, 0]])
     a2[1] = float("nan")  # the row of the slot with no expert: never written by GEMM1
     rw = torch.rand(t, k, generator=gen)
-    out_dtype = torch.bfloat16 if fp8 else dtype
-    b2 = torch.randn(e, h, generator=gen).to(out_dtype) if bias else None
-    x = torch.randn(t, h, generator=gen).to(out_dtype)
+    b2 = torch.randn(e, h, generator=gen).to(dtype) if bias else None
+    x = torch.randn(t, h, generator=gen).to(dtype)
     want = torch.zeros(t, h)
     for tt in range(t):
         for kk in range(k):
             ex = int(ids[tt, kk])
             if 0 <= ex < e:
-                y = a2_deq[tt * k + kk] @ w2_deq[ex].T + (b2[ex].float() if bias else 0.0)
+                y = a2[tt * k + kk].float() @ w2[ex].float().T + (b2[ex].float() if bias else 0.0)
                 want[tt] += (float(rw[tt, kk]) if won else 1.0) * y
             elif e <= ex < e + identity:
                 want[tt] += float(rw[tt, kk]) * x[tt].float()
     out = torch.full((t, h), float("nan"), device=device)
     got = down_combine(a2.to(device), ids.to(device), rw.to(device), w2.to(device),
                        w2_bias=None if b2 is None else b2.to(device), weights_on_output=won, hidden=x.to(device),
-                       identity_experts=identity, out=out, a2_scale=None if a2_s is None else a2_s.to(device),
-                       w2_scale=None if w2_s is None else w2_s.to(device))
+                       identity_experts=identity, out=out)
     assert got is out and torch.isfinite(got).all()
-    # fp8: each slot's column (codes x scale x weight) is rounded to bf16 for the MMA, as bf16 activations are
     tol = 1e-5 if dtype == torch.float32 and device == "cpu" else 2e-2
     assert rel_err(got.cpu(), want) < tol, rel_err(got.cpu(), want)
-    if fp8:
-        with pytest.raises(ValueError, match="fp8 needs"):
-            down_combine(a2, ids, rw, w2, w2_scale=w2_s)  # no scales of a2
-        with pytest.raises(ValueError, match="block_h"):
-            down_combine(a2, ids, rw, w2, a2_scale=a2_s, w2_scale=w2_s, block_h=256)
-        with pytest.raises(ValueError, match="e5m2"):
-            down_combine(a2_deq.bfloat16(), ids, rw, w2.to(torch.float8_e5m2))

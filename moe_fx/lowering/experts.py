@@ -111,7 +111,6 @@ class ExpertsPlan:
             return self.experts.kernel
         return f"{self.experts.kernel}, {self.layout} layout" + (
             ", rows in slot order (no sort)" if self.slot_rows else "") + (
-            ", the token quantised in GEMM1" if self.slot_rows and self.problem.fp8_block is not None else "") + (
             ", bf16 activations x fp8 weights" if self.bf16_activations_fp8_weights else "") + (
             ", activation in GEMM1's epilogue" if self.activation_epilogue else "") + (
             ", GEMM2 with the combine" if self.down_combine else "")
@@ -230,12 +229,10 @@ def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
         if plan.down_combine:  # one token: GEMM2 and the combine in one kernel, no [T * K, H] rows
             from moe_fx.lowering.triton.down_combine import down_combine as down_and_combine
 
-            a2, a2_scale = sorted_activations(hidden, sorted_rows, weights, spec, gemms, hints,
-                                              route_weights=route_weights)
+            a2, _ = sorted_activations(hidden, sorted_rows, weights, spec, gemms, hints, route_weights=route_weights)
             return down_and_combine(
-                a2, topk_ids, topk_weights, weights.w2, w2_bias=weights.w2_bias, a2_scale=a2_scale,
-                w2_scale=weights.w2_scale, weights_on_output=not weights_on_input, hidden=hidden,
-                identity_experts=a["identity_experts"], out_dtype=hidden.dtype)
+                a2, topk_ids, topk_weights, weights.w2, w2_bias=weights.w2_bias, weights_on_output=not weights_on_input,
+                hidden=hidden, identity_experts=a["identity_experts"], out_dtype=hidden.dtype)
         if plan.layout == "contiguous":
             y, slot_pos = run_contiguous_experts(hidden, sorted_rows, topk_ids, weights, spec, gemms,
                                                  route_weights=route_weights)

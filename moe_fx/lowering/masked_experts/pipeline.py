@@ -29,7 +29,6 @@ from moe_fx.ops.recipe import FP8_DTYPE
 
 __all__ = [
     "DOWN_COMBINE_MAX_TOKENS",
-    "FP8_SLOT_ROWS",
     "FUSE_ACTIVATION",
     "QUANTIZE_TOKENS_IN_SORT",
     "SLOT_ROWS_MAX_TOKENS",
@@ -66,11 +65,6 @@ QUANTIZE_TOKENS_IN_SORT = True
 #: the GEMMs read each slot's expert id (:func:`slot_rows`). 0: always sort. Read when a call runs;
 #: bench/fused_activation.py ``--switch slot_rows`` sets it 0 to time the sort beside it.
 SLOT_ROWS_MAX_TOKENS = 1
-#: Whether fp8 weights with quantised activations keep one token's rows in slot order too (:func:`slot_rows`): GEMM1
-#: quantises the token per 1x128 group as it loads it (``sorted_gemm``'s ``quantize_a``), so neither a sort nor a
-#: quantisation launch runs before it (four launches a layer instead of five). False until measured on a GPU
-#: (``bench/fused_activation.py --switch fp8_slot_rows`` sets it True to time it beside the quantising sort).
-FP8_SLOT_ROWS = False
 #: Token counts (static, at most this many) whose rows in slot order run GEMM2 and the combine as one kernel
 #: (:func:`down_combine`). 0 until measured on a GPU (``bench/fused_activation.py --switch down_combine`` sets it
 #: 1 to time it beside GEMM2 and the combine kernel).
@@ -244,21 +238,18 @@ def slot_rows(fp8: bool, tokens: object) -> bool:
     sorting them: a static token count of at most :data:`SLOT_ROWS_MAX_TOKENS` (Dynamo always specialises one
     token: every batch-1 decode step), bf16/fp16/fp32 weights. One token's top-k ids name distinct experts, so
     each expert has one row either way and the GEMMs stream the same weights; the sort's launch and the gap after
-    it (~4.5 of Qwen3-30B-A3B's 41 µs at T=1, bench/results/kernel_breakdown_2026-12-03.md) are gone. Measured on
-    the H200 (bench/results/slot_rows_2026-12-05.json, ``--switch slot_rows --on 4``): T=1 1.01-1.12x faster; at 2-4
-    tokens sorted rows win (up to 1.44x), hence one token. fp8 weights keep the sort, whose launch quantises the
-    tokens, unless :data:`FP8_SLOT_ROWS` (activations quantised: :func:`quantize_activations`), where GEMM1
-    quantises the token itself."""
-    if not (isinstance(tokens, int) and not isinstance(tokens, bool) and 1 <= tokens <= SLOT_ROWS_MAX_TOKENS):
-        return False
-    return not fp8 or (FP8_SLOT_ROWS and quantize_activations(fp8, 0))
+    it (~4.5 of Qwen3-30B-A3B's 41 µs at T=1, bench/results/kernel_breakdown_2026-12-03.md) are gone. fp8 weights
+    keep the sort, whose launch quantises the tokens (one launch either way). Measured on the H200
+    (bench/results/slot_rows_2026-12-05.json, ``--switch slot_rows --on 4``): T=1 1.01-1.12x faster; at 2-4 tokens
+    sorted rows win (up to 1.44x), hence one token."""
+    return (not fp8 and isinstance(tokens, int) and not isinstance(tokens, bool)
+            and 1 <= tokens <= SLOT_ROWS_MAX_TOKENS)
 
 
 def down_combine(fp8: bool, tokens: object) -> bool:
     """Whether a call whose rows stay in slot order (:func:`slot_rows`) runs GEMM2 and the combine as one kernel
     (:func:`moe_fx.lowering.triton.down_combine.down_combine`: no ``[T * K, H]`` rows stored, one launch and the
-    gap after it saved): up to :data:`DOWN_COMBINE_MAX_TOKENS` tokens (fp8 weights where their rows are in slot order:
-    :data:`FP8_SLOT_ROWS`)."""
+    gap after it saved): up to :data:`DOWN_COMBINE_MAX_TOKENS` tokens."""
     return slot_rows(fp8, tokens) and tokens <= DOWN_COMBINE_MAX_TOKENS
 
 
@@ -321,8 +312,7 @@ def sorted_activations(
 
     Args:
         hidden: ``[T, H]`` tokens, read in place by GEMM1 (fp8 weights: quantised 1x128 once, T rows, where
-            :func:`quantize_activations` says so, by GEMM1 itself for rows in slot order; else read as bf16 by
-            GEMMs that dequantise the weights).
+            :func:`quantize_activations` says so; else read as bf16 by GEMMs that dequantise the weights).
         rows: :class:`~moe_fx.lowering.triton.grouped_gemm.SortedRows` of the call, or its rows in slot order
             (:class:`~moe_fx.lowering.triton.grouped_gemm.SlotRows`, :func:`slot_rows`).
         weights, spec, gemms, hints: as in :func:`run_masked_experts` (``gemms`` must run ``"sorted"``).
@@ -339,8 +329,7 @@ def sorted_activations(
         raise ValueError(f"run_sorted_experts: {gemms.name} GEMMs do not run the sorted layout")
     x, x_scale = hidden, None
     quantized = quantize_activations(weights.fp8, hints.regime)
-    in_gemm1 = quantized and isinstance(rows, SlotRows)  # GEMM1 quantises the token as it loads it
-    if quantized and not in_gemm1:
+    if quantized:
         x, x_scale = tokens if tokens is not None else quantize_rows(hidden)
     elif weights.fp8:  # W8A16: bf16 activations, the GEMMs dequantise the weight tiles
         x = hidden.to(torch.bfloat16)
@@ -354,7 +343,7 @@ def sorted_activations(
         return a2, None
     # the separate activation kernel (W8A8: it quantises its output per 1x128 group for GEMM2)
     gate_up = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias,
-                                hints=hints, gather=True, route_weights=route_weights, quantize_a=in_gemm1)
+                                hints=hints, gather=True, route_weights=route_weights)
     # the activation kernel sees the sorted rows [1, N, N1] as one group of all valid rows (the scratch's total;
     # rows in slot order: all N, those of slots without an expert never read)
     if isinstance(rows, SlotRows):

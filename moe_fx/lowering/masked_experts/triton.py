@@ -99,16 +99,14 @@ class TritonGemms:
         gather: bool,
         route_weights: torch.Tensor | None,
         activation: ExpertActivation | None = None,
-        quantize_a: bool = False,
     ) -> torch.Tensor:
         """The contiguous layout's GEMM (:func:`~moe_fx.lowering.triton.grouped_gemm.sorted_gemm`): ``[T * K, N]``
-        (``activation``: applied in the epilogue, ``[T * K, I]``; ``quantize_a``: fp8 weights and unquantised
-        ``a``, quantised per 1x128 group in the kernel)."""
+        (``activation``: applied in the epilogue, ``[T * K, I]``)."""
         from moe_fx.lowering.triton.grouped_gemm import sorted_gemm
 
         return sorted_gemm(a, w, rows, a_scale=a_scale, b_scale=w_scale, gather=gather, route_weights=route_weights,
                            bias=bias, expected_m=hints.expected_m, active_groups=hints.active_groups,
-                           regime=hints.regime, activation=activation, quantize_a=quantize_a)
+                           regime=hints.regime, activation=activation)
 
 
 GEMMS = TritonGemms()

@@ -441,12 +441,6 @@ def masked_gemm_fp8_kernel(
     DEVICE_TMA: tl.constexpr = False,
     FLATTEN: tl.constexpr = False,
     PREFETCH_SCALES: tl.constexpr = False,
-    ids_ptr=None,
-    s_it=0,
-    s_ik=0,
-    NUM_W=0,
-    SLOTS: tl.constexpr = False,
-    QUANT_A: tl.constexpr = False,
 ):
     """fp8 x fp8 -> bf16 (+ bias[g]): a with 1x128 per-row group scales, b with 128x128 block scales.
 
@@ -458,21 +452,13 @@ def masked_gemm_fp8_kernel(
     PREFETCH_SCALES: each k step loads the next step's scales, so their latency hides behind a whole step
     instead of its MMA alone (the loads of the step's own scales are not pipelined by Triton: they were issued just
     before the MMA and waited for right after it).
-    QUANT_A (BLOCK_K = 128, ``a`` read through pointers): ``a`` holds unquantised rows (bf16/fp16/fp32) and each k
-    step quantises its tile per 1x128 group in registers (:func:`_quant_groups`, the codes and scales
-    :func:`quantize_rows_kernel` would store), so no launch quantises the tokens first; ``as`` is not read. For rows
-    that a few programs share (a decode step): every program of a row's column tiles quantises it again. A tile
-    computed on before the MMA is not loaded by the pipeliner's asynchronous copies (so every k step waited for
-    its load when this was first timed, docs/triton.md): each step loads the next step's tile into registers.
-    TMA, SORTED, GATHER_A, ROUTE_W, SWAP_AB, FLATTEN, SLOTS: as in :func:`masked_gemm_kernel` (``as`` rows follow
-    ``a``'s).
+    TMA, SORTED, GATHER_A, ROUTE_W, SWAP_AB, FLATTEN: as in :func:`masked_gemm_kernel` (``as`` rows follow ``a``'s).
     """
     # Written out in both GEMM kernels on purpose: a pointer handed to a helper counts as written in
     # Inductor's mutation analysis, which would then copy the weights before every launch.
     if DEVICE_TMA:  # tensor descriptors made on the device (what Inductor-launched kernels can use)
         # the unit last stride is written as a literal (the host checked it): TMA needs it static
-        EW = NUM_W if SLOTS else E  # weight groups (slots name their expert)
-        b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[EW, N, K], strides=[s_bg, s_bn, 1],
+        b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[s_bg, s_bn, 1],
                                           block_shape=[1, BLOCK_N, BLOCK_K])
         if not GATHER_A:
             if SORTED:  # one group of rows (its group stride is never used)
@@ -484,17 +470,10 @@ def masked_gemm_fp8_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
-    if SLOTS:  # one row per slot naming an expert of b (as masked_gemm_kernel's)
-        slot_w = tl.load(ids_ptr + _slot_offsets(offs_e, s_it, s_ik, TOPK), mask=offs_e < E, other=-1)
-        rows, tiles, cum = _valid_tiles(((slot_w >= 0) & (slot_w < NUM_W)).to(tl.int32), M, BLOCK_M)
-    else:
-        rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
+    rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
-    if SLOTS:  # slot g's row is row g
-        starts = offs_e
-    else:
-        starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
+    starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
     for t in tl.range(pid, total, nprog, flatten=FLATTEN):  # FLATTEN: see masked_gemm_kernel
         e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
         e64 = e.to(tl.int64)
@@ -505,13 +484,7 @@ def masked_gemm_fp8_kernel(
         mask_n = offs_n < N
         srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
         c_idx = srow.to(tl.int64)
-        if SLOTS:  # group e is slot e, whose row is row e: the weights (and their scales) of the expert it names
-            e = tl.reduce(tl.where(offs_e == e, slot_w, 0), 0, _add).to(tl.int32)  # ids may be int64: TMA wants i32
-            e64 = e.to(tl.int64)
-        if GATHER_A and SLOTS:  # the row is the slot
-            slot = srow
-            a_idx = (slot // TOPK).to(tl.int64)
-        elif GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
+        if GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
             slot = tl.load(sorted_ptr + srow, mask=mask_m, other=0)
             a_idx = (slot // TOPK).to(tl.int64)
         else:
@@ -521,8 +494,7 @@ def masked_gemm_fp8_kernel(
             a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
         if not TMA:
             b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
-        if not QUANT_A:
-            as_ptrs = as_ptr + e64 * s_asg + a_idx * s_asm  # a's scales follow a's rows
+        as_ptrs = as_ptr + e64 * s_asg + a_idx * s_asm  # a's scales follow a's rows
         if SCALAR_BS:
             bs_ptrs = bs_ptr + e64 * s_bsg + ((pid_n * BLOCK_N) // 128) * s_bsn
         else:
@@ -532,50 +504,30 @@ def masked_gemm_fp8_kernel(
         else:
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         if PREFETCH_SCALES:  # the first k step's scales; each step then loads the next step's
-            if not QUANT_A:
-                a_s = tl.load(as_ptrs, mask=mask_m, other=0.0)
+            a_s = tl.load(as_ptrs, mask=mask_m, other=0.0)
             if SCALAR_BS:
                 b_s = tl.load(bs_ptrs)
             else:
                 b_s = tl.load(bs_ptrs, mask=mask_n, other=0.0)
-        if QUANT_A:  # the first k step's token tile (each step then loads the next step's: see the docstring)
-            a_next = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
         for k0 in range(0, K, BLOCK_K):
             if TMA and not GATHER_A:
                 a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
                 b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
             elif TMA:  # gathered A through pointers (masked at a K tail, as TMA zero-fills b's), b through TMA
-                if QUANT_A:
-                    a = a_next
-                elif EVEN_K:
+                if EVEN_K:
                     a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
                 else:
                     a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
                 b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
             elif EVEN_K:
-                if QUANT_A:
-                    a = a_next
-                else:
-                    a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
                 b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
             else:
-                if QUANT_A:
-                    a = a_next
-                else:
-                    a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
                 b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
-            if QUANT_A:  # the step's one 1x128 group of each row, quantised here: its codes and scales
-                # the next step's tile, loaded now: its latency hides behind this step (a tile computed on before
-                # the MMA is not one the pipeliner's asynchronous copies load; past the last step nothing loads)
-                a_next = tl.load(a_ptrs + BLOCK_K * s_ak, mask=mask_m[:, None] & (offs_k[None, :] < K - k0 - BLOCK_K),
-                                 other=0.0)
-                q, q_s = _quant_groups(a.to(tl.float32), BLOCK_M, BLOCK_K, UPCAST)
-                a = q.to(b.dtype)
-                a_s = tl.reshape(q_s, (BLOCK_M,))
             if not PREFETCH_SCALES:  # this step's scales, loaded now (waited for after the MMA)
                 kg = k0 // 128
-                if not QUANT_A:
-                    a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_m, other=0.0)
+                a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_m, other=0.0)
                 if SCALAR_BS:
                     b_s = tl.load(bs_ptrs + kg * s_bsk)
                 else:
@@ -592,8 +544,7 @@ def masked_gemm_fp8_kernel(
             if PREFETCH_SCALES:  # the next step's scales: a whole step (its MMA) to arrive, not the MMA's tail
                 # the last step loads its own group again (in bounds; never used)
                 kn = tl.minimum((k0 + BLOCK_K) // 128, (K - 1) // 128)
-                if not QUANT_A:
-                    a_s = tl.load(as_ptrs + kn * s_ask, mask=mask_m, other=0.0)
+                a_s = tl.load(as_ptrs + kn * s_ask, mask=mask_m, other=0.0)
                 if SCALAR_BS:
                     b_s = tl.load(bs_ptrs + kn * s_bsk)
                 else:
@@ -1579,14 +1530,6 @@ def down_combine_kernel(
     HAS_BIAS: tl.constexpr,
     IDENTITY: tl.constexpr,
     IEEE: tl.constexpr,
-    as_ptr=None,
-    s_asr=0,
-    s_asg=0,
-    ws_ptr=None,
-    s_wse=0,
-    s_wsh=0,
-    s_wsg=0,
-    FP8: tl.constexpr = False,
 ):
     """GEMM2 and the combine of rows in slot order, one launch: ``out[t] = sum_k w[t, k] * (a[t*K + k] W2[e]^T
     + b2[e])`` in fp32 (grid: ``(cdiv(H, BLOCK_H), T)``), for a static token count of one or a few.
@@ -1598,12 +1541,6 @@ def down_combine_kernel(
     nothing, except identity experts (IDENTITY: ids in ``[E, E + E_IDENTITY)``), which add ``w[t, k] *
     hidden[t]``. HAS_W false: the routing weights were applied to the input (each slot counts once; identity
     slots still scale ``hidden`` by theirs, as :func:`unpermute_kernel`).
-
-    FP8 (BLOCK_I = 128, BLOCK_H dividing 128): ``a`` holds e4m3 codes with fp32 1x128 scales ``as[row, i // 128]``
-    and ``W2`` e4m3 codes with 128x128 block scales ``ws[e, h // 128, i // 128]``: each step is one scale group;
-    the slot's column is its codes times its scale (and routing weight) in fp32, rounded to bf16 as the bf16
-    kernel's, the weight codes convert to bf16 exactly, and the product is scaled by the weight block's scale
-    before it joins the accumulator.
     """
     pid_h = tl.program_id(0)
     t64 = tl.program_id(1).to(tl.int64)
@@ -1629,23 +1566,11 @@ def down_combine_kernel(
         w = tl.load(w_ptr + tl.where(ok_h, e_h, 0)[:, None] * s_we + offs_h[:, None] * s_wh + offs_i[None, :] * s_wi,
                     mask=ok_h[:, None] & ok_i[None, :], other=0.0)
         a = tl.load(a_ptr + (t64 * TOPK + kk) * s_ar + offs_i * s_ai, mask=ok_i, other=0.0)
-        if FP8:  # the step's scale group: the slot's scale (one value, loaded as a vector for the mask) and W2's
-            g = step - kk * steps_i
-            a_s = tl.load(as_ptr + (t64 * TOPK + kk) * s_asr + g * s_asg + offs_i * 0, mask=ok_i, other=0.0)
-            w_s = tl.load(ws_ptr + tl.where(ok_h, e_h, 0) * s_wse + (offs_h // 128) * s_wsh + g * s_wsg, mask=ok_h,
-                          other=0.0)
-            b = tl.where(col[None, :] == 0, (a.to(tl.float32) * a_s * scale)[:, None], 0.0).to(tl.bfloat16)
-            if IEEE:
-                part = tl.dot(w.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-            else:
-                part = tl.dot(w.to(tl.bfloat16), b)
-            acc = tl.fma(part, w_s[:, None], acc)
+        b = tl.where(col[None, :] == 0, (a.to(tl.float32) * scale)[:, None], 0.0).to(w.dtype)
+        if IEEE:
+            acc = tl.dot(w.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
-            b = tl.where(col[None, :] == 0, (a.to(tl.float32) * scale)[:, None], 0.0).to(w.dtype)
-            if IEEE:
-                acc = tl.dot(w.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, b, acc)
+            acc = tl.dot(w, b, acc)
     out = tl.reduce(tl.where(col[None, :] == 0, acc, 0.0), 1, _add)
     if HAS_BIAS or IDENTITY:
         offs_k = tl.arange(0, K_POW2)

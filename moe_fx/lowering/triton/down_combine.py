@@ -5,8 +5,7 @@ rows) and the combine (Qwen3-30B-A3B on the H200: 15.3 + 9.0 + 2.3 µs of kernel
 µs layer, bench/results/kernel_breakdown_2026-12-05_sortab.md). :func:`down_combine` does the last two in one
 kernel (:func:`~moe_fx.lowering.triton._kernels.down_combine_kernel`): each program owns ``BLOCK_H`` output
 columns of a token and streams those rows of every slot's ``W2[e]``, with the routing weights and GEMM2's biases
-applied in fp32, so the ``[T * K, H]`` rows are never stored; fp8 weights (128x128 block scales) with the
-activation kernel's 1x128-quantised rows too. Whether the lowering runs it is
+applied in fp32, so the ``[T * K, H]`` rows are never stored. Whether the lowering runs it is
 :func:`moe_fx.lowering.masked_experts.pipeline.down_combine` (off until measured on a GPU:
 ``bench/fused_activation.py --switch down_combine``).
 """
@@ -17,7 +16,7 @@ import torch
 
 from moe_fx.lowering.triton._loader import launch
 from moe_fx.lowering.triton.grouped_gemm import _known_empty, _pow2
-from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
+from moe_fx.ops.recipe import cdiv
 
 __all__ = ["DOWN_COMBINE_BLOCK_H", "DOWN_COMBINE_BLOCK_I", "down_combine"]
 
@@ -34,8 +33,6 @@ def down_combine(
     w2: torch.Tensor,
     *,
     w2_bias: torch.Tensor | None = None,
-    a2_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
     weights_on_output: bool = True,
     hidden: torch.Tensor | None = None,
     identity_experts: int = 0,
@@ -49,31 +46,20 @@ def down_combine(
 
     Args:
         a2: the activations in slot order, ``[T * K, I]`` (or ``[1, T * K, I]``), slot ``(t, k)`` at row
-            ``t * K + k``; rows of slots without an expert are not read. float8_e4m3fn with ``a2_scale``.
+            ``t * K + k``; rows of slots without an expert are not read.
         topk_ids: ``[T, K]`` expert ids. topk_weights: ``[T, K]`` routing weights.
-        w2: ``[E, H, I]`` GEMM2 weights (bf16/fp16/fp32, or float8_e4m3fn with ``w2_scale``).
+        w2: ``[E, H, I]`` GEMM2 weights (bf16/fp16/fp32; fp8 weights are not supported here).
         w2_bias: ``[E, H]`` or None.
-        a2_scale, w2_scale: fp8 only: fp32 ``[T * K, ceil(I / 128)]`` (or ``[1, T * K, *]``) 1x128 scales of
-            ``a2``'s rows and ``[E, ceil(H / 128), ceil(I / 128)]`` 128x128 block scales of ``w2``, any strides.
         weights_on_output: ``False``: the weights were applied to GEMM1's input, the slots are summed unweighted.
         hidden, identity_experts: identity experts (ids in ``[E, E + identity_experts)``) add ``w[t, k] *
             hidden[t]``.
-        out_dtype: the result's dtype (default ``a2.dtype``, bf16 for fp8).
-        block_h, block_i: output columns per program and GEMM2's K step (powers of two, ``block_i >= 16``; fp8:
-            ``block_i`` 128, one scale group per step, and ``block_h`` at most 128).
+        out_dtype: the result's dtype (default ``a2.dtype``).
+        block_h, block_i: output columns per program and GEMM2's K step (powers of two, ``block_i >= 16``).
         out: a ``[T, H]`` buffer to write (every element is written); default a new one.
     """
     e, h, i = w2.shape
-    if torch.float8_e5m2 in (w2.dtype, a2.dtype):
-        raise ValueError("down_combine: fp8 means float8_e4m3fn codes with their scales, got float8_e5m2")
-    fp8 = w2.dtype == FP8_DTYPE
-    if fp8 != (a2.dtype == FP8_DTYPE) or fp8 != (w2_scale is not None) or fp8 != (a2_scale is not None):
-        raise ValueError(f"down_combine: fp8 needs a2 and w2 in float8_e4m3fn, each with its scales; got a2 {a2.dtype}, "
-                         f"w2 {w2.dtype}, a2_scale {a2_scale is not None}, w2_scale {w2_scale is not None}")
-    if fp8:
-        block_i = FP8_BLOCK  # one 1x128 / 128x128 scale group per step
-        if FP8_BLOCK % block_h:
-            raise ValueError(f"down_combine: fp8 needs block_h dividing {FP8_BLOCK}, got {block_h}")
+    if w2.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError("down_combine: fp8 weights are not supported (their block scales are GEMM2's job)")
     if topk_ids.dim() != 2 or tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(f"down_combine: topk_ids and topk_weights must both be [T, K], got "
                          f"{list(topk_ids.shape)} and {list(topk_weights.shape)}")
@@ -81,17 +67,11 @@ def down_combine(
     a2 = a2.reshape(-1, a2.shape[-1])
     if a2.shape[-1] != i or a2.shape[0] < t * k:
         raise ValueError(f"down_combine: a2 must hold T*K = {t * k} rows of I = {i}, got {list(a2.shape)}")
-    if fp8:
-        a2_scale = a2_scale.reshape(-1, a2_scale.shape[-1])
-        groups = cdiv(i, FP8_BLOCK)
-        if tuple(a2_scale.shape) != (a2.shape[0], groups) or tuple(w2_scale.shape) != (e, cdiv(h, FP8_BLOCK), groups):
-            raise ValueError(f"down_combine: scales must be [{a2.shape[0]}, {groups}] and [{e}, {cdiv(h, FP8_BLOCK)}, "
-                             f"{groups}], got {list(a2_scale.shape)} and {list(w2_scale.shape)}")
     identity = identity_experts > 0
     if identity and hidden is None:
         raise ValueError("down_combine: identity experts need hidden")
     if out is None:
-        out = torch.empty(t, h, dtype=out_dtype or (torch.bfloat16 if fp8 else a2.dtype), device=a2.device)
+        out = torch.empty(t, h, dtype=out_dtype or a2.dtype, device=a2.device)
     elif tuple(out.shape) != (t, h):
         raise ValueError(f"down_combine: out must be [T, H] = [{t}, {h}], got {list(out.shape)}")
     if _known_empty(t, h):
@@ -106,9 +86,6 @@ def down_combine(
         bias.stride(0) if bias is not None else 0, *(hidden.stride() if identity else (0, 0)), *out.stride(),
         TOPK=k, K_POW2=max(2, _pow2(k)), BLOCK_H=block_h, BLOCK_I=block_i, HAS_W=weights_on_output,
         HAS_BIAS=bias is not None, IDENTITY=identity, IEEE=a2.device.type == "cpu",
-        **({"as_ptr": a2_scale, "s_asr": a2_scale.stride(0), "s_asg": a2_scale.stride(1), "ws_ptr": w2_scale,
-            "s_wse": w2_scale.stride(0), "s_wsh": w2_scale.stride(1), "s_wsg": w2_scale.stride(2), "FP8": True}
-           if fp8 else {}),
         num_warps=4, num_stages=4,
     )  # fmt: skip
     return out

@@ -277,15 +277,13 @@ def _launch_gemm(
     kind: str, a, a_scale, b, b_scale, masked_m, out, groups: int, m: object, n: int, k: int,
     cfg: configs.TileConfig, tile_bound: object, *, a_strides: tuple, as_strides: tuple, c_strides: tuple,
     bias, sorted_rows: SortedRows | None, gather: bool, route_weights, epilogue: dict | None = None,
-    quantize_a: bool = False,
 ) -> None:
     """One launch of the masked / sorted GEMM kernel of ``kind`` (the layouts differ only in row offsets):
     ``"bf16"`` (bf16/fp16/fp32 operands), ``"fp8"`` (fp8 x fp8, 1x128 / 128x128 scales) or ``"w8a16"``
     (bf16 activations x fp8 weights with 128x128 scales, dequantised in the kernel).
 
     ``epilogue``: the activation's kernel arguments (:func:`moe_fx.lowering.triton.act_args.epilogue_args`)
-    when GEMM1 applies it (bf16 kinds only). ``quantize_a``: ``"fp8"`` with unquantised ``a`` (no ``a_scale``),
-    quantised per 1x128 group in the kernel (its QUANT_A)."""
+    when GEMM1 applies it (bf16 kinds only)."""
     # a swapped tile with gate/up halves in two accumulators loads the gate's and the up's weight tiles
     b_tiles = 2 if epilogue and _halves(epilogue) and not epilogue["PAIR_HALVES"] and cfg.swap_ab else 1
     nprog = num_programs(a.device, cfg, tile_bound, configs.resident_programs(cfg, a.element_size(), b_tiles))
@@ -302,7 +300,7 @@ def _launch_gemm(
         extra = dict(sorted_ptr=sorted_rows.sorted_slots if gather and not slots else None, rw_ptr=rw,
                      s_rwt=rw.stride(0) if rw is not None else 0, s_rwk=rw.stride(1) if rw is not None else 0,
                      SORTED=True, GATHER_A=gather, TOPK=sorted_rows.topk, ROUTE_W=rw is not None)
-        if slots:  # the kernels' slot mode (SlotRows): each slot's expert id, the experts in b
+        if slots:  # the bf16 kernel's slot mode (SlotRows): each slot's expert id, the experts in b
             ids = sorted_rows.topk_ids
             extra.update(ids_ptr=ids, s_it=ids.stride(0), s_ik=ids.stride(1), NUM_W=sorted_rows.num_experts,
                          SLOTS=True)
@@ -315,14 +313,12 @@ def _launch_gemm(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if kind == "fp8":
-        if quantize_a:  # no scales to read: the kernel makes them (a stands in for their pointer)
-            a_scale, as_strides = a, (0, 0, 0)
         launch(
             "masked_gemm_fp8_kernel", a.device, (nprog,),
             a_in, a_scale, b_in, b_scale, out, masked_m,
             groups, m, n, k,
             *a_strides, *as_strides, *b.stride(), *b_scale.stride(), *c_strides,
-            SCALAR_BS=FP8_BLOCK % cfg.block_n == 0, PREFETCH_SCALES=PREFETCH_FP8_SCALES, QUANT_A=quantize_a, **common,
+            SCALAR_BS=FP8_BLOCK % cfg.block_n == 0, PREFETCH_SCALES=PREFETCH_FP8_SCALES, **common,
         )  # fmt: skip
     else:
         w8a16 = {} if kind != "w8a16" else {"bs_ptr": b_scale, "s_bsg": b_scale.stride(0), "s_bsn": b_scale.stride(1),
@@ -337,16 +333,13 @@ def _launch_gemm(
 
 
 def _check_operands(name: str, a: torch.Tensor, b: torch.Tensor, fp8: bool, a_dim: int, grouped: bool = True,
-                    *, w8a16: bool = False, quantize_a: bool = False) -> None:
+                    *, w8a16: bool = False) -> None:
     if a.dim() != a_dim or b.dim() != 3 or a.shape[-1] != b.shape[2] or (grouped and a.shape[0] != b.shape[0]):
         want = "a [G, M, K]" if grouped else "a [T, K] or [1, N, K]"
         raise ValueError(f"{name}: want {want} and b [G, N, K], got {list(a.shape)} and {list(b.shape)}")
     if fp8:
         if a.dtype != _FP8 or b.dtype != _FP8:
             raise TypeError(f"{name}: a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
-    elif quantize_a:
-        if a.dtype not in _FLOATS or b.dtype != _FP8:
-            raise TypeError(f"{name}: quantize_a needs a of {_FLOATS} and b float8_e4m3fn, got {a.dtype} and {b.dtype}")
     elif w8a16:
         if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != _FP8:
             raise TypeError(f"{name}: fp8 weights with unquantised activations need a bf16/fp16 and b float8_e4m3fn, "
@@ -487,7 +480,6 @@ def sorted_gemm(
     regime: int | None = None,
     config: configs.TileConfig | None = None,
     activation: ExpertActivation | None = None,
-    quantize_a: bool = False,
 ) -> torch.Tensor:
     """Grouped GEMM on the contiguous layout: each sorted row times its expert's ``b[e]^T``.
 
@@ -501,8 +493,8 @@ def sorted_gemm(
         a: tokens ``[T, K]`` (gather) or sorted rows ``[1, N, K]``; bf16/fp16/fp32, or float8_e4m3fn.
         b: ``[E, N_out, K]`` weights, any strides; float8_e4m3fn with ``b_scale`` (with a bf16/fp16 ``a`` and no
             ``a_scale``: W8A16, the weight tiles dequantised in registers, the activations never quantised).
-        rows: the layout (:class:`SortedRows`), ``N = rows.num_rows``; or rows in slot order (:class:`SlotRows`:
-            row ``t * K + k`` is slot ``(t, k)``'s, times expert ``topk_ids[t, k]``; not W8A16).
+        rows: the layout (:class:`SortedRows`), ``N = rows.num_rows``; or rows in slot order (:class:`SlotRows`,
+            bf16/fp16/fp32 only: row ``t * K + k`` is slot ``(t, k)``'s, times expert ``topk_ids[t, k]``).
         out: optional ``[1, N, N_out]`` (a's dtype, bf16 for fp8); rows past the total are not written.
         a_scale: fp32 ``[T, K/128]`` or ``[1, N, K/128]`` (a's rows), any strides.
         route_weights: ``[T, K]`` routing weights that multiply each row (weights on the input).
@@ -512,23 +504,14 @@ def sorted_gemm(
             up rows, ``bias`` too) or ``[1, N, N_out]`` of ``act(h)``, from the fp32 products: the GEMM1
             product is never stored and the activation kernel does not run. ``config`` is then the
             unfused GEMM's tile (:func:`_split_columns` makes the launch's from it).
-        quantize_a: fp8 weights (``b_scale``) and unquantised gathered tokens ``a`` (no ``a_scale``) multiplied as fp8
-            x fp8, the kernel quantising ``a``'s rows per 1x128 group as it loads them (the codes and scales of
-            :func:`moe_fx.lowering.triton.sort.quantize_rows`; no launch quantises them first) instead of W8A16.
-            The tile's ``block_k`` becomes 128 (one group per k step).
 
     Returns:
         ``[1, N, N_out]`` (``N_out / 2`` columns with a gated ``activation``).
     """
-    name = "sorted_gemm"
-    if quantize_a and (b_scale is None or a_scale is not None or not gather):
-        raise ValueError(f"{name}: quantize_a multiplies gathered unquantised tokens (no a_scale) by fp8 weights (with "
-                         f"b_scale), got a_scale {'given' if a_scale is not None else 'None'}, b_scale "
-                         f"{'given' if b_scale is not None else 'None'}, gather={gather}")
-    w8a16 = b_scale is not None and a.dtype != _FP8 and not quantize_a
+    w8a16 = b_scale is not None and a.dtype != _FP8
     fp8 = b_scale is not None and not w8a16
-    _check_operands(name, a, b, fp8 and not quantize_a, 2 if gather else 3, grouped=False, w8a16=w8a16,
-                    quantize_a=quantize_a)
+    name = "sorted_gemm"
+    _check_operands(name, a, b, fp8, 2 if gather else 3, grouped=False, w8a16=w8a16)
     e, n, k = b.shape
     num_rows = rows.num_rows
     slots = isinstance(rows, SlotRows)
@@ -537,12 +520,12 @@ def sorted_gemm(
             or (index.dtype != torch.int32 if not slots else index.dtype.is_floating_point)):
         raise ValueError(f"{name}: rows were laid out for {rows.num_experts} experts on {index.device}, "
                          f"b has {e} on {a.device}")
-    if slots and w8a16:
-        raise ValueError(f"{name}: rows in slot order run bf16/fp16/fp32 or fp8 x fp8 GEMMs, not W8A16")
+    if slots and (fp8 or w8a16):
+        raise ValueError(f"{name}: rows in slot order run bf16/fp16/fp32 GEMMs, not fp8 weights")
     if not gather and tuple(a.shape[:2]) != (1, num_rows):
         raise ValueError(f"{name}: sorted rows must be [1, {num_rows}, K], got {list(a.shape)}")
     _check_bias(name, bias, e, n, a.device)
-    if fp8 and a_scale is None and not quantize_a:
+    if fp8 and a_scale is None:
         raise ValueError(f"{name}: fp8 activations need a_scale")
     if w8a16 and a_scale is not None:
         raise ValueError(f"{name}: a_scale given for {a.dtype} activations (fp8 weights take bf16 activations "
@@ -569,15 +552,13 @@ def sorted_gemm(
     kind = "fp8" if fp8 else "w8a16" if w8a16 else "bf16"
     hints = {"expected_m": expected_m, "active_groups": active_groups, "regime": regime, "slots": num_rows}
     cfg = config or _gemm_config(kind, a, n, k, hints, "sorted")
-    if quantize_a and cfg.block_k != FP8_BLOCK:  # one whole 1x128 group per k step, quantised in registers
-        cfg = replace(cfg, block_k=FP8_BLOCK)
     if b_scale is not None:
         _check_fp8_block_k(name, cfg)
     if epilogue is not None and activation.gated and not epilogue["PAIR_HALVES"]:
         cfg = _split_columns(cfg, activation.gate_up_layout)
     # group strides 0: row offsets come from the expert's start (the kernels' SORTED mode)
     a_strides = (0, *a.stride()) if gather else (0, *a.stride()[1:])
-    as_strides = () if not fp8 or quantize_a else (0, *a_scale.stride()) if gather else (0, *a_scale.stride()[1:])
+    as_strides = () if not fp8 else (0, *a_scale.stride()) if gather else (0, *a_scale.stride()[1:])
     # the grid's tile columns: interleaved and paired epilogue tiles walk b's rows (2 per output column)
     tile_cols = n if epilogue is not None and (epilogue["INTERLEAVED"] or epilogue["PAIR_HALVES"]) else n_out
     # slot order: T * K groups (slots) of one row each; sorted: E experts of up to N rows
@@ -585,7 +566,7 @@ def sorted_gemm(
     _launch_gemm(kind, a, a_scale, b, b_scale, index, out, groups, num_rows, n_out, k, cfg,
                  _tile_bound(groups, group_rows, tile_cols, cfg, num_rows), a_strides=a_strides, as_strides=as_strides,
                  c_strides=(0, *out.stride()[1:]), bias=bias, sorted_rows=rows, gather=gather,
-                 route_weights=route_weights, epilogue=epilogue, quantize_a=quantize_a)
+                 route_weights=route_weights, epilogue=epilogue)
     return out
 
 
