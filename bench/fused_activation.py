@@ -15,9 +15,7 @@
   (``pipeline.SLOT_ROWS_MAX_TOKENS`` 1 vs 0): only T=1 differs;
 * ``--switch bitonic_sort``: bf16 weights, the one-launch sort's program 0 sorting up to 1024 slots by a bitonic
   network vs blocks of pairwise ranks (``moe_fx.lowering.triton.sort.BITONIC_SORT_SLOTS`` 1024 vs 0): T * K
-  between the pairwise tile (128 slots at 128 experts) and 1024 differs;
-* ``--switch down_combine``: bf16 weights, one token's GEMM2 and combine in one kernel vs GEMM2 and the combine
-  kernel (``pipeline.DOWN_COMBINE_MAX_TOKENS`` 1 vs 0): only T=1 differs.
+  between the pairwise tile (128 slots at 128 experts) and 1024 differs.
 
 For each shape and token count T, ``torch.ops.moe_fx.experts(kernel_choice="triton")`` is captured in CUDA
 graphs twice (switch on / off: the switch is read when a call runs, so each capture launches its own
@@ -26,7 +24,7 @@ kernels), over the same rotating routing sets, and the two are timed alternately
 matmul rate)`` with both limits measured in the same run, and the relative error of each variant against the
 fp32 reference (first routing set of the row), and of one variant against the other at every T.
 
-    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|pair_halves|slot_rows|bitonic_sort|down_combine] [--shapes qwen3,mixtral,gpt_oss]
+    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|pair_halves|slot_rows|bitonic_sort] [--shapes qwen3,mixtral,gpt_oss]
                                      [--tokens 1,16,256,1024,4096] [--rounds 3]
     python bench/fused_activation.py --smoke   # CPU, Triton interpreter, tiny shapes: checks the script end to end
 
@@ -107,9 +105,6 @@ SWITCHES = {
     "slot_rows": ("masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS", 1, 0, False,
                   ("one token: rows in slot order, no sort launch (on) vs sorted rows (off), bf16 (T=1 rows only "
                    "differ)")),
-    "down_combine": ("masked_experts.pipeline.DOWN_COMBINE_MAX_TOKENS", 1, 0, False,
-                     ("one token: GEMM2 and the combine in one kernel (on) vs GEMM2 and the combine kernel (off), "
-                      "bf16 (T=1 rows only differ)")),
 }
 
 
@@ -248,9 +243,9 @@ def write(out: str, stem: str, meta: dict, rows: list[dict]) -> None:
         "",
         f"Command: `{meta['command']}`",
         "",
-        f"Switch: `moe_fx.lowering.{SWITCHES[meta.get('switch', 'epilogue')][0]}` = "
-        f"{meta.get('on_value', SWITCHES[meta.get('switch', 'epilogue')][1])!r} (on) / "
-        f"{SWITCHES[meta.get('switch', 'epilogue')][2]!r} (off).",
+        (f"Switch: `moe_fx.lowering.{SWITCHES[meta.get('switch', 'epilogue')][0]}` = "
+         f"{meta.get('on_value', SWITCHES[meta.get('switch', 'epilogue')][1])!r} (on) / "
+         f"{SWITCHES[meta.get('switch', 'epilogue')][2]!r} (off)."),
         "",
         ("CUDA-graph replays of `torch.ops.moe_fx.experts(kernel_choice='triton')` (sorted layout), the two variants "
          "timed alternately; µs, lower is better. Speed-up = off / on. Floor = max(bytes / copy rate, "

@@ -9,7 +9,7 @@ bytes of the weights of the experts hit over the copy rate measured in the same 
 moe_layer's (``max(bytes / copy rate, flops / matmul rate)``).
 
     python bench/kernel_breakdown.py [--shapes qwen3,gpt_oss,mixtral] [--tokens 1,4,16] [--fp8]
-                                     [--set masked_experts.pipeline.FP8_SLOT_ROWS=True ...]
+                                     [--set masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS=4 ...]
 
 ``--set`` runs every row with a lowering constant changed (a switch of docs/triton.md's table), to see where a
 switch moves the time; the settings are written beside the results.
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pair", default=None, help="kernel/layout forced as in bench/layouts.py, e.g. "
                     "deepgemm/local_contiguous (default: the op's own choice)")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
-                    help="a lowering constant for the whole run, e.g. masked_experts.pipeline.FP8_SLOT_ROWS=True "
+                    help="a lowering constant for the whole run, e.g. masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS=4 "
                          "(repeatable)")
     args = ap.parse_args(argv)
     import moe_fx  # noqa: F401

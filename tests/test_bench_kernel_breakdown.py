@@ -70,13 +70,13 @@ def test_two_pass_sort_context_gives_the_same_rows_through_the_other_branch(mod,
 def test_settings_change_the_lowering_constants_and_refuse_typos(mod, monkeypatch):
     from moe_fx.lowering.masked_experts import pipeline
 
-    monkeypatch.setattr(pipeline, "FP8_SLOT_ROWS", False)  # restored after the test
-    monkeypatch.setattr(pipeline, "DOWN_COMBINE_MAX_TOKENS", 0)
-    got = mod.apply_settings(["masked_experts.pipeline.FP8_SLOT_ROWS=True",
-                              " masked_experts.pipeline.DOWN_COMBINE_MAX_TOKENS = 1"])
-    assert got == {"masked_experts.pipeline.FP8_SLOT_ROWS": True, "masked_experts.pipeline.DOWN_COMBINE_MAX_TOKENS": 1}
-    assert pipeline.FP8_SLOT_ROWS is True and pipeline.DOWN_COMBINE_MAX_TOKENS == 1
-    with pytest.raises(AttributeError, match="FP8_SLOT_ROW"):
-        mod.apply_settings(["masked_experts.pipeline.FP8_SLOT_ROW=True"])
+    monkeypatch.setattr(pipeline, "FUSE_ACTIVATION", True)  # restored after the test
+    monkeypatch.setattr(pipeline, "SLOT_ROWS_MAX_TOKENS", 1)
+    got = mod.apply_settings(["masked_experts.pipeline.FUSE_ACTIVATION=False",
+                              " masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS = 4"])
+    assert got == {"masked_experts.pipeline.FUSE_ACTIVATION": False, "masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS": 4}
+    assert pipeline.FUSE_ACTIVATION is False and pipeline.SLOT_ROWS_MAX_TOKENS == 4
+    with pytest.raises(AttributeError, match="SLOT_ROWS_MAX_TOKEN"):
+        mod.apply_settings(["masked_experts.pipeline.SLOT_ROWS_MAX_TOKEN=4"])
     with pytest.raises(ValueError, match="module.ATTR=value"):
-        mod.apply_settings(["FP8_SLOT_ROWS"])
+        mod.apply_settings(["SLOT_ROWS_MAX_TOKENS"])

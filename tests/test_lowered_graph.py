@@ -302,32 +302,6 @@ def test_one_token_runs_without_a_sort(sm90):
     assert _kernel_name(_launches(fp8)[0]) == "sort_small_kernel"
 
 
-def test_one_token_with_gemm2_and_the_combine_in_one_kernel(sm90, monkeypatch):
-    """DOWN_COMBINE_MAX_TOKENS on: one token's graph launches GEMM1 (slot rows, activation in its epilogue) and the
-    down-combine kernel, which writes only the [T, H] output; no GEMM2 launch, no combine kernel, no [T * K, H]
-    rows allocated."""
-    from moe_fx.lowering.masked_experts import pipeline
-
-    monkeypatch.setattr(pipeline, "DOWN_COMBINE_MAX_TOKENS", 1)
-    gm = _trace(_experts, _inputs(FakeTensorMode(), t=1))
-    launches = _launches(gm)
-    assert [_kernel_name(n) for n in launches] == ["masked_gemm_kernel", "down_combine_kernel"]
-    gemm1, down = launches
-    assert gemm1.kwargs["kwargs"]["SLOTS"] and gemm1.kwargs["kwargs"]["ACT_FUSED"]
-    assert set(down.kwargs["tensors_to_clone"]) == {"out_ptr"}, down.kwargs["tensors_to_clone"]
-    _assert_every_parameter_passed(down)
-    monkeypatch.setattr(pipeline, "DOWN_COMBINE_MAX_TOKENS", 0)
-    two_kernels = _trace(_experts, _inputs(FakeTensorMode(), t=1))
-    k, h = 2, 256  # _inputs' defaults
-    # GEMM1's [1, K, I] rows stay; GEMM2's [1, K, H] bf16 rows are gone
-    assert _allocated(two_kernels)["rows"] - _allocated(gm)["rows"] == k * h * 2, (_allocated(two_kernels),
-                                                                                  _allocated(gm))
-    # more than one token: GEMM2 and the combine as before
-    monkeypatch.setattr(pipeline, "DOWN_COMBINE_MAX_TOKENS", 1)
-    two_tokens = _trace(_experts, _inputs(FakeTensorMode(), t=2))
-    assert "down_combine_kernel" not in [_kernel_name(n) for n in _launches(two_tokens)]
-
-
 def test_static_graph_runs_its_sizes_own_tile_and_a_dynamic_one_the_regimes(sm90, monkeypatch):
     """A static token count (Dynamo always specialises T=1) launches the tile tuned for its exact slot count
     (``...|s<T*K>`` entries); a graph with a symbolic T never does, whatever size it was traced with."""

@@ -441,24 +441,3 @@ def test_bf16_activations_fp8_weights_gemm_compiles(form, bm, bn, bk, warps, sta
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx
     assert ("cp.async.bulk.tensor" if device_tma else "cp.async") in ptx, "main loop not pipelined"
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
-
-
-@pytest.mark.parametrize("bias,identity", [(False, False), (True, True)])
-def test_down_combine_kernel_compiles_pipelined(bias, identity):
-    """GEMM2 with the combine (rows in slot order): its one loop over the slots' weight tiles pipelines (async
-    copies) into MMAs, with no spills, at the shipped tile (16 columns of H, 256 of I)."""
-    from moe_fx.lowering.triton.down_combine import DOWN_COMBINE_BLOCK_H, DOWN_COMBINE_BLOCK_I
-
-    k = _kernels()
-    types = {"a_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*fp32", "out_ptr": "*bf16"}
-    consts = {"TOPK": 8, "K_POW2": 8, "BLOCK_H": DOWN_COMBINE_BLOCK_H, "BLOCK_I": DOWN_COMBINE_BLOCK_I,
-              "HAS_W": True, "HAS_BIAS": bias, "IDENTITY": identity, "IEEE": False, "s_ai": 1, "s_wi": 1}
-    for name, on in (("bias_ptr", bias), ("h_ptr", identity)):
-        if on:
-            types[name] = "*bf16"
-        else:
-            consts[name] = None
-    ptx = _compile(k.down_combine_kernel, types, consts, 4, 4).asm["ptx"]
-    assert "cp.async" in ptx, "weight loads not pipelined"
-    assert "mma.sync" in ptx or "wgmma.mma_async" in ptx, "no tensor-core MMA"
-    assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"

@@ -22,7 +22,6 @@ import torch
 from moe_fx.lowering.masked_experts.pipeline import (
     ExpertWeights,
     GemmHints,
-    down_combine,
     empty_scales,
     fuse_activation,
     quantize_activations,
@@ -31,7 +30,6 @@ from moe_fx.lowering.masked_experts.pipeline import (
     run_masked_experts,
     run_sorted_experts,
     slot_rows,
-    sorted_activations,
 )
 from moe_fx.lowering.problem import (
     ROW_REGIMES,
@@ -99,12 +97,6 @@ class ExpertsPlan:
         :func:`~moe_fx.lowering.masked_experts.pipeline.slot_rows`, which the run asks too)."""
         return self.layout == "sorted" and slot_rows(self.problem.fp8_block is not None, self.tokens)
 
-    @property
-    def down_combine(self) -> bool:
-        """Rows in slot order run GEMM2 and the combine as one kernel (:func:`~moe_fx.lowering.masked_experts.
-        pipeline.down_combine`, which the run asks too)."""
-        return self.slot_rows and down_combine(self.problem.fp8_block is not None, self.tokens)
-
     def summary(self) -> str:
         """One line: kernel and layout, e.g. ``"triton, sorted layout, activation in GEMM1's epilogue"``."""
         if self.reference:
@@ -112,8 +104,7 @@ class ExpertsPlan:
         return f"{self.experts.kernel}, {self.layout} layout" + (
             ", rows in slot order (no sort)" if self.slot_rows else "") + (
             ", bf16 activations x fp8 weights" if self.bf16_activations_fp8_weights else "") + (
-            ", activation in GEMM1's epilogue" if self.activation_epilogue else "") + (
-            ", GEMM2 with the combine" if self.down_combine else "")
+            ", activation in GEMM1's epilogue" if self.activation_epilogue else "")
 
     def raise_if_unrunnable(self, what: str) -> ExpertsPlan:
         """Itself, or ``RuntimeError`` when an explicit request cannot run (never a silent fallback)."""
@@ -226,13 +217,6 @@ def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
         else:
             sorted_rows = sort_by_expert(topk_ids, e, small=(regime == 0) if regime is not None else None)
         route_weights = topk_weights if weights_on_input else None
-        if plan.down_combine:  # one token: GEMM2 and the combine in one kernel, no [T * K, H] rows
-            from moe_fx.lowering.triton.down_combine import down_combine as down_and_combine
-
-            a2, _ = sorted_activations(hidden, sorted_rows, weights, spec, gemms, hints, route_weights=route_weights)
-            return down_and_combine(
-                a2, topk_ids, topk_weights, weights.w2, w2_bias=weights.w2_bias, weights_on_output=not weights_on_input,
-                hidden=hidden, identity_experts=a["identity_experts"], out_dtype=hidden.dtype)
         if plan.layout == "contiguous":
             y, slot_pos = run_contiguous_experts(hidden, sorted_rows, topk_ids, weights, spec, gemms,
                                                  route_weights=route_weights)

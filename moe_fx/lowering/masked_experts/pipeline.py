@@ -27,24 +27,9 @@ from moe_fx.ops import ExpertActivation
 from moe_fx.ops.masked_experts import dequantize_activations
 from moe_fx.ops.recipe import FP8_DTYPE
 
-__all__ = [
-    "DOWN_COMBINE_MAX_TOKENS",
-    "FUSE_ACTIVATION",
-    "QUANTIZE_TOKENS_IN_SORT",
-    "SLOT_ROWS_MAX_TOKENS",
-    "W8A16_MAX_ROWS",
-    "ExpertWeights",
-    "GemmHints",
-    "MaskedGemms",
-    "down_combine",
-    "fuse_activation",
-    "quantize_activations",
-    "quantize_tokens_in_sort",
-    "run_masked_experts",
-    "run_sorted_experts",
-    "slot_rows",
-    "sorted_activations",
-]
+__all__ = ["FUSE_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT", "SLOT_ROWS_MAX_TOKENS", "W8A16_MAX_ROWS", "ExpertWeights",
+           "GemmHints", "MaskedGemms", "fuse_activation", "quantize_activations", "quantize_tokens_in_sort",
+           "run_masked_experts", "run_sorted_experts", "slot_rows"]
 
 #: Whether the sorted layout may apply the activation in GEMM1's epilogue (where :func:`fuse_activation`
 #: says it wins). Read when a call runs (so when a graph is compiled, for compiled code); benchmarks set
@@ -65,10 +50,6 @@ QUANTIZE_TOKENS_IN_SORT = True
 #: the GEMMs read each slot's expert id (:func:`slot_rows`). 0: always sort. Read when a call runs;
 #: bench/fused_activation.py ``--switch slot_rows`` sets it 0 to time the sort beside it.
 SLOT_ROWS_MAX_TOKENS = 1
-#: Token counts (static, at most this many) whose rows in slot order run GEMM2 and the combine as one kernel
-#: (:func:`down_combine`). 0 until measured on a GPU (``bench/fused_activation.py --switch down_combine`` sets it
-#: 1 to time it beside GEMM2 and the combine kernel).
-DOWN_COMBINE_MAX_TOKENS = 0
 
 
 @dataclass(frozen=True)
@@ -246,13 +227,6 @@ def slot_rows(fp8: bool, tokens: object) -> bool:
             and 1 <= tokens <= SLOT_ROWS_MAX_TOKENS)
 
 
-def down_combine(fp8: bool, tokens: object) -> bool:
-    """Whether a call whose rows stay in slot order (:func:`slot_rows`) runs GEMM2 and the combine as one kernel
-    (:func:`moe_fx.lowering.triton.down_combine.down_combine`: no ``[T * K, H]`` rows stored, one launch and the
-    gap after it saved): up to :data:`DOWN_COMBINE_MAX_TOKENS` tokens."""
-    return slot_rows(fp8, tokens) and tokens <= DOWN_COMBINE_MAX_TOKENS
-
-
 def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bool:
     """Whether the sorted layout's GEMM1 applies ``spec`` in its epilogue, as measured on the H200
     (bench/results/fused_activation_2026-12-03.md, one layer, CUDA graphs, fused / unfused).
@@ -281,22 +255,7 @@ def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bo
     return hi is not None and hi <= FUSE_HALVES_MAX_ROWS
 
 
-def run_sorted_experts(hidden: torch.Tensor, rows: object, weights: ExpertWeights, spec: ExpertActivation,
-                       gemms: MaskedGemms, hints: GemmHints, **kwargs: object) -> torch.Tensor:
-    """Every slot's expert MLP on the contiguous layout: ``y[row] = expert_e(x_t)`` for each sorted row.
-
-    :func:`sorted_activations` (GEMM1 and the activation; the arguments are its own) and then GEMM2.
-
-    Returns:
-        ``[1, T * K, H]`` in sorted row order (slot order for SlotRows; bf16 with fp8 weights, else the weights'
-        dtype); rows past the total (of slots without an expert) unspecified.
-    """
-    a2, a2_scale = sorted_activations(hidden, rows, weights, spec, gemms, hints, **kwargs)
-    return gemms.sorted_gemm(a2, a2_scale, weights.w2, weights.w2_scale, rows, bias=weights.w2_bias, hints=hints,
-                             gather=False, route_weights=None)
-
-
-def sorted_activations(
+def run_sorted_experts(
     hidden: torch.Tensor,
     rows: object,
     weights: ExpertWeights,
@@ -306,9 +265,8 @@ def sorted_activations(
     *,
     route_weights: torch.Tensor | None = None,
     tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """GEMM1 and the activation of :func:`run_sorted_experts`: ``(a2 [1, T * K, I], its 1x128 scales or None)``,
-    the input of GEMM2 (or of :func:`down_combine`'s kernel), rows in ``rows``' order.
+) -> torch.Tensor:
+    """Every slot's expert MLP on the contiguous layout: ``y[row] = expert_e(x_t)`` for each sorted row.
 
     Args:
         hidden: ``[T, H]`` tokens, read in place by GEMM1 (fp8 weights: quantised 1x128 once, T rows, where
@@ -320,6 +278,10 @@ def sorted_activations(
             GEMM1 multiplies its rows by them before the bias (``(w x) W^T = w (x W^T)``).
         tokens: ``hidden``'s fp8 codes and 1x128 scales where the sort quantised them already
             (:func:`quantize_tokens_in_sort`); else quantised here when :func:`quantize_activations` says so.
+
+    Returns:
+        ``[1, T * K, H]`` in sorted row order (slot order for SlotRows; bf16 with fp8 weights, else the weights'
+        dtype); rows past the total (of slots without an expert) unspecified.
     """
     from moe_fx.lowering.triton.activation import expert_activation
     from moe_fx.lowering.triton.grouped_gemm import SlotRows
@@ -340,18 +302,20 @@ def sorted_activations(
         # the activation in GEMM1's epilogue: the [N, 2I] product is never stored, one launch fewer
         a2 = gemms.sorted_gemm(x, None, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias, hints=hints,
                                gather=True, route_weights=route_weights, activation=spec)
-        return a2, None
-    # the separate activation kernel (W8A8: it quantises its output per 1x128 group for GEMM2)
-    gate_up = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias,
-                                hints=hints, gather=True, route_weights=route_weights)
-    # the activation kernel sees the sorted rows [1, N, N1] as one group of all valid rows (the scratch's total;
-    # rows in slot order: all N, those of slots without an expert never read)
-    if isinstance(rows, SlotRows):
-        total, offset = torch.full((1,), rows.num_rows, dtype=torch.int32, device=hidden.device), 0
-    else:
-        total, offset = rows.scratch, rows.num_experts
-    return expert_activation(gate_up, total, spec, quant_fp8=quantized, max_total_m=rows.num_rows,
-                             masked_m_offset=offset)
+        a2_scale = None
+    else:  # the separate activation kernel (W8A8: it quantises its output per 1x128 group for GEMM2)
+        gate_up = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias,
+                                    hints=hints, gather=True, route_weights=route_weights)
+        # the activation kernel sees the sorted rows [1, N, N1] as one group of all valid rows (the scratch's total;
+        # rows in slot order: all N, those of slots without an expert never read)
+        if isinstance(rows, SlotRows):
+            total, offset = torch.full((1,), rows.num_rows, dtype=torch.int32, device=hidden.device), 0
+        else:
+            total, offset = rows.scratch, rows.num_experts
+        a2, a2_scale = expert_activation(gate_up, total, spec, quant_fp8=quantized, max_total_m=rows.num_rows,
+                                         masked_m_offset=offset)
+    return gemms.sorted_gemm(a2, a2_scale, weights.w2, weights.w2_scale, rows, bias=weights.w2_bias, hints=hints,
+                             gather=False, route_weights=None)
 
 
 def run_contiguous_experts(
