@@ -32,7 +32,7 @@ log = logging.getLogger("moe_fx.lowering")
 
 NAME = "deepgemm"
 #: the row layouts its GEMMs read: masked, and contiguous with 128-aligned expert segments (its m-grouped
-#: contiguous GEMMs; chosen only on request until measured, prepare_finalize/local_contiguous.py)
+#: contiguous GEMMs; under auto from the top rows-per-expert regime on, prepare_finalize/local_contiguous.py)
 LAYOUTS = ("masked", "contiguous")
 #: N and K of both GEMMs must be multiples of DeepGEMM's tile edge; fp8 blocks must equal it.
 ALIGN = 128
