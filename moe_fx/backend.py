@@ -46,7 +46,8 @@ PASSES_TIMER = "moe_fx_passes"
 #: launch path) instead of Triton's Python launcher: less host time per launch, which a decode step of many layers
 #: pays several times a layer. A kernel the static launcher cannot take (device-made TMA descriptors need Triton's
 #: global scratch) keeps Triton's launcher, kernel by kernel (Inductor logs why). ``MoEConfig.inductor_options``
-#: overrides it. Read at every compile; False until timed on a GPU (bench/e2e_model.py ``--static-launch``).
+#: overrides it. Read at every compile. False: on an H100 (2-layer Qwen3, T=1/16 and generate(), 2026-12-05) it showed
+#: no gain beside Triton's launcher (bench/results/e2e_model_2026-12-05_launch_{shipped,static}_h100.md).
 STATIC_LAUNCH_KERNELS = False
 
 

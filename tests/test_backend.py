@@ -197,8 +197,8 @@ def test_mode_and_options_of_torch_compile_reach_inductor(monkeypatch):
 
 
 def test_static_launch_of_user_kernels_is_one_switch_the_config_overrides(monkeypatch):
-    """``backend.STATIC_LAUNCH_KERNELS`` asks Inductor to launch user-defined Triton kernels statically (off until
-    timed on a GPU: no such patch), and ``MoEConfig.inductor_options`` has the last word."""
+    """``backend.STATIC_LAUNCH_KERNELS`` asks Inductor to launch user-defined Triton kernels statically (off: no gain
+    timed on an H100, so no such patch), and ``MoEConfig.inductor_options`` has the last word."""
     import torch._inductor.compile_fx as cfx
 
     from moe_fx import backend
