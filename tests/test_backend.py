@@ -201,8 +201,7 @@ def test_static_launch_of_user_kernels_is_one_switch_the_config_overrides(monkey
     timed on an H100, so no such patch), and ``MoEConfig.inductor_options`` has the last word."""
     import torch._inductor.compile_fx as cfx
 
-    from moe_fx import backend
-    from moe_fx import MoEConfig
+    from moe_fx import MoEConfig, backend
 
     seen = []
 

@@ -41,9 +41,9 @@ def test_smoke_writes_rows_with_both_variants_close_to_the_reference(tmp_path, s
 
 
 def test_every_switch_names_constants_the_lowering_has():
-    """Each switch names a module attribute under moe_fx.lowering that
-    exists, with its 'on' value of the constant's type: a typo would otherwise surface only on the GPU (the smoke
-    runs above cover a few of the switches end to end)."""
+    """Each switch names a module attribute under moe_fx.lowering that exists, with its 'on' value of the constant's
+    type: a typo would otherwise surface only on the GPU (the smoke runs above cover a few of the switches end to
+    end)."""
     import importlib
 
     mod = load_bench("fused_activation")
