@@ -344,11 +344,44 @@ def expected_experts_hit(t: int, e: int, k: int) -> float:
     return e * (1 - (1 - k / e) ** t)
 
 
-def moe_floor_us(spec: ModelSpec, layers: int, t: int, fp8: bool, limits: dict | None) -> float | None:
-    """The roofline floor of one forward's routed-expert layers (uniform routing; :func:`moe_layer.layer_floor`),
-    or None without measured limits."""
+def routed_experts_hit(model, input_ids) -> list[int]:
+    """Distinct experts each MoE layer's router picks for ``input_ids`` in one eager forward of ``model``, in layer
+    order: a forward hook on every transformers router (a module whose class name ends in ``Router``, such as
+    ``Qwen3MoeTopKRouter`` or ``DeepseekV3TopkRouter``, returning a tuple whose last item is the top-k expert ids).
+    Empty where the model has no such router. Deep models with random weights route far from uniformly (a
+    48-layer Qwen3-30B-A3B hit fewer experts per layer at T=1024 than the uniform count), so the floor counts the
+    experts the tokens actually reach."""
+    import torch
+
+    hits: list[int] = []
+
+    def record(module, args, output) -> None:
+        ids = output[-1] if isinstance(output, tuple) and output else None
+        if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and not ids.is_complex():
+            hits.append(int(torch.unique(ids).numel()))
+
+    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("router")]
+    if not routers:  # nothing to count: no forward
+        return hits
+    handles = [m.register_forward_hook(record) for m in routers]
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return hits
+
+
+def moe_floor_us(spec: ModelSpec, layers: int, t: int, fp8: bool, limits: dict | None,
+                 hits: list[int] | None = None) -> float | None:
+    """The roofline floor of one forward's routed-expert layers (:func:`moe_layer.layer_floor`): with ``hits``
+    (:func:`routed_experts_hit`), one term per MoE layer with the experts its tokens reached; without, ``layers``
+    layers under uniform routing. None without measured limits."""
     if not limits:
         return None
+    if hits:
+        return sum(layer_floor(t, hit, spec.top_k, spec.hidden, spec.intermediate, fp8, limits)[2] for hit in hits)
     hit = expected_experts_hit(t, spec.experts, spec.top_k)
     return layers * layer_floor(t, hit, spec.top_k, spec.hidden, spec.intermediate, fp8, limits)[2]
 
@@ -514,17 +547,33 @@ def run_cell(row: dict, measure: Callable[[], dict], budget: Budget, errors: tup
 
 def forward_row(calls: dict[str, Callable], mode: str, t: int, s: Settings,
                 reference: Callable[[], Any] | None = None, label: str = "forward",
-                floor_us: float | None = None) -> dict:
+                floor_us: float | None = None, hits: list[int] | None = None) -> dict:
     """The numbers of one forward row: per-backend times (and logit errors against ``reference``), first-call
     and compile seconds, speed-up and the issue's target for it; with ``floor_us`` (:func:`moe_floor_us`), the
-    GPU-time ceiling of the speed-up (:func:`gpu_ceiling`)."""
+    GPU-time ceiling of the speed-up (:func:`gpu_ceiling`); ``hits``, the experts each MoE layer reached
+    (:func:`routed_experts_hit`), recorded beside the floor."""
     row: dict[str, Any] = measure_forward(calls, s, reference, label)
     row["moe_floor_us"] = floor_us
+    row["experts_hit"] = hits
     row["gpu_ceiling"] = gpu_ceiling(row["plain"], row["moe_fx"], floor_us)
     row["speedup"] = row["plain"]["wall_us"] / row["moe_fx"]["wall_us"]
     row["target"] = forward_target(mode, t)
     row["ok"] = None if row["target"] is None else row["speedup"] >= row["target"]
     return row
+
+
+def mean_text(values: list[int] | None) -> str:
+    """The mean of ``values`` to one decimal, '-' for none."""
+    return f"{sum(values) / len(values):.1f}" if values else "-"
+
+
+def routed_forward_row(calls: dict[str, Callable], mode: str, t: int, s: Settings, reference: Callable[[], Any],
+                       label: str, spec: ModelSpec, layers: int, base_model, input_ids, limits: dict | None) -> dict:
+    """:func:`forward_row` with the floor of the experts ``input_ids`` reach in ``base_model``
+    (:func:`routed_experts_hit`; uniform routing where no router is found)."""
+    hits = routed_experts_hit(base_model, input_ids) or None
+    return forward_row(calls, mode, t, s, reference=reference, label=label, hits=hits,
+                       floor_us=moe_floor_us(spec, layers, t, s.weights != "bf16", limits, hits))
 
 
 def layer_host_cell(model_name: str, spec: ModelSpec, base_model, compiled: dict, t: int, s: Settings) -> dict:
@@ -925,9 +974,8 @@ def run_benchmark(args: argparse.Namespace) -> None:
                 eager = forward_call(base_model, ids[t], "default")
                 finish(run_cell(
                     {"kind": "forward", **tag, "mode": mode, "T": t, "layers": layers},
-                    lambda: forward_row(calls, mode, t, settings, reference=eager, label=f"{model_name} {mode} T={t}",
-                                        floor_us=moe_floor_us(spec, layers, t, settings.weights != "bf16",
-                                                              meta["limits"])), budget, errors,
+                    lambda: routed_forward_row(calls, mode, t, settings, eager, f"{model_name} {mode} T={t}",
+                                               spec, layers, base_model, ids[t], meta["limits"]), budget, errors,
                     skip="needs CUDA" if mode == "reduce-overhead" and settings.device != "cuda" else None,
                 ))
         if not args.no_layer_host:
@@ -1065,8 +1113,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "wall = one forward from an idle synchronised GPU to the sync after it; host = the same call until it returns "
         "(enqueue time); GPU = profiler sum of GPU activity per forward; kernels = GPU activities per forward; "
         "MoE kernels = the part of moe_fx's GPU time in its MoE kernels (moe_fx's Triton kernels, DeepGEMM's GEMMs); "
-        "MoE floor = the routed experts' roofline per forward (uniform routing, copy and matmul rates measured in "
-        "the run); GPU ceiling = plain GPU / (moe_fx GPU - MoE kernels + MoE floor), the most moe_fx could gain in "
+        "MoE floor = the routed experts' roofline per forward (the experts each layer's router reached in an eager "
+        "forward of the same tokens, their mean per layer in the next column; uniform routing where no router was "
+        "seen, '-'; copy and matmul rates measured in the run); GPU ceiling = plain GPU / (moe_fx GPU - MoE kernels + MoE floor), the most moe_fx could gain in "
         "GPU time with its MoE layers at the floor. "
         "Speed-up = plain wall / moe_fx wall. Targets (issues 10 and 16): default >= 1.0x, >= 1.3x at T >= 1024; "
         "reduce-overhead >= 1.5x at T >= 1024.",
@@ -1089,7 +1138,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     lines += md_table(
         "Forward", "",
         ["model", "weights", "layers", "mode", "DeepGEMM", "T", "plain wall µs", "moe_fx wall µs", "speed-up", "target",
-         "", "plain GPU µs", "moe_fx GPU µs", "moe_fx MoE kernels µs", "MoE floor µs", "GPU ceiling",
+         "", "plain GPU µs", "moe_fx GPU µs", "moe_fx MoE kernels µs", "MoE floor µs", "experts hit / layer", "GPU ceiling",
          "plain host µs", "moe_fx host µs", "kernels plain / moe_fx", "logit err plain / moe_fx"],
         fw, lambda r: [r["model"], r.get("weights", "bf16"), str(r.get("layers", "?")), r["mode"], r["deepgemm"], str(r["T"])],
         lambda r: [
@@ -1097,7 +1146,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"{r['moe_fx']['wall_us']:.0f} ± {r['moe_fx']['wall_spread_us']:.0f}",
             f"{r['speedup']:.2f}x", fmt(r["target"], 1), verdict(r),
             fmt(r["plain"]["gpu_us"], 0), fmt(r["moe_fx"]["gpu_us"], 0), fmt(r["moe_fx"].get("moe_us"), 0),
-            fmt(r.get("moe_floor_us"), 0), "-" if r.get("gpu_ceiling") is None else f"{r['gpu_ceiling']:.2f}x",
+            fmt(r.get("moe_floor_us"), 0), mean_text(r.get("experts_hit")), "-" if r.get("gpu_ceiling") is None else f"{r['gpu_ceiling']:.2f}x",
             f"{r['plain']['host_us']:.0f}", f"{r['moe_fx']['host_us']:.0f}",
             f"{fmt(r['plain']['kernels'], 0)} / {fmt(r['moe_fx']['kernels'], 0)}",
             f"{sci(r['plain'].get('logits_err'))} / {sci(r['moe_fx'].get('logits_err'))}",

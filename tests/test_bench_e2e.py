@@ -55,6 +55,9 @@ def test_e2e_model_smoke_writes_results(tmp_path):
     assert row["speedup"] == pytest.approx(row["plain"]["wall_us"] / row["moe_fx"]["wall_us"])
     assert row["target"] == 1.0 and isinstance(row["ok"], bool)
     assert meta["limits"] is None and row["moe_floor_us"] is None and row["gpu_ceiling"] is None  # rates: CUDA only
+    # the floor's routing, recorded on CPU too: the experts the one layer's router reached (8 tokens, top-2 of 8)
+    [hit] = row["experts_hit"]
+    assert 2 <= hit <= 8, row["experts_hit"]
     md = js.with_suffix(".md").read_text()
     assert "| qwen3 | bf16 | 1 | default | " in md and "## Host time of one MoE decoder layer" in md and "## generate()" in md
     assert "## Compile time" in md and f"| {row['plain']['first_call_s']:.1f} | {row['moe_fx']['first_call_s']:.1f} |" in md
@@ -137,11 +140,33 @@ def test_moe_kernels_floor_and_ceiling():
     assert e2e_model.moe_floor_us(spec, 2, 4096, False, limits) == pytest.approx(2 * per_layer)
     assert e2e_model.moe_floor_us(spec, 2, 4096, True, limits) == pytest.approx(per_layer)
     assert e2e_model.moe_floor_us(spec, 2, 4096, False, None) is None
+    # measured routing: one term per layer with the experts it reached (T=1: the weights of 2 and of 1 expert)
+    one, two = (layer_floor(1, hit, 2, 4096, 14336, False, limits)[2] for hit in (1, 2))
+    assert e2e_model.moe_floor_us(spec, 2, 1, False, limits, [2, 1]) == pytest.approx(two + one)
+    assert e2e_model.moe_floor_us(spec, 2, 1, False, limits, []) == pytest.approx(2 * two)  # none seen: uniform
     # plain 13000 µs; moe_fx 12300 µs of which 9600 in its MoE kernels; floor 8500: 13000 / (2700 + 8500)
     got = e2e_model.gpu_ceiling({"gpu_us": 13000.0}, {"gpu_us": 12300.0, "moe_us": 9600.0}, 8500.0)
     assert got == pytest.approx(13000 / 11200)
     assert e2e_model.gpu_ceiling({"gpu_us": 13000.0}, {"gpu_us": 12300.0, "moe_us": 0.0}, 8500.0) is None
     assert e2e_model.gpu_ceiling({"gpu_us": None}, {"gpu_us": None, "moe_us": None}, None) is None
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mixtral", "gpt_oss", "deepseek_v3", "olmoe"])
+def test_routed_experts_hit_counts_each_layers_router(name):
+    """The floor's routing, read from transformers' routers by a forward hook: one count per MoE layer; one token
+    reaches exactly top-k experts, many tokens at most all of them; a model without a router gives none."""
+    import torch
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import e2e_model
+
+    spec = e2e_model.SMOKE_MODELS[name]
+    model = e2e_model.build_model(spec, 2, 64, "cpu", torch.float32)
+    assert e2e_model.routed_experts_hit(model, torch.tensor([[5]])) == [spec.top_k] * 2
+    many = e2e_model.routed_experts_hit(model, torch.arange(3, 51).reshape(1, -1))
+    assert len(many) == 2 and all(spec.top_k <= hit <= spec.experts for hit in many), many
+    assert not any(hook for m in model.modules() for hook in m._forward_hooks.values())  # hooks removed
+    assert e2e_model.routed_experts_hit(torch.nn.Embedding(64, 8), torch.tensor([[5]])) == []
 
 
 def test_gpu_tally_ranks_kernels_and_the_markdown_lists_them():
