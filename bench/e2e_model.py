@@ -695,6 +695,8 @@ def generate_row(model_name: str, models: dict[str, Any], s: Settings) -> dict:
                     run(name, new)
                     synchronize()
                     runs[name][key].append(time.perf_counter() - t0)
+        # what the GPU does per decode step, beside its wall time: host-bound when the GPU is idle most of it
+        steps = {name: decode_step_gpu(functools.partial(run, name), s.gen_new) for name in models if name != "eager"}
     for model in models.values():
         model.__dict__.pop("forward", None)  # the class's forward again
     row: dict[str, Any] = {
@@ -709,6 +711,8 @@ def generate_row(model_name: str, models: dict[str, Any], s: Settings) -> dict:
             "new_tok_s": s.gen_batch * s.gen_new / full,
             "decode_tok_s": decode_rate(s.gen_batch, s.gen_new, full, one),
             "same_tokens_as_eager": float((tokens[name] == tokens["eager"]).float().mean()),
+            "step_wall_us": (full - one) / (s.gen_new - 1) * 1e6 if s.gen_new > 1 else None,
+            **steps.get(name, {}),
             **warm[name],
         }
     plain, mine = row["plain"]["decode_tok_s"], row["moe_fx"]["decode_tok_s"]
@@ -716,6 +720,19 @@ def generate_row(model_name: str, models: dict[str, Any], s: Settings) -> dict:
     row["target"] = TARGET_GENERATE
     row["ok"] = None if row["speedup"] is None else row["speedup"] >= TARGET_GENERATE
     return row
+
+
+def decode_step_gpu(generate: Callable[[int], Any], new: int) -> dict[str, float | None]:
+    """GPU busy time and GPU activities per decode step, from one profiled ``generate(new)`` call and one
+    ``generate(1)`` call (the prefill and the fixed cost cancel): ``step_gpu_us``, ``step_kernels``; None
+    without CUDA or with fewer than 2 new tokens."""
+    if new < 2:
+        return {"step_gpu_us": None, "step_kernels": None}
+    full, one = gpu_time_per_call(lambda: generate(new), 1), gpu_time_per_call(lambda: generate(1), 1)
+    if full["gpu_us"] is None or one["gpu_us"] is None:
+        return {"step_gpu_us": None, "step_kernels": None}
+    return {"step_gpu_us": (full["gpu_us"] - one["gpu_us"]) / (new - 1),
+            "step_kernels": (full["kernels"] - one["kernels"]) / (new - 1)}
 
 
 def decode_rate(batch: int, new: int, t_full: float, t_one: float) -> float | None:
@@ -1172,9 +1189,12 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     lines += md_table(
         "generate() decode (greedy, static cache, compiled forward, default mode)",
         "decode tok/s = batch * (N - 1) / (t(N new tokens) - t(1 new token)); new tok/s = batch * N / t(N). "
-        "Speed-up = moe_fx decode / plain decode; target >= 1.2x. same = fraction of greedy tokens equal to eager's.",
+        "Speed-up = moe_fx decode / plain decode; target >= 1.2x. same = fraction of greedy tokens equal to eager's. "
+        "step = one decode step: wall µs (from the decode rate) / GPU busy µs / GPU activities (profiler, one "
+        "generate(N) call less one generate(1) call); a GPU busy far less than the wall is a host-bound step.",
         ["model", "weights", "layers", "DeepGEMM", "batch x prompt + new", "eager decode tok/s", "plain decode tok/s",
-         "moe_fx decode tok/s", "speed-up", "target", "", "new tok/s eager / plain / moe_fx", "same plain / moe_fx"],
+         "moe_fx decode tok/s", "speed-up", "target", "", "new tok/s eager / plain / moe_fx", "same plain / moe_fx",
+         "step plain", "step moe_fx"],
         gen, lambda r: [r["model"], r.get("weights", "bf16"), str(r.get("layers", "?")), r["deepgemm"]],
         lambda r: [
             f"{r['batch']} x {r['prompt']} + {r['new']}",
@@ -1182,6 +1202,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"{fmt(r['speedup'], 2)}x", "1.2", verdict(r),
             " / ".join(f"{r[n]['new_tok_s']:.0f}" for n in ("eager", "plain", "moe_fx")),
             f"{r['plain']['same_tokens_as_eager']:.2f} / {r['moe_fx']['same_tokens_as_eager']:.2f}",
+            *(" / ".join(fmt(r[n].get(k), 0) for k in ("step_wall_us", "step_gpu_us", "step_kernels"))
+              for n in ("plain", "moe_fx")),
         ],
         sort_key=lambda r: (r["model"], r.get("weights", "bf16"), r["deepgemm"]),
     )

@@ -217,3 +217,48 @@ def test_e2e_model_no_forward_runs_no_forward_cell(tmp_path):
     assert data["meta"]["settings"] == {"masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS": 1}
     md = js.with_suffix(".md").read_text()
     assert "launches its Triton kernels statically" in md and "SLOT_ROWS_MAX_TOKENS` = 1" in md
+
+
+@pytest.mark.timeout(120)
+def test_e2e_model_generate_cell(tmp_path):
+    """The generate() cell alone on CPU (four compiles: prefill and decode per side): tokens/s of the three sides,
+    the decode step's wall time from the decode rate, no GPU split without CUDA, and its markdown row."""
+    out = tmp_path / "res"
+    proc = _run(["--smoke", "--cpu", "--tokens", "8", "--layers", "1", "--no-forward", "--no-layer-host",
+                 "--gen-prompt", "4", "--gen-new", "3", "--gen-rounds", "1", "--no-plot", "--out", str(out),
+                 "--tag", "g"], timeout=110)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    [js] = out.glob("e2e_model_*_g.json")
+    [row] = json.loads(js.read_text())["rows"]
+    assert row["kind"] == "generate" and row["new"] == 3 and "error" not in row, row
+    for side in ("eager", "plain", "moe_fx"):
+        assert row[side]["s_per_call"] > row[side]["s_per_call_1_new"] > 0, (side, row[side])
+        assert 0.0 <= row[side]["same_tokens_as_eager"] <= 1.0
+    assert row["eager"]["same_tokens_as_eager"] == 1.0
+    for side in ("plain", "moe_fx"):
+        got = row[side]
+        assert got["step_wall_us"] == pytest.approx((got["s_per_call"] - got["s_per_call_1_new"]) / 2 * 1e6)
+        assert got["step_gpu_us"] is None and got["step_kernels"] is None  # no CUDA: no profiler split
+    assert row["speedup"] == pytest.approx(row["moe_fx"]["decode_tok_s"] / row["plain"]["decode_tok_s"])
+    md = js.with_suffix(".md").read_text()
+    assert "| step plain | step moe_fx |" in md and f"| {row['plain']['step_wall_us']:.0f} / - / - |" in md
+
+
+def test_decode_step_gpu_subtracts_the_one_token_call(monkeypatch):
+    """The per-step GPU split: one generate(N) call less one generate(1) call, over N - 1 steps (the prefill and
+    the fixed cost cancel); None for N < 2 and without profiler numbers."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import e2e_model
+
+    calls = []
+
+    def fake_profile(fn, iters):
+        new = fn()
+        return {"gpu_us": 900.0 + 250.0 * new, "kernels": 40 + 30 * new}  # prefill 900 µs, 250 µs a step
+
+    monkeypatch.setattr(e2e_model, "gpu_time_per_call", fake_profile)
+    got = e2e_model.decode_step_gpu(lambda new: calls.append(new) or new, 9)
+    assert got == {"step_gpu_us": pytest.approx(250.0), "step_kernels": pytest.approx(30.0)} and calls == [9, 1]
+    assert e2e_model.decode_step_gpu(lambda new: new, 1) == {"step_gpu_us": None, "step_kernels": None}
+    monkeypatch.setattr(e2e_model, "gpu_time_per_call", lambda fn, iters: {"gpu_us": None, "kernels": None})
+    assert e2e_model.decode_step_gpu(lambda new: new, 9) == {"step_gpu_us": None, "step_kernels": None}
