@@ -366,7 +366,7 @@ def routed_experts_hit(model, input_ids) -> list[int]:
     handles = [m.register_forward_hook(record) for m in routers]
     try:
         with torch.no_grad():
-            model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+            forward_call(model, input_ids, "default")()
     finally:
         for handle in handles:
             handle.remove()
@@ -705,13 +705,14 @@ def generate_row(model_name: str, models: dict[str, Any], s: Settings) -> dict:
     }
     for name in models:
         full, one = statistics.median(runs[name]["full"]), statistics.median(runs[name]["one"])
+        rate = decode_rate(s.gen_batch, s.gen_new, full, one)
         row[name] = {
             "s_per_call": full,
             "s_per_call_1_new": one,
             "new_tok_s": s.gen_batch * s.gen_new / full,
-            "decode_tok_s": decode_rate(s.gen_batch, s.gen_new, full, one),
+            "decode_tok_s": rate,
             "same_tokens_as_eager": float((tokens[name] == tokens["eager"]).float().mean()),
-            "step_wall_us": (full - one) / (s.gen_new - 1) * 1e6 if s.gen_new > 1 else None,
+            "step_wall_us": s.gen_batch / rate * 1e6 if rate else None,
             **steps.get(name, {}),
             **warm[name],
         }
