@@ -1090,7 +1090,9 @@ def summary_line(row: dict) -> str:
         return (f"{head}  host/layer plain {row['plain']['host_per_layer_us']:.1f} moe_fx "
                 f"{row['moe_fx']['host_per_layer_us']:.1f}  delta {row['delta_host_us']:+.1f} µs ({verdict(row)})")
     return (f"{head}  decode tok/s eager {fmt(row['eager']['decode_tok_s'], 0)} plain {fmt(row['plain']['decode_tok_s'], 0)} "
-            f"moe_fx {fmt(row['moe_fx']['decode_tok_s'], 0)}  x{fmt(row['speedup'], 2)} ({verdict(row)})")
+            f"moe_fx {fmt(row['moe_fx']['decode_tok_s'], 0)}  x{fmt(row['speedup'], 2)} ({verdict(row)})  step wall / GPU µs "
+            f"plain {fmt(row['plain'].get('step_wall_us'), 0)} / {fmt(row['plain'].get('step_gpu_us'), 0)} moe_fx "
+            f"{fmt(row['moe_fx'].get('step_wall_us'), 0)} / {fmt(row['moe_fx'].get('step_gpu_us'), 0)}")
 
 
 def write_results(base: str, meta: dict, rows: list[dict], plot_it: bool) -> None:
