@@ -72,6 +72,23 @@ def test_one_token_compiles_to_three_launches_without_a_sort():
     assert rel_err(out, experts_reference(hidden, ids, w, w13, w2) * 2) < 1e-2
 
 
+def test_one_tokens_combine_left_to_inductor_gives_the_same_numbers(monkeypatch):
+    """``SLOT_COMBINE_IN_GRAPH`` on: a batch-1 decode step's code launches the two GEMMs and no combine kernel (the
+    weighted sum over K is Inductor's, fused with the ``* 2`` after it), with the reference's numbers."""
+    from moe_fx.lowering.triton import permute
+
+    monkeypatch.setattr(permute, "SLOT_COMBINE_IN_GRAPH", True)
+    hidden, ids, w, w13, w2 = _layer(1)
+
+    def layer(hidden, ids, w):
+        return torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, kernel_choice="triton") * 2
+
+    torch._dynamo.reset()
+    out, code = _code_of(torch.compile(layer, fullgraph=True), hidden, ids, w)
+    assert "masked_gemm_kernel" in code and "unpermute_kernel" not in code
+    assert rel_err(out, experts_reference(hidden, ids, w, w13, w2) * 2) < 1e-2
+
+
 @pytest.mark.parametrize("t", [1, 512])
 def test_static_launch_of_the_kernels_gives_the_same_numbers(t, monkeypatch):
     """``backend.STATIC_LAUNCH_KERNELS`` on (Inductor's static launcher for user-defined Triton kernels; those it

@@ -302,6 +302,24 @@ def test_one_token_runs_without_a_sort(sm90):
     assert _kernel_name(_launches(fp8)[0]) == "sort_small_kernel"
 
 
+def test_one_tokens_combine_can_be_left_to_inductor(sm90, monkeypatch):
+    """``SLOT_COMBINE_IN_GRAPH``: one token's combine traces as torch ops (a masked, weighted sum over K in fp32) that
+    Inductor fuses with what follows, so the graph launches the two GEMMs only; sorted calls (T=16) and fp8 weights
+    (which keep the sort) still launch the combine kernel."""
+    from moe_fx.lowering.triton import permute
+
+    monkeypatch.setattr(permute, "SLOT_COMBINE_IN_GRAPH", True)
+    gm = _trace(_experts, _inputs(FakeTensorMode(), t=1))
+    assert [_kernel_name(n) for n in _launches(gm)] == ["masked_gemm_kernel", "masked_gemm_kernel"]
+    sums = [n for n in gm.graph.nodes if n.target is torch.ops.aten.sum.dim_IntList]
+    assert len(sums) == 1 and sums[0].args[1] == [1], [n.args for n in sums]  # over K
+    assert "moe_fx.experts" not in gm.code and "torch.float32" in gm.code
+    sorted_calls = _trace(_experts, _inputs(FakeTensorMode(), t=16))
+    assert [_kernel_name(n) for n in _launches(sorted_calls)] == list(DECODE)
+    fp8 = _trace(_experts_fp8, _inputs(FakeTensorMode(), t=1, fp8=True))
+    assert _kernel_name(_launches(fp8)[-1]) == "unpermute_kernel"
+
+
 def test_static_graph_runs_its_sizes_own_tile_and_a_dynamic_one_the_regimes(sm90, monkeypatch):
     """A static token count (Dynamo always specialises T=1) launches the tile tuned for its exact slot count
     (``...|s<T*K>`` entries); a graph with a symbolic T never does, whatever size it was traced with."""

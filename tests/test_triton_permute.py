@@ -176,3 +176,35 @@ def test_combine_block_fills_the_gpu_at_static_decode_sizes():
     env = ShapeEnv()
     sym_t = env.create_unbacked_symint()
     assert combine_block(sym_t, 2048) == 1024
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("weights_on_output", [True, False])
+def test_slot_rows_combine_as_torch_ops_matches_the_kernel(device, weights_on_output):
+    """``combine_slot_rows`` (the combine Inductor may fuse, ``SLOT_COMBINE_IN_GRAPH``) against ``unpermute_kernel``
+    with SLOT_ROWS on the same rows: slots with ids outside [0, E) are never read (their rows hold NaN here),
+    identity experts add w * hidden, weights applied or not; fp32 sums, so the two agree to rounding."""
+    from moe_fx.lowering.triton.permute import combine_slot_rows
+
+    gen = torch.Generator().manual_seed(7)
+    t, k, h, e = 2, 4, 96, 6
+    ids = torch.tensor([[0, 3, -1, 7], [5, 2, 9, 1]], dtype=torch.int64)  # 7, 8: identity experts; 9: outside
+    w = torch.rand(t, k, generator=gen)
+    hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    y = torch.randn(1, t * k, h, generator=gen).to(torch.bfloat16)  # GEMM2's rows in slot order
+    valid = ((ids >= 0) & (ids < e)).reshape(-1)
+    y[0, ~valid] = float("nan")  # rows the GEMMs never wrote
+    ids, w, hidden, y = ids.to(device), w.to(device), hidden.to(device), y.to(device)
+    kw = dict(weights_on_output=weights_on_output, hidden=hidden, identity_experts=3)
+    got = combine_slot_rows(y, w, ids, e, out_dtype=torch.float32, **kw)
+    want = unpermute_from_masked(y, None, w, topk_ids=ids, num_experts=e, out_dtype=torch.float32, slot_rows=True,
+                                 **kw)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # by hand, token 0: experts 0 and 3 (rows 0 and 1), identity expert 7 (slot 3)
+    scale = w[0, :2] if weights_on_output else torch.ones(2, device=device)
+    by_hand = (y[0, :2].float() * scale[:, None]).sum(0) + w[0, 3] * hidden[0].float()
+    torch.testing.assert_close(got[0], by_hand, rtol=1e-5, atol=1e-5)
+    assert combine_slot_rows(y, w, ids, e, out_dtype=torch.bfloat16, **kw).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="slot rows"):
+        combine_slot_rows(y[:, :-1], w, ids, e, out_dtype=torch.float32, **kw)

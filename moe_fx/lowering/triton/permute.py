@@ -18,11 +18,19 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_fx.lowering.triton._loader import launch
+from moe_fx.lowering.triton._loader import is_traced, launch
 from moe_fx.lowering.triton.grouped_gemm import _known_empty, _out, _pow2
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["MaskedBatch", "combine_block", "masked_rows_needed", "permute_to_masked", "unpermute_from_masked"]
+__all__ = ["MaskedBatch", "combine_block", "combine_slot_rows", "masked_rows_needed", "permute_to_masked",
+           "unpermute_from_masked"]
+
+#: One token's combine (rows in slot order) as torch ops while Inductor traces the op, instead of the Triton
+#: kernel: Inductor then takes the weighted sum over K (at most 8 terms: unrolled, pointwise) into its own kernel
+#: for what follows (the residual add, the next layer's norm), one user-kernel launch fewer per decoder layer at
+#: T=1, where a default-mode decode step is bound by the host's launches. Eager calls keep the kernel. Off until
+#: timed on the GPU (``bench/e2e_model.py --set triton.permute.SLOT_COMBINE_IN_GRAPH=True``).
+SLOT_COMBINE_IN_GRAPH = False
 
 
 @dataclass
@@ -189,6 +197,9 @@ def unpermute_from_masked(
     identity = identity_experts > 0
     if identity and (topk_ids is None or hidden is None or num_experts <= 0):
         raise ValueError("unpermute_from_masked: identity experts need topk_ids, hidden and num_experts")
+    if slot_rows and SLOT_COMBINE_IN_GRAPH and is_traced(y):
+        return combine_slot_rows(y, topk_weights, topk_ids, num_experts, weights_on_output=weights_on_output,
+                                 hidden=hidden, identity_experts=identity_experts, out_dtype=out_dtype or y.dtype)
     dev = y.device
     out = torch.empty(t, h, dtype=out_dtype or y.dtype, device=dev)
     if _known_empty(t, h):
@@ -209,3 +220,37 @@ def unpermute_from_masked(
         num_warps=4,
     )  # fmt: skip
     return out
+
+
+def combine_slot_rows(
+    y: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    *,
+    weights_on_output: bool,
+    hidden: torch.Tensor | None,
+    identity_experts: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The combine of rows in slot order as torch ops, what ``unpermute_kernel`` computes with ``SLOT_ROWS``:
+    ``out[t] = sum_k w[t, k] * y_row(t * K + k)`` in fp32 over the slots whose id lies in ``[0, E)`` (the rows of
+    other slots are never read: unwritten memory), plus ``w[t, k] * hidden[t]`` for identity experts (ids in
+    ``[E, E + identity_experts)``). ``y`` holds the ``T * K`` rows in slot order (``[1, T * K, H]``, as the sorted
+    layout's GEMM2 writes them for :class:`~moe_fx.lowering.triton.grouped_gemm.SlotRows`); returns ``[T, H]`` in
+    ``out_dtype``. See :data:`SLOT_COMBINE_IN_GRAPH`."""
+    t, k = topk_ids.shape
+    h = y.shape[-1]
+    if y.dim() != 3 or y.shape[0] * y.shape[1] != t * k:
+        raise ValueError(f"combine_slot_rows: y must hold the T*K = {t * k} slot rows, got {list(y.shape)}")
+    rows = y.reshape(t, k, h).float()
+    valid = (topk_ids >= 0) & (topk_ids < num_experts)
+    terms = torch.where(valid.unsqueeze(-1), rows, 0.0)
+    w = topk_weights.float()
+    if weights_on_output:
+        terms = terms * w.unsqueeze(-1)
+    out = terms.sum(1)
+    if identity_experts > 0:
+        ident = (topk_ids >= num_experts) & (topk_ids < num_experts + identity_experts)
+        out = out + torch.where(ident, w, 0.0).sum(1, keepdim=True) * hidden.float()
+    return out.to(out_dtype)
