@@ -72,13 +72,15 @@ def test_one_token_compiles_to_three_launches_without_a_sort():
     assert rel_err(out, experts_reference(hidden, ids, w, w13, w2) * 2) < 1e-2
 
 
-def test_one_tokens_combine_left_to_inductor_gives_the_same_numbers(monkeypatch):
-    """``SLOT_COMBINE_IN_GRAPH`` on: a batch-1 decode step's code launches the two GEMMs and no combine kernel (the
-    weighted sum over K is Inductor's, fused with the ``* 2`` after it), with the reference's numbers."""
-    from moe_fx.lowering.triton import permute
+@pytest.mark.parametrize("t", [1, 16])
+def test_decode_combine_left_to_inductor_gives_the_same_numbers(t, monkeypatch):
+    """``pipeline.COMBINE_IN_GRAPH`` on: a decode step's code (one token: rows in slot order; 16 tokens: sorted rows)
+    launches no combine kernel (the weighted sum over K is Inductor's, fused with the ``* 2`` after it), with the
+    reference's numbers."""
+    from moe_fx.lowering.masked_experts import pipeline
 
-    monkeypatch.setattr(permute, "SLOT_COMBINE_IN_GRAPH", True)
-    hidden, ids, w, w13, w2 = _layer(1)
+    monkeypatch.setattr(pipeline, "COMBINE_IN_GRAPH", True)
+    hidden, ids, w, w13, w2 = _layer(t)
 
     def layer(hidden, ids, w):
         return torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, kernel_choice="triton") * 2

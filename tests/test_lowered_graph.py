@@ -302,22 +302,29 @@ def test_one_token_runs_without_a_sort(sm90):
     assert _kernel_name(_launches(fp8)[0]) == "sort_small_kernel"
 
 
-def test_one_tokens_combine_can_be_left_to_inductor(sm90, monkeypatch):
-    """``SLOT_COMBINE_IN_GRAPH``: one token's combine traces as torch ops (a masked, weighted sum over K in fp32) that
-    Inductor fuses with what follows, so the graph launches the two GEMMs only; sorted calls (T=16) and fp8 weights
-    (which keep the sort) still launch the combine kernel."""
-    from moe_fx.lowering.triton import permute
+def test_decode_combine_can_be_left_to_inductor(sm90, monkeypatch):
+    """``pipeline.COMBINE_IN_GRAPH``: a decode-sized call's combine (regime 0) traces as torch ops (a masked, weighted
+    fp32 sum over K; the sorted rows gathered by ``index_select``), which Inductor fuses with what follows: one token
+    launches the two GEMMs only, 16 tokens (4 rows per expert) the sort and the GEMMs, fp8 weights the quantising
+    sort and the GEMMs; 64 tokens (16 rows per expert) keep the combine kernel."""
+    from moe_fx.lowering.masked_experts import pipeline
 
-    monkeypatch.setattr(permute, "SLOT_COMBINE_IN_GRAPH", True)
-    gm = _trace(_experts, _inputs(FakeTensorMode(), t=1))
-    assert [_kernel_name(n) for n in _launches(gm)] == ["masked_gemm_kernel", "masked_gemm_kernel"]
-    sums = [n for n in gm.graph.nodes if n.target is torch.ops.aten.sum.dim_IntList]
-    assert len(sums) == 1 and sums[0].args[1] == [1], [n.args for n in sums]  # over K
-    assert "moe_fx.experts" not in gm.code and "torch.float32" in gm.code
-    sorted_calls = _trace(_experts, _inputs(FakeTensorMode(), t=16))
-    assert [_kernel_name(n) for n in _launches(sorted_calls)] == list(DECODE)
+    monkeypatch.setattr(pipeline, "COMBINE_IN_GRAPH", True)
+
+    def sums(gm):
+        return [n.args[1] for n in gm.graph.nodes if n.target is torch.ops.aten.sum.dim_IntList]
+
+    one = _trace(_experts, _inputs(FakeTensorMode(), t=1))
+    assert [_kernel_name(n) for n in _launches(one)] == ["masked_gemm_kernel", "masked_gemm_kernel"]
+    assert sums(one) == [[1]] and "moe_fx.experts" not in one.code  # one sum, over K
+    decode = _trace(_experts, _inputs(FakeTensorMode(), t=16))
+    assert [_kernel_name(n) for n in _launches(decode)] == list(DECODE[:-1])
+    assert sums(decode) == [[1]] and "index_select" in decode.code
     fp8 = _trace(_experts_fp8, _inputs(FakeTensorMode(), t=1, fp8=True))
-    assert _kernel_name(_launches(fp8)[-1]) == "unpermute_kernel"
+    assert [_kernel_name(n) for n in _launches(fp8)] == ["sort_small_kernel", "masked_gemm_fp8_kernel",
+                                                         "activation_kernel", "masked_gemm_fp8_kernel"]
+    prefill = _trace(_experts, _inputs(FakeTensorMode(), t=64))
+    assert [_kernel_name(n) for n in _launches(prefill)] == list(KERNELS) and sums(prefill) == []
 
 
 def test_static_graph_runs_its_sizes_own_tile_and_a_dynamic_one_the_regimes(sm90, monkeypatch):

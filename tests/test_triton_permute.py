@@ -180,31 +180,38 @@ def test_combine_block_fills_the_gpu_at_static_decode_sizes():
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("weights_on_output", [True, False])
-def test_slot_rows_combine_as_torch_ops_matches_the_kernel(device, weights_on_output):
-    """``combine_slot_rows`` (the combine Inductor may fuse, ``SLOT_COMBINE_IN_GRAPH``) against ``unpermute_kernel``
-    with SLOT_ROWS on the same rows: slots with ids outside [0, E) are never read (their rows hold NaN here),
-    identity experts add w * hidden, weights applied or not; fp32 sums, so the two agree to rounding."""
-    from moe_fx.lowering.triton.permute import combine_slot_rows
+def test_combine_as_torch_ops_matches_the_kernel(device, weights_on_output):
+    """``combine_rows`` (the combine Inductor may fuse, ``pipeline.COMBINE_IN_GRAPH``) against ``unpermute_kernel`` on
+    the same rows, for rows in slot order and for rows a permute placed (``slot_pos``): rows of slots without an
+    expert are never read (NaN here), identity experts add w * hidden, weights applied or not; fp32 sums, so the
+    two agree to rounding."""
+    from moe_fx.lowering.triton.permute import combine_rows
 
     gen = torch.Generator().manual_seed(7)
     t, k, h, e = 2, 4, 96, 6
     ids = torch.tensor([[0, 3, -1, 7], [5, 2, 9, 1]], dtype=torch.int64)  # 7, 8: identity experts; 9: outside
     w = torch.rand(t, k, generator=gen)
     hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16)
-    y = torch.randn(1, t * k, h, generator=gen).to(torch.bfloat16)  # GEMM2's rows in slot order
+    slot_y = torch.randn(1, t * k, h, generator=gen).to(torch.bfloat16)  # GEMM2's rows in slot order
     valid = ((ids >= 0) & (ids < e)).reshape(-1)
-    y[0, ~valid] = float("nan")  # rows the GEMMs never wrote
-    ids, w, hidden, y = ids.to(device), w.to(device), hidden.to(device), y.to(device)
-    kw = dict(weights_on_output=weights_on_output, hidden=hidden, identity_experts=3)
-    got = combine_slot_rows(y, w, ids, e, out_dtype=torch.float32, **kw)
-    want = unpermute_from_masked(y, None, w, topk_ids=ids, num_experts=e, out_dtype=torch.float32, slot_rows=True,
-                                 **kw)
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # by hand, token 0: experts 0 and 3 (rows 0 and 1), identity expert 7 (slot 3)
+    slot_y[0, ~valid] = float("nan")  # rows the GEMMs never wrote
+    ids, w, hidden, slot_y = ids.to(device), w.to(device), hidden.to(device), slot_y.to(device)
+    batch = permute_to_masked(hidden, ids, e, masked_rows_needed(t, k, not weights_on_output), w,
+                              weights_on_input=not weights_on_output)
+    masked_y = batch.x.clone()
+    masked_y[batch.masked_m.unsqueeze(1) <= torch.arange(masked_y.shape[1], device=device)] = float("nan")
+    kw = {"weights_on_output": weights_on_output, "hidden": hidden, "identity_experts": 3}
+    for y, pos, slot_rows in ((slot_y, None, True), (masked_y, batch.slot_pos, False)):
+        got = combine_rows(y, pos, w, ids, e, out_dtype=torch.float32, **kw)
+        want = unpermute_from_masked(y, pos, w, topk_ids=ids, num_experts=e, out_dtype=torch.float32,
+                                     slot_rows=slot_rows, **kw)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # by hand, token 0 in slot order: experts 0 and 3 (rows 0 and 1), identity expert 7 (slot 3)
+    got = combine_rows(slot_y, None, w, ids, e, out_dtype=torch.float32, **kw)
     scale = w[0, :2] if weights_on_output else torch.ones(2, device=device)
-    by_hand = (y[0, :2].float() * scale[:, None]).sum(0) + w[0, 3] * hidden[0].float()
+    by_hand = (slot_y[0, :2].float() * scale[:, None]).sum(0) + w[0, 3] * hidden[0].float()
     torch.testing.assert_close(got[0], by_hand, rtol=1e-5, atol=1e-5)
-    assert combine_slot_rows(y, w, ids, e, out_dtype=torch.bfloat16, **kw).dtype == torch.bfloat16
+    assert combine_rows(slot_y, None, w, ids, e, out_dtype=torch.bfloat16, **kw).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="slot rows"):
-        combine_slot_rows(y[:, :-1], w, ids, e, out_dtype=torch.float32, **kw)
+        combine_rows(slot_y[:, :-1], None, w, ids, e, out_dtype=torch.float32, **kw)

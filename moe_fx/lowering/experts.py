@@ -22,6 +22,7 @@ import torch
 from moe_fx.lowering.masked_experts.pipeline import (
     ExpertWeights,
     GemmHints,
+    combine_in_graph,
     empty_scales,
     fuse_activation,
     quantize_activations,
@@ -235,6 +236,7 @@ def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
     return unpermute_from_masked(
         y, slot_pos, topk_weights, weights_on_output=not weights_on_input, topk_ids=topk_ids, hidden=hidden,
         num_experts=e, identity_experts=a["identity_experts"], out_dtype=hidden.dtype, slot_rows=plan.slot_rows,
+        in_graph=combine_in_graph(regime),
     )
 
 

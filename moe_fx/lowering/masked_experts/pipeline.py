@@ -27,9 +27,9 @@ from moe_fx.ops import ExpertActivation
 from moe_fx.ops.masked_experts import dequantize_activations
 from moe_fx.ops.recipe import FP8_DTYPE
 
-__all__ = ["FUSE_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT", "SLOT_ROWS_MAX_TOKENS", "W8A16_MAX_ROWS", "ExpertWeights",
-           "GemmHints", "MaskedGemms", "fuse_activation", "quantize_activations", "quantize_tokens_in_sort",
-           "run_masked_experts", "run_sorted_experts", "slot_rows"]
+__all__ = ["COMBINE_IN_GRAPH", "FUSE_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT", "SLOT_ROWS_MAX_TOKENS", "W8A16_MAX_ROWS",
+           "ExpertWeights", "GemmHints", "MaskedGemms", "combine_in_graph", "fuse_activation", "quantize_activations",
+           "quantize_tokens_in_sort", "run_masked_experts", "run_sorted_experts", "slot_rows"]
 
 #: Whether the sorted layout may apply the activation in GEMM1's epilogue (where :func:`fuse_activation`
 #: says it wins). Read when a call runs (so when a graph is compiled, for compiled code); benchmarks set
@@ -50,6 +50,10 @@ QUANTIZE_TOKENS_IN_SORT = True
 #: the GEMMs read each slot's expert id (:func:`slot_rows`). 0: always sort. Read when a call runs;
 #: bench/fused_activation.py ``--switch slot_rows`` sets it 0 to time the sort beside it.
 SLOT_ROWS_MAX_TOKENS = 1
+#: Whether a decode-sized call (rows-per-expert regime 0) leaves its combine to Inductor while a graph is compiled
+#: (:func:`combine_in_graph`). Off until timed on the GPU: ``bench/e2e_model.py --set
+#: masked_experts.pipeline.COMBINE_IN_GRAPH=True`` against a run without.
+COMBINE_IN_GRAPH = False
 
 
 @dataclass(frozen=True)
@@ -225,6 +229,16 @@ def slot_rows(fp8: bool, tokens: object) -> bool:
     sorted rows win (up to 1.44x), hence one token."""
     return (not fp8 and isinstance(tokens, int) and not isinstance(tokens, bool)
             and 1 <= tokens <= SLOT_ROWS_MAX_TOKENS)
+
+
+def combine_in_graph(regime: int | None) -> bool:
+    """Whether a call's combine traces as torch ops (:func:`~moe_fx.lowering.triton.permute.combine_rows`) rather
+    than as ``unpermute_kernel`` when Inductor compiles the graph: in the decode regime (at most 4 rows per expert)
+    while :data:`COMBINE_IN_GRAPH` says so. Inductor then takes the weighted sum over K (at most 8 terms: unrolled,
+    pointwise) into its own kernel for what follows (the residual add, the next layer's norm): one user-kernel
+    launch fewer per decoder layer, where a default-mode decode step is bound by the host's launches. Eager calls
+    keep the kernel."""
+    return COMBINE_IN_GRAPH and regime == 0
 
 
 def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bool:

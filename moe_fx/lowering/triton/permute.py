@@ -22,15 +22,9 @@ from moe_fx.lowering.triton._loader import is_traced, launch
 from moe_fx.lowering.triton.grouped_gemm import _known_empty, _out, _pow2
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["MaskedBatch", "combine_block", "combine_slot_rows", "masked_rows_needed", "permute_to_masked",
+__all__ = ["MaskedBatch", "combine_block", "combine_rows", "masked_rows_needed", "permute_to_masked",
            "unpermute_from_masked"]
 
-#: One token's combine (rows in slot order) as torch ops while Inductor traces the op, instead of the Triton
-#: kernel: Inductor then takes the weighted sum over K (at most 8 terms: unrolled, pointwise) into its own kernel
-#: for what follows (the residual add, the next layer's norm), one user-kernel launch fewer per decoder layer at
-#: T=1, where a default-mode decode step is bound by the host's launches. Eager calls keep the kernel. Off until
-#: timed on the GPU (``bench/e2e_model.py --set triton.permute.SLOT_COMBINE_IN_GRAPH=True``).
-SLOT_COMBINE_IN_GRAPH = False
 
 
 @dataclass
@@ -163,6 +157,7 @@ def unpermute_from_masked(
     identity_experts: int = 0,
     out_dtype: torch.dtype | None = None,
     slot_rows: bool = False,
+    in_graph: bool = False,
 ) -> torch.Tensor:
     """Gather expert outputs back to tokens: ``out[t] = sum_k w[t, k] * y[row of (t, k)]`` in fp32.
 
@@ -177,6 +172,8 @@ def unpermute_from_masked(
         out_dtype: result dtype (default ``y.dtype``).
         slot_rows: the rows are in slot order (``grouped_gemm.SlotRows``): slot ``(t, k)``'s row is ``t * K + k``
             when ``0 <= topk_ids[t, k] < num_experts`` (``slot_pos`` is not read and may be None).
+        in_graph: while Inductor traces the op, the same sum as torch ops (:func:`combine_rows`) for Inductor to
+            fuse with what follows, instead of the kernel (``pipeline.combine_in_graph``); eager calls ignore it.
 
     Returns:
         ``[T, H]``; tokens with no valid expert get zeros.
@@ -197,9 +194,10 @@ def unpermute_from_masked(
     identity = identity_experts > 0
     if identity and (topk_ids is None or hidden is None or num_experts <= 0):
         raise ValueError("unpermute_from_masked: identity experts need topk_ids, hidden and num_experts")
-    if slot_rows and SLOT_COMBINE_IN_GRAPH and is_traced(y):
-        return combine_slot_rows(y, topk_weights, topk_ids, num_experts, weights_on_output=weights_on_output,
-                                 hidden=hidden, identity_experts=identity_experts, out_dtype=out_dtype or y.dtype)
+    if in_graph and is_traced(y):
+        return combine_rows(y, None if slot_rows else slot_pos, topk_weights, topk_ids, num_experts,
+                            weights_on_output=weights_on_output, hidden=hidden, identity_experts=identity_experts,
+                            out_dtype=out_dtype or y.dtype)
     dev = y.device
     out = torch.empty(t, h, dtype=out_dtype or y.dtype, device=dev)
     if _known_empty(t, h):
@@ -222,10 +220,11 @@ def unpermute_from_masked(
     return out
 
 
-def combine_slot_rows(
+def combine_rows(
     y: torch.Tensor,
+    slot_pos: torch.Tensor | None,
     topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    topk_ids: torch.Tensor | None,
     num_experts: int,
     *,
     weights_on_output: bool,
@@ -233,19 +232,26 @@ def combine_slot_rows(
     identity_experts: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The combine of rows in slot order as torch ops, what ``unpermute_kernel`` computes with ``SLOT_ROWS``:
-    ``out[t] = sum_k w[t, k] * y_row(t * K + k)`` in fp32 over the slots whose id lies in ``[0, E)`` (the rows of
-    other slots are never read: unwritten memory), plus ``w[t, k] * hidden[t]`` for identity experts (ids in
-    ``[E, E + identity_experts)``). ``y`` holds the ``T * K`` rows in slot order (``[1, T * K, H]``, as the sorted
-    layout's GEMM2 writes them for :class:`~moe_fx.lowering.triton.grouped_gemm.SlotRows`); returns ``[T, H]`` in
-    ``out_dtype``. See :data:`SLOT_COMBINE_IN_GRAPH`."""
-    t, k = topk_ids.shape
+    """What ``unpermute_kernel`` computes, as torch ops (for Inductor to fuse; ``in_graph`` of
+    :func:`unpermute_from_masked`): ``out[t] = sum_k w[t, k] * y_row(t, k)`` in fp32 over the slots that have a row,
+    plus ``w[t, k] * hidden[t]`` for identity experts (ids in ``[E, E + identity_experts)``). Rows of other slots
+    are never used (unwritten memory). ``slot_pos`` (``[T * K]``, ``-1`` for no row) addresses ``y``'s rows as
+    ``e * max_m + r``; None: ``y`` holds the ``T * K`` rows in slot order (``[1, T * K, H]``, rows in slot order
+    of the sorted layout) and a slot has its row when its id lies in ``[0, E)``. Returns ``[T, H]`` in
+    ``out_dtype``."""
+    t, k = topk_weights.shape
     h = y.shape[-1]
-    if y.dim() != 3 or y.shape[0] * y.shape[1] != t * k:
-        raise ValueError(f"combine_slot_rows: y must hold the T*K = {t * k} slot rows, got {list(y.shape)}")
-    rows = y.reshape(t, k, h).float()
-    valid = (topk_ids >= 0) & (topk_ids < num_experts)
-    terms = torch.where(valid.unsqueeze(-1), rows, 0.0)
+    if slot_pos is None:
+        if topk_ids is None or y.dim() != 3 or y.shape[0] * y.shape[1] != t * k:
+            raise ValueError(f"combine_rows: rows in slot order need topk_ids and the T*K = {t * k} slot rows, "
+                             f"got y {list(y.shape)}")
+        rows = y.reshape(t, k, h)
+        has_row = (topk_ids >= 0) & (topk_ids < num_experts)
+    else:
+        # index_select, not indexing: the gather Inductor takes into its kernel as an indirect load
+        rows = y.reshape(-1, h).index_select(0, slot_pos.clamp_min(0)).view(t, k, h)
+        has_row = slot_pos.view(t, k) >= 0
+    terms = torch.where(has_row.unsqueeze(-1), rows.float(), 0.0)
     w = topk_weights.float()
     if weights_on_output:
         terms = terms * w.unsqueeze(-1)
