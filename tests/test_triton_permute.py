@@ -182,14 +182,15 @@ def test_combine_block_fills_the_gpu_at_static_decode_sizes():
 @pytest.mark.parametrize("weights_on_output", [True, False])
 def test_combine_as_torch_ops_matches_the_kernel(device, weights_on_output):
     """``combine_rows`` (the combine Inductor may fuse, ``pipeline.COMBINE_IN_GRAPH``) against ``unpermute_kernel`` on
-    the same rows, for rows in slot order and for rows a permute placed (``slot_pos``): rows of slots without an
-    expert are never read (NaN here), identity experts add w * hidden, weights applied or not; fp32 sums, so the
-    two agree to rounding."""
+    the same rows, for rows in slot order and for rows a permute placed (``slot_pos``; a repeated id shares a row):
+    rows of slots without an expert are never read (NaN here), identity experts add w * hidden, weights applied or
+    not; fp32 sums, so the two agree to rounding."""
     from moe_fx.lowering.triton.permute import combine_rows
 
     gen = torch.Generator().manual_seed(7)
     t, k, h, e = 2, 4, 96, 6
-    ids = torch.tensor([[0, 3, -1, 7], [5, 2, 9, 1]], dtype=torch.int64)  # 7, 8: identity experts; 9: outside
+    # 7, 8: identity experts; 9: outside; expert 2 twice in token 1 (one shared row in the masked layout)
+    ids = torch.tensor([[0, 3, -1, 7], [5, 2, 9, 2]], dtype=torch.int64)
     w = torch.rand(t, k, generator=gen)
     hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16)
     slot_y = torch.randn(1, t * k, h, generator=gen).to(torch.bfloat16)  # GEMM2's rows in slot order
