@@ -26,7 +26,6 @@ __all__ = ["MaskedBatch", "combine_block", "combine_rows", "masked_rows_needed",
            "unpermute_from_masked"]
 
 
-
 @dataclass
 class MaskedBatch:
     """Tokens in the masked layout, and where each ``(token, k)`` slot went.
@@ -236,8 +235,8 @@ def combine_rows(
     :func:`unpermute_from_masked`): ``out[t] = sum_k w[t, k] * y_row(t, k)`` in fp32 over the slots that have a row,
     plus ``w[t, k] * hidden[t]`` for identity experts (ids in ``[E, E + identity_experts)``). Rows of other slots
     are never used (unwritten memory). ``slot_pos`` (``[T * K]``, ``-1`` for no row) addresses ``y``'s rows as
-    ``e * max_m + r``; None: ``y`` holds the ``T * K`` rows in slot order (``[1, T * K, H]``, rows in slot order
-    of the sorted layout) and a slot has its row when its id lies in ``[0, E)``. Returns ``[T, H]`` in
+    ``e * max_m + r``; None: ``y`` holds the ``T * K`` rows in slot order (``[1, T * K, H]``, as the sorted
+    layout's GEMM2 writes them for one token) and a slot has its row when its id lies in ``[0, E)``. Returns ``[T, H]`` in
     ``out_dtype``."""
     t, k = topk_weights.shape
     h = y.shape[-1]
@@ -248,7 +247,8 @@ def combine_rows(
         rows = y.reshape(t, k, h)
         has_row = (topk_ids >= 0) & (topk_ids < num_experts)
     else:
-        # index_select, not indexing: the gather Inductor takes into its kernel as an indirect load
+        # index_select rather than y[...]: either is an indirect load in Inductor's kernel, and index_select also
+        # traces with fake CUDA tensors on a CPU-only torch (tests/test_lowered_graph.py)
         rows = y.reshape(-1, h).index_select(0, slot_pos.clamp_min(0)).view(t, k, h)
         has_row = slot_pos.view(t, k) >= 0
     terms = torch.where(has_row.unsqueeze(-1), rows.float(), 0.0)
