@@ -271,6 +271,16 @@ def test_explain_says_layout_and_kernel_per_regime():
     assert fp8.regimes == ("rows per expert 1..16: triton, sorted layout, bf16 activations x fp8 weights, activation "
                            "in GEMM1's epilogue (local_permute: local_sorted preferred); rows per expert 17..: triton, "
                            "sorted layout (local_permute: local_sorted preferred)"), fp8.regimes
+    # the decode combine left to Inductor on request: said for the decode regime (1..4 rows per expert) only
+    with pytest.MonkeyPatch.context() as mp:
+        from moe_fx.lowering.masked_experts import pipeline
+
+        mp.setattr(pipeline, "COMBINE_IN_GRAPH", True)
+        why = _explain(2048, 768, e=128, caps=no_dg)
+    assert why.regimes.startswith("rows per expert 1..4: triton, sorted layout, activation in GEMM1's epilogue, "
+                                  "combine fused by Inductor in compiled graphs (local_permute: local_sorted "
+                                  "preferred); rows per expert 5..64: triton, sorted layout, activation in GEMM1's "
+                                  "epilogue (local_permute"), why.regimes
 
 
 def test_kernel_names_are_the_ops_contract():

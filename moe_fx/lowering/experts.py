@@ -98,6 +98,12 @@ class ExpertsPlan:
         :func:`~moe_fx.lowering.masked_experts.pipeline.slot_rows`, which the run asks too)."""
         return self.layout == "sorted" and slot_rows(self.problem.fp8_block is not None, self.tokens)
 
+    @property
+    def combine_in_graph(self) -> bool:
+        """A compiled graph runs the combine as torch ops that Inductor fuses with what follows (decode sizes, while
+        :func:`~moe_fx.lowering.masked_experts.pipeline.combine_in_graph` says so; the run asks this)."""
+        return not self.reference and combine_in_graph(self.problem.regime if self.problem is not None else None)
+
     def summary(self) -> str:
         """One line: kernel and layout, e.g. ``"triton, sorted layout, activation in GEMM1's epilogue"``."""
         if self.reference:
@@ -105,7 +111,8 @@ class ExpertsPlan:
         return f"{self.experts.kernel}, {self.layout} layout" + (
             ", rows in slot order (no sort)" if self.slot_rows else "") + (
             ", bf16 activations x fp8 weights" if self.bf16_activations_fp8_weights else "") + (
-            ", activation in GEMM1's epilogue" if self.activation_epilogue else "")
+            ", activation in GEMM1's epilogue" if self.activation_epilogue else "") + (
+            ", combine fused by Inductor in compiled graphs" if self.combine_in_graph else "")
 
     def raise_if_unrunnable(self, what: str) -> ExpertsPlan:
         """Itself, or ``RuntimeError`` when an explicit request cannot run (never a silent fallback)."""
@@ -236,7 +243,7 @@ def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
     return unpermute_from_masked(
         y, slot_pos, topk_weights, weights_on_output=not weights_on_input, topk_ids=topk_ids, hidden=hidden,
         num_experts=e, identity_experts=a["identity_experts"], out_dtype=hidden.dtype, slot_rows=plan.slot_rows,
-        in_graph=combine_in_graph(regime),
+        in_graph=plan.combine_in_graph,
     )
 
 
