@@ -101,7 +101,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # bench/moe_layer.py's helpers
 
-from moe_layer import apply_settings, layer_floor, log, machine_meta, measure_limits  # noqa: E402
+from moe_layer import apply_settings, layer_floor, log, machine_meta, measure_limits, qualified_setting  # noqa: E402
 from pass_time import compile_metrics, compile_split  # noqa: E402
 
 # What is measured where (the targets).
@@ -905,11 +905,9 @@ def run_benchmark(args: argparse.Namespace) -> None:
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), cache_limit))
     dg = deepgemm_state(args.no_deepgemm)
-    if args.static_launch:  # moe_fx's side only: plain's graphs hold no user-defined Triton kernel
-        import moe_fx.backend
-
-        moe_fx.backend.STATIC_LAUNCH_KERNELS = True
-    settings_set = apply_settings(args.set)  # lowering constants: moe_fx's side only, as above
+    # moe_fx constants (--set; --static-launch is one): moe_fx's side only, plain's graphs hold no moe_fx op or
+    # user-defined Triton kernel
+    settings_set = apply_settings(args.set + (["moe_fx.backend.STATIC_LAUNCH_KERNELS=True"] if args.static_launch else []))
     meta = {
         **machine_meta(),
         "smoke": args.smoke,
@@ -1127,7 +1125,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"experts implementation `{meta.get('experts_implementation')}`, sdpa attention, dynamic={meta.get('dynamic')}"
         f"{', specialize_float' if meta.get('specialize_float') else ''}"
         f"{'; moe_fx launches its Triton kernels statically (--static-launch)' if meta.get('static_launch') else ''}"
-        + "".join(f"; `moe_fx.lowering.{n}` = {v!r}" for n, v in (meta.get("settings") or {}).items()) + "; "
+        + "".join(f"; `{qualified_setting(n)}` = {v!r}" for n, v in (meta.get("settings") or {}).items()) + "; "
         f"timing: {meta.get('timing')}. DeepGEMM: {meta.get('deepgemm')}.",
         "",
         "wall = one forward from an idle synchronised GPU to the sync after it; host = the same call until it returns "
@@ -1414,8 +1412,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="moe_fx.backend.STATIC_LAUNCH_KERNELS = True: Inductor's static launcher for moe_fx's Triton "
                          "kernels (less host time per launch; compare a run without it)")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
-                    help="a lowering constant for the whole run (moe_fx's side), e.g. "
-                         "masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS=4 (repeatable)")
+                    help="a moe_fx constant for the whole run (moe_fx's side): a module under moe_fx.lowering, e.g. "
+                         "masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS=4, or a full moe_fx module name, e.g. "
+                         "moe_fx.backend.STATIC_LAUNCH_KERNELS=True (repeatable)")
     ap.add_argument("--no-forward", action="store_true",
                     help="skip the forward cells (--tokens then only feeds explain: a generate()-only run, such as "
                          "a full-depth model whose four compiles would not fit one call otherwise)")

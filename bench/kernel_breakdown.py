@@ -33,6 +33,7 @@ from moe_layer import (
     apply_settings,
     bench_meta,
     capture_graphs,
+    qualified_setting,
     replay_us,
     results_stem,
     routing_sets,
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         f.write(f"{meta.get('gpu', '')} · torch {torch.__version__} · limits in this run: copy "
                 f"{limits['copy_tbs']:.2f} TB/s, bf16 {limits['bf16_tflops']:.0f} TFLOP/s\n\n")
         if settings:
-            f.write("Settings: " + ", ".join(f"`moe_fx.lowering.{n}` = {v!r}" for n, v in settings.items()) + "\n\n")
+            f.write("Settings: " + ", ".join(f"`{qualified_setting(n)}` = {v!r}" for n, v in settings.items()) + "\n\n")
         f.write("| shape | dtype | pair | T | replay µs | floor µs (%) | kernels, launch order: GPU µs (GEMM bandwidth floor) "
                 "| gaps µs |\n|---|---|---|---|---|---|---|---|\n")
         for r in rows:

@@ -102,9 +102,17 @@ def results_stem(name: str, tag: str = "") -> str:
     return f"{name}_{datetime.date.today().isoformat()}" + (f"_{tag}" if tag else "")
 
 
+def qualified_setting(name: str) -> str:
+    """A ``--set`` name (a module, or ``module.ATTR``) with its module in full: a name that starts with ``moe_fx.``
+    as given (``moe_fx.backend.STATIC_LAUNCH_KERNELS``), any other under ``moe_fx.lowering``
+    (``masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS`` -> ``moe_fx.lowering.masked_experts.pipeline....``)."""
+    return name if name == "moe_fx" or name.startswith("moe_fx.") else f"moe_fx.lowering.{name}"
+
+
 def apply_settings(pairs: list[str]) -> dict[str, object]:
-    """Set ``module.ATTR=value`` (a module under ``moe_fx.lowering``, a Python literal) for each of ``pairs``;
-    returns ``{name: value}`` as set. Raises ``ValueError`` for a malformed pair and ``AttributeError`` for a
+    """Set ``module.ATTR=value`` (a module under ``moe_fx.lowering``, or a full ``moe_fx...`` module name:
+    :func:`qualified_setting`; a Python literal) for each of ``pairs``; returns ``{name: value}`` as set, each name
+    as given. Raises ``ValueError`` for a malformed pair and ``AttributeError`` for a
     constant the module does not have (a typo must not run the defaults under another name)."""
     import ast
     import importlib
@@ -113,11 +121,12 @@ def apply_settings(pairs: list[str]) -> dict[str, object]:
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep or "." not in name:
-            raise ValueError(f"--set wants module.ATTR=value (module under moe_fx.lowering), got {pair!r}")
+            raise ValueError(f"--set wants module.ATTR=value (module under moe_fx.lowering or moe_fx...), got {pair!r}")
         path, attr = name.strip().rsplit(".", 1)
-        module = importlib.import_module(f"moe_fx.lowering.{path}")
+        module_name = qualified_setting(path)
+        module = importlib.import_module(module_name)
         if not hasattr(module, attr):
-            raise AttributeError(f"--set: moe_fx.lowering.{path} has no {attr}")
+            raise AttributeError(f"--set: {module_name} has no {attr}")
         value = ast.literal_eval(text.strip())
         setattr(module, attr, value)
         settings[name.strip()] = value

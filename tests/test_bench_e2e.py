@@ -214,9 +214,13 @@ def test_e2e_model_no_forward_runs_no_forward_cell(tmp_path):
     assert data["rows"] == [] and "1/1 regions rewritten" in data["meta"]["explain"]["qwen3"], data["meta"]
     assert "compiled, first call" not in proc.stdout, proc.stdout[-2000:]
     assert data["meta"]["static_launch"] is True
-    assert data["meta"]["settings"] == {"masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS": 1}
+    # --static-launch is one of the settings (--set's mechanism, on the backend's constant)
+    assert data["meta"]["settings"] == {"masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS": 1,
+                                        "moe_fx.backend.STATIC_LAUNCH_KERNELS": True}
     md = js.with_suffix(".md").read_text()
-    assert "launches its Triton kernels statically" in md and "SLOT_ROWS_MAX_TOKENS` = 1" in md
+    assert "launches its Triton kernels statically" in md
+    assert "`moe_fx.lowering.masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS` = 1" in md
+    assert "`moe_fx.backend.STATIC_LAUNCH_KERNELS` = True" in md
 
 
 @pytest.mark.timeout(120)

@@ -80,3 +80,14 @@ def test_settings_change_the_lowering_constants_and_refuse_typos(mod, monkeypatc
         mod.apply_settings(["masked_experts.pipeline.SLOT_ROWS_MAX_TOKEN=4"])
     with pytest.raises(ValueError, match="module.ATTR=value"):
         mod.apply_settings(["SLOT_ROWS_MAX_TOKENS"])
+    # a full moe_fx module name reaches constants outside moe_fx.lowering (the backend's)
+    from moe_fx import backend
+
+    monkeypatch.setattr(backend, "STATIC_LAUNCH_KERNELS", False)
+    assert mod.apply_settings(["moe_fx.backend.STATIC_LAUNCH_KERNELS=True"]) == {"moe_fx.backend.STATIC_LAUNCH_KERNELS": True}
+    assert backend.STATIC_LAUNCH_KERNELS is True
+    with pytest.raises(AttributeError, match="moe_fx.backend has no STATIC_LAUNCH"):
+        mod.apply_settings(["moe_fx.backend.STATIC_LAUNCH=True"])
+    assert mod.qualified_setting("masked_experts.pipeline.FUSE_ACTIVATION") == (
+        "moe_fx.lowering.masked_experts.pipeline.FUSE_ACTIVATION")
+    assert mod.qualified_setting("moe_fx.backend.STATIC_LAUNCH_KERNELS") == "moe_fx.backend.STATIC_LAUNCH_KERNELS"
