@@ -83,6 +83,7 @@ Writes ``e2e_model_<date>[_tag].{md,json,png}`` to ``--out`` (default bench/resu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -95,7 +96,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -344,13 +345,19 @@ def expected_experts_hit(t: int, e: int, k: int) -> float:
     return e * (1 - (1 - k / e) ** t)
 
 
-def routed_experts_hit(model, input_ids) -> list[int]:
-    """Distinct experts each MoE layer's router picks for ``input_ids`` in one eager forward of ``model``, in layer
-    order: a forward hook on every transformers router (a module whose class name ends in ``Router``, such as
-    ``Qwen3MoeTopKRouter`` or ``DeepseekV3TopkRouter``, returning a tuple whose last item is the top-k expert ids).
-    Empty where the model has no such router. Deep models with random weights route far from uniformly (a
-    48-layer Qwen3-30B-A3B hit fewer experts per layer at T=1024 than the uniform count), so the floor counts the
-    experts the tokens actually reach."""
+def routers_of(model) -> list:
+    """``model``'s transformers routers: the modules whose class name ends in ``Router`` (``Qwen3MoeTopKRouter``,
+    ``DeepseekV3TopkRouter``, ...)."""
+    return [m for m in model.modules() if type(m).__name__.lower().endswith("router")]
+
+
+@contextlib.contextmanager
+def routed_experts_counted(model) -> Iterator[list[int]]:
+    """While the block runs, each forward of a router of ``model`` (:func:`routers_of`; it returns a tuple whose
+    last item is the top-k expert ids) appends to the yielded list the distinct experts it picked: one count per
+    MoE layer and forward, in layer order. Deep models with random weights route far from uniformly (a 48-layer Qwen3-30B-A3B
+    hit fewer experts per layer at T=1024 than the uniform count), so the floor counts the experts the tokens
+    actually reach."""
     import torch
 
     hits: list[int] = []
@@ -360,16 +367,23 @@ def routed_experts_hit(model, input_ids) -> list[int]:
         if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and not ids.is_complex():
             hits.append(int(torch.unique(ids).numel()))
 
-    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("router")]
-    if not routers:  # nothing to count: no forward
-        return hits
-    handles = [m.register_forward_hook(record) for m in routers]
+    handles = [m.register_forward_hook(record) for m in routers_of(model)]
     try:
-        with torch.no_grad():
-            forward_call(model, input_ids, "default")()
+        yield hits
     finally:
         for handle in handles:
             handle.remove()
+
+
+def routed_experts_hit(model, input_ids) -> list[int]:
+    """Distinct experts each MoE layer's router picks for ``input_ids`` in one eager forward of ``model``, in layer
+    order (:func:`routed_experts_counted`); empty, and no forward, where the model has no router."""
+    import torch
+
+    if not routers_of(model):
+        return []
+    with routed_experts_counted(model) as hits, torch.no_grad():
+        forward_call(model, input_ids, "default")()
     return hits
 
 
@@ -545,17 +559,19 @@ def run_cell(row: dict, measure: Callable[[], dict], budget: Budget, errors: tup
     return row
 
 
-def forward_row(calls: dict[str, Callable], mode: str, t: int, s: Settings,
-                reference: Callable[[], Any] | None = None, label: str = "forward",
-                floor_us: float | None = None, hits: list[int] | None = None) -> dict:
-    """The numbers of one forward row: per-backend times (and logit errors against ``reference``), first-call
-    and compile seconds, speed-up and the issue's target for it; with ``floor_us`` (:func:`moe_floor_us`), the
-    GPU-time ceiling of the speed-up (:func:`gpu_ceiling`); ``hits``, the experts each MoE layer reached
-    (:func:`routed_experts_hit`), recorded beside the floor."""
-    row: dict[str, Any] = measure_forward(calls, s, reference, label)
-    row["moe_floor_us"] = floor_us
+def forward_row(calls: dict[str, Callable], mode: str, t: int, s: Settings, reference: Callable[[], Any],
+                label: str, spec: ModelSpec, layers: int, base_model, limits: dict | None) -> dict:
+    """The numbers of one forward row: per-backend times, logit errors against ``reference`` (``base_model``'s
+    eager forward on the row's tokens), first-call and compile seconds, speed-up and the issue's target for it;
+    the MoE floor (:func:`moe_floor_us`) of the experts each layer's router reached in that reference forward
+    (:func:`routed_experts_counted`; uniform routing where no router is seen) and the GPU-time ceiling of the
+    speed-up (:func:`gpu_ceiling`)."""
+    with routed_experts_counted(base_model) as counted:
+        row: dict[str, Any] = measure_forward(calls, s, reference, label)
+    hits = counted or None
     row["experts_hit"] = hits
-    row["gpu_ceiling"] = gpu_ceiling(row["plain"], row["moe_fx"], floor_us)
+    row["moe_floor_us"] = moe_floor_us(spec, layers, t, s.weights != "bf16", limits, hits)
+    row["gpu_ceiling"] = gpu_ceiling(row["plain"], row["moe_fx"], row["moe_floor_us"])
     row["speedup"] = row["plain"]["wall_us"] / row["moe_fx"]["wall_us"]
     row["target"] = forward_target(mode, t)
     row["ok"] = None if row["target"] is None else row["speedup"] >= row["target"]
@@ -565,15 +581,6 @@ def forward_row(calls: dict[str, Callable], mode: str, t: int, s: Settings,
 def mean_text(values: list[int] | None) -> str:
     """The mean of ``values`` to one decimal, '-' for none."""
     return f"{sum(values) / len(values):.1f}" if values else "-"
-
-
-def routed_forward_row(calls: dict[str, Callable], mode: str, t: int, s: Settings, reference: Callable[[], Any],
-                       label: str, spec: ModelSpec, layers: int, base_model, input_ids, limits: dict | None) -> dict:
-    """:func:`forward_row` with the floor of the experts ``input_ids`` reach in ``base_model``
-    (:func:`routed_experts_hit`; uniform routing where no router is found)."""
-    hits = routed_experts_hit(base_model, input_ids) or None
-    return forward_row(calls, mode, t, s, reference=reference, label=label, hits=hits,
-                       floor_us=moe_floor_us(spec, layers, t, s.weights != "bf16", limits, hits))
 
 
 def layer_host_cell(model_name: str, spec: ModelSpec, base_model, compiled: dict, t: int, s: Settings) -> dict:
@@ -990,8 +997,8 @@ def run_benchmark(args: argparse.Namespace) -> None:
                 eager = forward_call(base_model, ids[t], "default")
                 finish(run_cell(
                     {"kind": "forward", **tag, "mode": mode, "T": t, "layers": layers},
-                    lambda: routed_forward_row(calls, mode, t, settings, eager, f"{model_name} {mode} T={t}",
-                                               spec, layers, base_model, ids[t], meta["limits"]), budget, errors,
+                    lambda: forward_row(calls, mode, t, settings, eager, f"{model_name} {mode} T={t}", spec, layers,
+                                        base_model, meta["limits"]), budget, errors,
                     skip="needs CUDA" if mode == "reduce-overhead" and settings.device != "cuda" else None,
                 ))
         if not args.no_layer_host:
