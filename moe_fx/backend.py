@@ -137,15 +137,19 @@ def passes_fingerprint() -> str:
 
 
 def _cache_salt():
-    """An Inductor custom pass that does nothing but put :func:`passes_fingerprint` in the cache key."""
+    """An Inductor custom pass that does nothing but put in the cache key (AOTAutograd's and Inductor's) what the
+    compiled code depends on besides the graph: :func:`passes_fingerprint` (moe_fx's source) and the lowering's
+    settings as they are at this compile (:func:`~moe_fx.lowering.settings.settings_fingerprint`)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from moe_fx.lowering.settings import settings_fingerprint
 
     class MoEFxCacheSalt(CustomGraphPass):
         def __call__(self, graph: fx.Graph) -> None:
             return None
 
         def uuid(self) -> str:
-            return "moe_fx-" + passes_fingerprint()
+            return f"moe_fx-{passes_fingerprint()}-{settings_fingerprint()}"
 
     return MoEFxCacheSalt()
 

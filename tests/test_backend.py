@@ -15,6 +15,7 @@ from helpers import experts_in_one_copy, run_captured
 
 import moe_fx
 from moe_fx.backend import _cache_salt, passes_fingerprint
+from moe_fx.lowering.settings import changed_settings, settings_fingerprint
 from moe_fx.testing.models import DenseBmmMoE, tiny_hf_model
 
 
@@ -51,7 +52,7 @@ def test_cache_key_follows_pass_sources(tmp_path, monkeypatch):
     from moe_fx import backend
 
     salt = _cache_salt()
-    assert salt.uuid() == "moe_fx-" + passes_fingerprint()
+    assert salt.uuid() == f"moe_fx-{passes_fingerprint()}-{settings_fingerprint()}"
     # A copy of the package whose pass source differs gets another fingerprint.
     pkg = Path(moe_fx.__file__).parent
     copy = tmp_path / "moe_fx"
@@ -60,6 +61,56 @@ def test_cache_key_follows_pass_sources(tmp_path, monkeypatch):
     assert before == passes_fingerprint()
     (copy / "passes" / "rewrite_moe.py").write_text((copy / "passes" / "rewrite_moe.py").read_text() + "\n# changed\n")
     assert backend._fingerprint_of(copy, moe_fx.__version__) != before
+
+
+def test_cache_key_follows_lowering_settings(tmp_path, monkeypatch):
+    """The key changes with each setting the lowering reads while a graph compiles (a module switch, a MOE_FX_*
+    variable, the user's tuned tiles), goes back with it, and ignores what was imported before."""
+    import importlib
+    import json
+
+    from moe_fx.lowering.masked_experts import pipeline
+
+    salt = _cache_salt()
+    base = salt.uuid()
+    importlib.import_module("moe_fx.lowering.triton.decode")  # a module loaded later holds its source's values
+    assert salt.uuid() == base
+    monkeypatch.setattr(pipeline, "COMBINE_IN_GRAPH", not pipeline.COMBINE_IN_GRAPH)
+    assert salt.uuid() != base
+    assert changed_settings()["moe_fx.lowering.masked_experts.pipeline.COMBINE_IN_GRAPH"] == repr(
+        pipeline.COMBINE_IN_GRAPH)
+    monkeypatch.setattr(pipeline, "COMBINE_IN_GRAPH", not pipeline.COMBINE_IN_GRAPH)
+    assert salt.uuid() == base
+    monkeypatch.setenv("MOE_FX_DISABLE_DEEPGEMM", "1")
+    assert salt.uuid() != base
+    monkeypatch.delenv("MOE_FX_DISABLE_DEEPGEMM")
+    monkeypatch.setenv("MOE_FX_CACHE_DIR", str(tmp_path))
+    no_tiles = salt.uuid()
+    (tmp_path / "triton_tiles.json").write_text(json.dumps({"NVIDIA H200|sorted_gemm1": {"block_m": 64}}))
+    assert salt.uuid() != no_tiles
+
+
+def test_compiled_graph_cache_misses_after_a_setting_changes(monkeypatch):
+    """AOTAutograd's cache (in front of Inductor's) replays a moe_fx graph compiled with the same settings, and
+    compiles anew once a lowering setting changed: its code would otherwise keep the old decisions."""
+    from torch._dynamo.utils import counters
+
+    from moe_fx.lowering.masked_experts import pipeline
+
+    torch.manual_seed(0)
+    model, x = DenseBmmMoE(), torch.randn(4, 32)
+
+    def compile_once() -> tuple[int, int]:
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(model, backend="moe_fx")(x), model(x), rtol=1e-4, atol=1e-4)
+        return counters["aot_autograd"]["autograd_cache_hit"], counters["aot_autograd"]["autograd_cache_miss"]
+
+    compile_once()
+    assert compile_once() == (1, 0)
+    monkeypatch.setattr(pipeline, "COMBINE_IN_GRAPH", not pipeline.COMBINE_IN_GRAPH)
+    assert compile_once() == (0, 1)
 
 
 def test_grad_mode_leaves_graph_untouched():

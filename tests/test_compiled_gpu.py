@@ -27,6 +27,18 @@ def _code_of(fn, *args, **kwargs):
     return out, "\n".join(code)
 
 
+@pytest.fixture
+def fresh_compile(monkeypatch):
+    """Compile from scratch: no AOTAutograd / Inductor cache entry (a graph that calls a moe_fx op directly under
+    plain Inductor has no moe_fx salt in its key, so a switch a test flips would not reach a cached graph) and no
+    kernel module loaded by an earlier test (Inductor reuses a loaded kernel as it was compiled, launcher
+    included)."""
+    from torch._inductor.codecache import PyCodeCache
+
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    PyCodeCache.cache_clear()
+
+
 def _layer(t, e=16, k=4, h=256, i=384, dtype=torch.bfloat16, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     hidden = torch.randn(t, h, generator=g, device="cuda").to(dtype)
@@ -73,7 +85,7 @@ def test_one_token_compiles_to_three_launches_without_a_sort():
 
 
 @pytest.mark.parametrize("t", [1, 16])
-def test_decode_combine_left_to_inductor_gives_the_same_numbers(t, monkeypatch):
+def test_decode_combine_left_to_inductor_gives_the_same_numbers(t, monkeypatch, fresh_compile):
     """``pipeline.COMBINE_IN_GRAPH`` on: a decode step's code (one token: rows in slot order; 16 tokens: sorted rows)
     launches no combine kernel (the weighted sum over K is Inductor's, fused with the ``* 2`` after it), with the
     reference's numbers."""
@@ -92,7 +104,7 @@ def test_decode_combine_left_to_inductor_gives_the_same_numbers(t, monkeypatch):
 
 
 @pytest.mark.parametrize("t", [1, 512])
-def test_static_launch_of_the_kernels_gives_the_same_numbers(t, monkeypatch):
+def test_static_launch_of_the_kernels_gives_the_same_numbers(t, monkeypatch, fresh_compile):
     """``backend.STATIC_LAUNCH_KERNELS`` on (Inductor's static launcher for user-defined Triton kernels; those it
     cannot take keep Triton's): a decode step and a prefill-sized call through ``backend="moe_fx"`` give the
     reference's numbers, and at least one moe_fx kernel is launched statically."""
