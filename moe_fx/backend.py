@@ -46,9 +46,15 @@ PASSES_TIMER = "moe_fx_passes"
 #: launch path) instead of Triton's Python launcher: less host time per launch, which a decode step of many layers
 #: pays several times a layer. A kernel the static launcher cannot take (device-made TMA descriptors need Triton's
 #: global scratch) keeps Triton's launcher, kernel by kernel (Inductor logs why). ``MoEConfig.inductor_options``
-#: overrides it. Read at every compile. False: on an H100 (2-layer Qwen3, T=1/16 and generate(), 2026-12-05) it showed
-#: no gain beside Triton's launcher (bench/results/e2e_model_2026-12-05_launch_{shipped,static}_h100.md).
+#: overrides it. Read at every compile. Inductor's compile workers get only ``use_static_triton_launcher`` of the
+#: parent's options (torch 2.11-2.13, ``async_compile``), so a kernel compiled in a worker would keep Triton's launcher:
+#: with the switch on, the graph compiles its kernels in-process (``compile_threads=1``; slower compiles). False: the
+#: timings so far (H100, 2-layer Qwen3, 2026-12-05, bench/results/e2e_model_2026-12-05_launch_{shipped,static}_h100.md;
+#: H200, 2-layer GPT-OSS, e2e_model_2026-12-05_gptoss_l2_{shipped,static}.md) showed no clear gain, but they ran
+#: before that fix, when the kernels compiled once the worker pool was up kept Triton's launcher.
 STATIC_LAUNCH_KERNELS = False
+#: The Inductor options :data:`STATIC_LAUNCH_KERNELS` puts in every compile.
+_STATIC_LAUNCH_OPTIONS = {"static_launch_user_defined_triton_kernels": True, "compile_threads": 1}
 
 
 def enable_capture() -> None:
@@ -245,7 +251,7 @@ class MoEFxBackend:
             from torch._inductor.compile_fx import compile_fx
 
             patches = {
-                **({"static_launch_user_defined_triton_kernels": True} if STATIC_LAUNCH_KERNELS else {}),
+                **(_STATIC_LAUNCH_OPTIONS if STATIC_LAUNCH_KERNELS else {}),
                 **(list_mode_options(mode) if mode else {}),
                 **(options or {}),
                 "post_grad_custom_post_pass": _cache_salt(),

@@ -270,6 +270,8 @@ def test_static_launch_of_user_kernels_is_one_switch_the_config_overrides(monkey
     backend.MoEFxBackend(captured=True)(gm, x)
     backend.MoEFxBackend(MoEConfig(inductor_options={key: False}), captured=True)(gm, x)
     assert key not in seen[0] and seen[1][key] is True and seen[2][key] is False
+    # Inductor's compile workers would not see the option: the kernels compile in-process
+    assert "compile_threads" not in seen[0] and seen[1]["compile_threads"] == 1
 
 
 @pytest.mark.gpu

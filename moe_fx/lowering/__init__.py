@@ -9,7 +9,8 @@ kernel libraries, Triton and DeepGEMM, are imported on first use). Layout:
 * :mod:`.masked_experts` — the GEMM1 -> activation -> GEMM2 pipeline on DeepGEMM, Triton or the reference;
 * :mod:`.experts` — the ops lowered onto those; :mod:`.register` — their registration;
 * :mod:`.triton` — moe_fx's Triton kernels; :mod:`.layouts`, :mod:`.quant`, :mod:`.weights` — fp8 layouts,
-  quantisers and the once-per-model weight packing.
+  quantisers and the once-per-model weight packing; :mod:`.settings` — the settings a compiled graph depends on
+  (the backend puts their hash in Inductor's cache key).
 """
 
 from moe_fx.lowering import register  # noqa: F401
