@@ -435,3 +435,82 @@ def test_transient_memory_is_the_contiguous_layouts_bound(sm90, t):
     got = _allocated(gm)
     assert got["rows"] == slots * ((0 if epilogue else 2 * i) + i + h) * 2, got
     assert got["index"] == slots * (4 + 8) + (2 * e + 1) * 4 and got["out"] == t * h * 2, got
+
+
+def _layers(n: int) -> fx.GraphModule:
+    """``n`` experts layers in a row, each with its own weights: ``(hidden, ids, w, w13_0, w2_0, ...) -> (out,)``."""
+    graph = fx.Graph()
+    out, ids, w = (graph.placeholder(name) for name in ("hidden", "ids", "w"))
+    for i in range(n):
+        w13, w2 = graph.placeholder(f"w13_{i}"), graph.placeholder(f"w2_{i}")
+        y = graph.call_function(torch.ops.moe_fx.experts.default, (out, ids, w, w13, w2), {"kernel_choice": "triton"})
+        out = graph.call_function(torch.add, (out, y))
+    graph.output((out,))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _layer_inputs(n: int, t: int):
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    first = _inputs(mode, t=t, h=256, i=384, e=16, k=4)
+    return first + [w for _ in range(n - 1) for w in _inputs(mode, t=t, h=256, i=384, e=16, k=4)[3:5]]
+
+
+def _writes(gm: fx.GraphModule) -> list[tuple[str, tuple[str, ...]]]:
+    return [(_kernel_name(n), tuple(sorted(n.kwargs["tensors_to_clone"]))) for n in _launches(gm)]
+
+
+@pytest.mark.parametrize("t", [1, 64])
+def test_kernel_access_analysis_runs_once_per_specialisation(sm90, monkeypatch, t):
+    """torch analyses which buffers each traced kernel launch writes by generating its Triton IR, for every launch;
+    moe_fx's memo (lowering/triton/access_analysis.py) makes that once per kernel specialisation, not once per
+    layer, and the graph is the one torch's analysis of every launch gives."""
+    import torch._higher_order_ops.triton_kernel_wrap as tkw
+
+    from moe_fx.lowering.triton import access_analysis
+
+    access_analysis.install()
+    name = next(a for a in access_analysis.ANALYSES if hasattr(getattr(tkw, a, None), "moe_fx_memo"))
+    torch_analysis = getattr(tkw, name).moe_fx_wrapped
+    analysed = []
+
+    def counted(kernel, *args):
+        analysed.append(kernel)
+        return torch_analysis(kernel, *args)
+
+    monkeypatch.setattr(tkw, name, access_analysis._memoised(counted))  # a fresh memo in front of a counter
+    gm = _trace(_layers(4), _layer_inputs(4, t))
+    launches = _launches(gm)
+    per_layer = len(launches) // 4
+    assert per_layer >= 3 and len(launches) == 4 * per_layer
+    assert len(analysed) == per_layer  # each launch of the first layer (all distinct), none of the other layers
+    monkeypatch.setattr(tkw, name, counted)  # torch's analysis of every launch
+    analysed.clear()
+    plain = _trace(_layers(4), _layer_inputs(4, t))
+    assert len(analysed) == 2 * len(launches)  # AOTAutograd's two passes, every launch
+    assert _writes(plain) == _writes(gm)
+
+
+def test_kernel_access_memo_keys_only_what_the_ir_reads(sm90):
+    """The memo's key: moe_fx's kernels only, by what torch's IR generation reads (a tensor's dtype, a symbolic size,
+    any other value itself); a tensor descriptor or an argument a key cannot hold is never memoised."""
+    import triton
+
+    from moe_fx.lowering.triton._loader import kernels
+    from moe_fx.lowering.triton.access_analysis import analysis_key
+
+    @triton.jit
+    def user_kernel(x_ptr, n):
+        pass
+
+    kernel = kernels(torch.device("cuda")).unpermute_kernel
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        a, b = torch.empty(4, device="cuda"), torch.empty(8, 2, device="cuda")
+        c = torch.empty(4, device="cuda", dtype=torch.bfloat16)
+        sym = mode.shape_env.create_unbacked_symint()
+    assert analysis_key(user_kernel, {"x_ptr": a, "n": 4}, {}) is None
+    assert analysis_key(kernel, {"y_ptr": a, "k": 4}, {}) == analysis_key(kernel, {"y_ptr": b, "k": 4}, {})
+    assert analysis_key(kernel, {"y_ptr": a, "k": 4}, {}) != analysis_key(kernel, {"y_ptr": c, "k": 4}, {})
+    assert analysis_key(kernel, {"y_ptr": a, "k": 4}, {}) != analysis_key(kernel, {"y_ptr": a, "k": 1}, {})
+    assert analysis_key(kernel, {"y_ptr": a, "k": sym}, {}) is not None
+    assert analysis_key(kernel, {"y_ptr": a, "k": [4]}, {}) is None
+    assert analysis_key(kernel, {"y_ptr": a, "k": 4}, {"y_ptr": ("stable", ([16],))}) is None

@@ -109,8 +109,11 @@ def _launchable(kernel: object) -> object:
     from torch.library import wrap_triton
     from triton.runtime.jit import JITFunction
 
+    from moe_fx.lowering.triton.access_analysis import install
+
     if not isinstance(kernel, JITFunction):
         return kernel
+    install()  # a traced launch is analysed by torch: once per kernel specialisation, not once per layer
     return wrap_triton(kernel)
 
 
