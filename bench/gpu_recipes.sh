@@ -1,0 +1,62 @@
+#!/bin/bash
+# Named GPU-machine runs of issue 16's open measurements, each sized for one device call (<= 10 minutes).
+# Usage (on the GPU machine, repo root, through the device tool): bash bench/gpu_recipes.sh NAME [NAME ...]
+# Results and logs go to $OUT (the device tool's output folder; /tmp/out elsewhere); copy them to bench/results
+# with the machine in the name (_h100 for an H100). Nothing here builds or fetches code from outside the project.
+#
+#   tests          every GPU test of tests/test_compiled_gpu.py and test_backend.py (pytest -m gpu, 4 workers)
+#   switches       the GPU tests of the lowering switches only (static launch, combine in graph)
+#   gen_cg_plain   GPT-OSS-20B 24 layers, generate() through transformers' CompileConfig (CUDA graphs), plain
+#   gen_cg_moe_fx  the same under backend="moe_fx" (its own call: the compile takes minutes)
+#   gen_default    GPT-OSS-20B 24 layers, default-mode generate() with the decode-step split, shipped settings
+#   gen_combine    the same with masked_experts.pipeline.COMBINE_IN_GRAPH=True (one launch fewer a layer)
+#   l2_static      GPT-OSS 2 layers, T=1 forward + generate(), shipped then STATIC_LAUNCH_KERNELS (in one call)
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/gpu.txt"
+git log --oneline -1 2>/dev/null | tee -a "$OUT/commit.txt"
+
+E2E_GEN="bench/e2e_model.py --models gpt_oss --layers full --tokens 32 --no-forward --modes default --no-deepgemm
+  --gen-batch 1 --gen-new 32 --gen-rounds 3 --no-layer-host --budget-s 500 --no-plot --out $OUT"
+L2="bench/e2e_model.py --models gpt_oss --tokens 1 --modes default --no-deepgemm --layers 2 --no-layer-host
+  --rounds 8 --gen-batch 1 --gen-new 32 --gen-rounds 3 --budget-s 120 --no-plot --out $OUT"
+CG="bench/generate_cudagraphs.py --model gpt_oss --layers 24 --batch 1 --new 32 --rounds 3 --timeout-s 560 --out $OUT"
+
+summary() {  # the result rows of the markdown files a recipe wrote
+  grep -h -E "^\| (gpt_oss|qwen3|cc-|fwd-)" "$OUT"/*"$1"*.md 2>/dev/null | cut -c1-260
+}
+
+for name in "$@"; do
+  echo "== $name $(date +%T)"
+  case $name in
+    tests)
+      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/test_compiled_gpu.py tests/test_backend.py \
+        > "$OUT/pytest_gpu_$name.log" 2>&1
+      grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -20 ;;
+    switches)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_compiled_gpu.py \
+        -k "combine_left or static_launch" > "$OUT/pytest_gpu_$name.log" 2>&1
+      grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -20 ;;
+    gen_cg_plain)
+      timeout 590 python3 $CG --variants cc-ro-inductor --tag gpt_oss24_cc_plain > "$OUT/log_$name.txt" 2>&1
+      summary gpt_oss24_cc_plain ;;
+    gen_cg_moe_fx)
+      timeout 590 python3 $CG --variants cc-ro-moe_fx --tag gpt_oss24_cc_moe_fx > "$OUT/log_$name.txt" 2>&1
+      summary gpt_oss24_cc_moe_fx ;;
+    gen_default)
+      timeout 590 python3 $E2E_GEN --tag full_gpt_oss_gen_b1_shipped > "$OUT/log_$name.txt" 2>&1
+      summary full_gpt_oss_gen_b1_shipped ;;
+    gen_combine)
+      timeout 590 python3 $E2E_GEN --set masked_experts.pipeline.COMBINE_IN_GRAPH=True \
+        --tag full_gpt_oss_gen_b1_combine > "$OUT/log_$name.txt" 2>&1
+      summary full_gpt_oss_gen_b1_combine ;;
+    l2_static)
+      timeout 280 python3 $L2 --tag gptoss_l2_shipped > "$OUT/log_${name}_shipped.txt" 2>&1
+      timeout 280 python3 $L2 --static-launch --tag gptoss_l2_static > "$OUT/log_${name}_static.txt" 2>&1
+      summary gptoss_l2_ ;;
+    *)
+      echo "unknown recipe $name (see the head of $0)"; exit 2 ;;
+  esac
+done
