@@ -218,6 +218,18 @@ def _mode_notes(model: Callable) -> list[str]:
     ]
 
 
+def _settings_notes() -> list[str]:
+    """The lowering settings that differ from moe_fx's defaults (a switch set by hand, a ``MOE_FX_*`` variable): the
+    kernels in the rows below follow them."""
+    from moe_fx.lowering.settings import changed_settings
+
+    changed = changed_settings()
+    if not changed:
+        return []
+    return ["lowering settings differ from moe_fx's defaults: "
+            + ", ".join(f"{name.removeprefix('moe_fx.lowering.')}={value}" for name, value in changed.items())]
+
+
 @dataclass
 class _ModuleState:
     """What explain may change on one module, to put back: its attributes and its tensors' data."""
@@ -338,6 +350,6 @@ def explain(
         qualify_layer_names(module, sink)
         sink += unseen_moe_layers(module, sink)
     report.regions = sink
-    report.notes = _mode_notes(model)
+    report.notes = _mode_notes(model) + _settings_notes()
     _kernel_warnings(report.regions, config)
     return report

@@ -63,6 +63,14 @@ def test_cache_key_follows_pass_sources(tmp_path, monkeypatch):
     assert backend._fingerprint_of(copy, moe_fx.__version__) != before
 
 
+def _clear_moe_fx_environment(monkeypatch) -> None:
+    """No MOE_FX_* variable of the machine's environment in this test (they are settings too)."""
+    import os
+
+    for key in [k for k in os.environ if k.startswith("MOE_FX_")]:
+        monkeypatch.delenv(key)
+
+
 def test_cache_key_follows_lowering_settings(tmp_path, monkeypatch):
     """The key changes with each setting the lowering reads while a graph compiles (a module switch, a MOE_FX_*
     variable, the user's tuned tiles), goes back with it, and ignores what was imported before."""
@@ -71,14 +79,15 @@ def test_cache_key_follows_lowering_settings(tmp_path, monkeypatch):
 
     from moe_fx.lowering.masked_experts import pipeline
 
+    _clear_moe_fx_environment(monkeypatch)
     salt = _cache_salt()
     base = salt.uuid()
     importlib.import_module("moe_fx.lowering.triton.decode")  # a module loaded later holds its source's values
     assert salt.uuid() == base
     monkeypatch.setattr(pipeline, "COMBINE_IN_GRAPH", not pipeline.COMBINE_IN_GRAPH)
     assert salt.uuid() != base
-    assert changed_settings()["moe_fx.lowering.masked_experts.pipeline.COMBINE_IN_GRAPH"] == repr(
-        pipeline.COMBINE_IN_GRAPH)
+    assert changed_settings() == {"moe_fx.lowering.masked_experts.pipeline.COMBINE_IN_GRAPH": repr(
+        pipeline.COMBINE_IN_GRAPH)}
     monkeypatch.setattr(pipeline, "COMBINE_IN_GRAPH", not pipeline.COMBINE_IN_GRAPH)
     assert salt.uuid() == base
     monkeypatch.setenv("MOE_FX_DISABLE_DEEPGEMM", "1")
@@ -143,6 +152,21 @@ def test_explain_reports_every_layer_and_reasons():
     near_miss = moe_fx.explain(DenseBmmMoE(variant="tanh"), torch.randn(4, 32))
     assert not near_miss.matched
     assert "unsupported op 'tanh'" in str(near_miss)
+
+
+def test_explain_names_lowering_settings_that_differ_from_the_defaults(monkeypatch):
+    """A switch set by hand or a MOE_FX_* variable shows in explain's notes (the kernels follow it); none by
+    default."""
+    from moe_fx.lowering.masked_experts import pipeline
+
+    _clear_moe_fx_environment(monkeypatch)
+    model, x = DenseBmmMoE(), torch.randn(4, 32)
+    assert not [n for n in moe_fx.explain(model, x).notes if "lowering settings" in n]
+    monkeypatch.setattr(pipeline, "SLOT_ROWS_MAX_TOKENS", 4)
+    monkeypatch.setenv("MOE_FX_DISABLE_DEEPGEMM", "1")
+    text = str(moe_fx.explain(model, x))
+    assert ("note: lowering settings differ from moe_fx's defaults: masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS=4, "
+            "$MOE_FX_DISABLE_DEEPGEMM=1") in text
 
 
 def test_cli_explain_prints_report(capsys):

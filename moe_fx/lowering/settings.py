@@ -69,9 +69,9 @@ def _source_constants(path: str) -> dict[str, object]:
 def changed_settings() -> dict[str, str]:
     """The lowering's settings that differ from what moe_fx's source says (which the source hash covers), as
     ``{name: repr}``: each public upper-case constant of a loaded ``moe_fx.lowering`` module whose value is not the
-    one its source writes (or whose source value is not a constant expression), every ``MOE_FX_*`` environment
-    variable, the user tile cache's digest and whether ``deep_gemm`` is installed. A module not loaded yet holds its
-    source's values, so the answer does not depend on what was imported before. Cheap: called at every compile."""
+    one its source writes (or whose source value is not a constant expression), and every ``MOE_FX_*`` environment
+    variable. A module not loaded yet holds its source's values, so the answer does not depend on what was
+    imported before. Cheap: called at every compile."""
     out: dict[str, str] = {}
     for name, module in sorted(sys.modules.items()):
         path = getattr(module, "__file__", None)
@@ -84,15 +84,19 @@ def changed_settings() -> dict[str, str]:
     for key in sorted(os.environ):
         if key.startswith(ENV_PREFIX):
             out[f"${key}"] = os.environ[key]
-    tiles = cache_path()
-    out["tiles"] = hashlib.sha256(tiles.read_bytes()).hexdigest() if tiles.is_file() else "none"
-    out["deep_gemm"] = repr(importlib.util.find_spec("deep_gemm") is not None)
     return out
 
 
 def settings_fingerprint() -> str:
-    """A hash of :func:`changed_settings`: changes whenever a setting the lowering reads does."""
+    """A hash of what the lowering reads besides moe_fx's source: :func:`changed_settings`, the user tile cache's
+    contents and whether ``deep_gemm`` is installed. Changes whenever one of them does."""
+    tiles = cache_path()
+    state = {
+        **changed_settings(),
+        "tiles": hashlib.sha256(tiles.read_bytes()).hexdigest() if tiles.is_file() else "none",
+        "deep_gemm": repr(importlib.util.find_spec("deep_gemm") is not None),
+    }
     digest = hashlib.sha256()
-    for name, value in sorted(changed_settings().items()):
+    for name, value in sorted(state.items()):
         digest.update(f"{name}={value}\n".encode())
     return digest.hexdigest()
