@@ -107,6 +107,7 @@ def load_bench(name: str) -> types.ModuleType:
     try:
         spec = importlib.util.spec_from_file_location(f"{name}_bench", bench / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up while the class is made
         spec.loader.exec_module(mod)
     finally:
         sys.path.remove(str(bench))

@@ -1,0 +1,47 @@
+"""bench/gpu_recipes.sh on CPU: every recipe it documents has a branch, and every benchmark command it holds parses
+with the benchmark's own arguments (a renamed flag, variant or setting would otherwise show only on the GPU
+machine, after a machine start)."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shlex
+from pathlib import Path
+
+from helpers import load_bench
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_recipes.sh"
+
+
+def _variables(text: str) -> dict[str, list[str]]:
+    """The script's ``NAME="..."`` command variables, as argument lists (``$OUT`` made a plain path)."""
+    found = re.findall(r'^([A-Z0-9_]+)="(bench/[^"]+)"', text, flags=re.MULTILINE | re.DOTALL)
+    return {name: shlex.split(value.replace("$OUT", "/tmp/out")) for name, value in found}
+
+
+def test_every_documented_recipe_has_a_branch_and_back():
+    text = SCRIPT.read_text()
+    documented = set(re.findall(r"^#   ([a-z0-9_]+) ", text, flags=re.MULTILINE))
+    branches = set(re.findall(r"^    ([a-z0-9_]+)\)$", text, flags=re.MULTILINE))
+    assert documented and documented == branches
+
+
+def test_every_benchmark_command_parses():
+    text = SCRIPT.read_text()
+    commands = _variables(text)
+    assert set(commands) == {"E2E_GEN", "L2", "CG"}
+    e2e, cudagraphs = load_bench("e2e_model"), load_bench("generate_cudagraphs")
+    for name in ("E2E_GEN", "L2"):
+        args = e2e.parse_args(commands[name][1:])
+        assert args.models == "gpt_oss" and args.no_deepgemm
+    cg = cudagraphs.parse_args(commands["CG"][1:])
+    assert cg.model == "gpt_oss" and cg.layers == 24
+    used = re.findall(r"--variants ([\w,-]+)", text)
+    assert used and all(v in cudagraphs.BY_NAME for group in used for v in group.split(","))
+    # the settings the recipes flip exist under the names they give
+    moe_layer = load_bench("moe_layer")
+    for pair in re.findall(r"--set (\S+)", text):
+        name, _, _ = pair.partition("=")
+        path, attr = name.rsplit(".", 1)
+        assert hasattr(importlib.import_module(moe_layer.qualified_setting(path)), attr), name
