@@ -81,6 +81,9 @@ def _decomposition(bind, plan_of, run):
         plan = plan_of(a)
         if plan.reference:
             return mode.__torch_dispatch__(op, types, args, kwargs)
+        from moe_fx.lowering.triton.access_analysis import install
+
+        install()  # torch analyses each traced kernel launch: once per kernel specialisation, not once per layer
         with mode:
             return run(a, plan)
 

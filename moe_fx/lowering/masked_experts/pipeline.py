@@ -51,8 +51,10 @@ QUANTIZE_TOKENS_IN_SORT = True
 #: bench/fused_activation.py ``--switch slot_rows`` sets it 0 to time the sort beside it.
 SLOT_ROWS_MAX_TOKENS = 1
 #: Whether a decode-sized call (rows-per-expert regime 0) leaves its combine to Inductor while a graph is compiled
-#: (:func:`combine_in_graph`). Off until timed on the GPU: ``bench/e2e_model.py --set
-#: masked_experts.pipeline.COMBINE_IN_GRAPH=True`` against a run without.
+#: (:func:`combine_in_graph`). Off: on an H100 (2-layer GPT-OSS, 2026-12-05) it saved the launch it should (62 -> 60
+#: GPU activities per T=1 forward, 1.09 -> 1.11x plain) but generate()'s decode moved inside the runs' drift
+#: (bench/results/e2e_model_2026-12-05_gptoss_l2_{shipped,combine}_h100.md); the full-depth A/B that decides it is
+#: ``bash bench/gpu_recipes.sh gen_default gen_combine``.
 COMBINE_IN_GRAPH = False
 
 

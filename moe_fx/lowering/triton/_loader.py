@@ -19,9 +19,10 @@ import types
 
 import torch
 
-__all__ = ["is_traced", "kernels", "launch", "triton_available"]
+__all__ = ["KERNELS_MODULE", "is_traced", "kernels", "launch", "triton_available"]
 
-_NAME = "moe_fx.lowering.triton._kernels"
+#: The module of moe_fx's Triton kernels (compiled; the interpreted copy carries this name + "_interpreted").
+KERNELS_MODULE = "moe_fx.lowering.triton._kernels"
 
 
 @functools.cache
@@ -36,8 +37,8 @@ def triton_available() -> bool:
 
 @functools.cache
 def _interpreted() -> types.ModuleType:
-    origin = importlib.util.find_spec(_NAME).origin
-    spec = importlib.util.spec_from_file_location(_NAME + "_interpreted", origin)
+    origin = importlib.util.find_spec(KERNELS_MODULE).origin
+    spec = importlib.util.spec_from_file_location(KERNELS_MODULE + "_interpreted", origin)
     if spec is None or spec.loader is None:  # pragma: no cover - the package is broken
         raise ImportError(f"cannot load {origin}")
     module = importlib.util.module_from_spec(spec)
@@ -65,7 +66,7 @@ def kernels(device: torch.device) -> types.ModuleType:
 
 @functools.cache
 def _compiled() -> types.ModuleType:
-    return importlib.import_module(_NAME)
+    return importlib.import_module(KERNELS_MODULE)
 
 
 def is_traced(t: torch.Tensor) -> bool:
@@ -109,11 +110,8 @@ def _launchable(kernel: object) -> object:
     from torch.library import wrap_triton
     from triton.runtime.jit import JITFunction
 
-    from moe_fx.lowering.triton.access_analysis import install
-
     if not isinstance(kernel, JITFunction):
         return kernel
-    install()  # a traced launch is analysed by torch: once per kernel specialisation, not once per layer
     return wrap_triton(kernel)
 
 

@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 
+from moe_fx.lowering.triton._loader import KERNELS_MODULE
+
 __all__ = ["ANALYSES", "analysis_key", "install"]
 
 #: The analysis functions of ``torch._higher_order_ops.triton_kernel_wrap`` that :func:`install` wraps (whichever the
 #: installed torch has; both take ``(kernel, kwargs, tma_descriptor_metadata)``).
 ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")
-_KERNELS_MODULE = "moe_fx.lowering.triton._kernels"
 
 
 def _jit_function(kernel: Any) -> Any:
@@ -39,11 +40,6 @@ def _jit_function(kernel: Any) -> Any:
     from triton.runtime.autotuner import Autotuner
 
     return kernel.fn if isinstance(kernel, Autotuner) else kernel
-
-
-def _is_moe_fx_kernel(kernel: Any) -> bool:
-    jit = _jit_function(kernel)
-    return getattr(getattr(jit, "fn", None), "__module__", None) == _KERNELS_MODULE
 
 
 def _argument_key(value: Any) -> Hashable:
@@ -63,9 +59,9 @@ def _argument_key(value: Any) -> Hashable:
 def analysis_key(kernel: Any, kwargs: dict[str, Any], tma_descriptor_metadata: Any) -> Hashable | None:
     """The memo key of one analysis, or None when it must not be memoised (not a moe_fx kernel, a tensor descriptor
     argument, an argument that cannot be held in a key)."""
-    if not _is_moe_fx_kernel(kernel) or tma_descriptor_metadata:
-        return None
     jit = _jit_function(kernel)
+    if getattr(getattr(jit, "fn", None), "__module__", None) != KERNELS_MODULE or tma_descriptor_metadata:
+        return None
     if jit is not kernel:  # an autotuner (torch makes one per launch to hold its constants): IR of its first config
         configs = getattr(kernel, "configs", None) or []
         kwargs = {**kwargs, **(configs[0].kwargs if configs else {})}
@@ -97,8 +93,9 @@ def _memoised(analysis: Callable[..., Any]) -> Callable[..., Any]:
 
 @functools.cache
 def install() -> tuple[str, ...]:
-    """Wrap torch's kernel access analysis with the memo (once per process); returns the names wrapped. The wrapped
-    functions keep their names in their module, where torch's callers look them up at each call."""
+    """Wrap torch's kernel access analysis with the memo (once per process; the decomposition rule of
+    :mod:`moe_fx.lowering.register` calls it before it traces a plan's launches); returns the names wrapped. The
+    wrapped functions keep their names in their module, where torch's callers look them up at each call."""
     from torch._higher_order_ops import triton_kernel_wrap
 
     wrapped = []
