@@ -227,6 +227,7 @@ def child(args: argparse.Namespace) -> None:
                 t0 = time.perf_counter()
                 run(new)
                 bucket.append(time.perf_counter() - t0)
+        profiled = step_profile(run, args.new) if args.profile else None
     from torch._dynamo.utils import counters
 
     t_full, t_one = statistics.median(full), statistics.median(one)
@@ -240,7 +241,74 @@ def child(args: argparse.Namespace) -> None:
         "cudagraph_skips": int(counters["inductor"].get("cudagraph_skips", 0)),
         "graphs": int(counters["stats"].get("unique_graphs", 0)),
     }
+    if profiled is not None:
+        result["profile"] = profiled
     print(RESULT + json.dumps(result), flush=True)
+
+
+HOST_TOP = 10  # host functions / ops kept per decode step in a profile
+
+
+def _per_step(full: dict[str, float], one: dict[str, float], steps: int, top: int) -> list[list]:
+    """``[name, per-step value]`` of the ``top`` names whose totals grew most from a 1-token to an N-token call."""
+    grown = {k: (v - one.get(k, 0.0)) / steps for k, v in full.items()}
+    return [[k[:120], round(v, 1)] for k, v in sorted(grown.items(), key=lambda kv: -kv[1])[:top]]
+
+
+def step_profile(run: Any, new: int, top: int = HOST_TOP) -> dict[str, Any]:
+    """Where one decode step's time goes: a call generating ``new`` tokens minus one generating 1 (the prefill
+    and the fixed cost cancel), divided by ``new - 1``. From torch.profiler: ``gpu_us`` (GPU busy), ``gpu_activities``,
+    ``graph_launches`` and ``kernel_launches`` (CUDA runtime/driver calls), ``ops_self_us`` (the host time spent in
+    profiled ops, the rest being Python) and ``top_ops`` (self µs); from cProfile, a separate call each:
+    ``top_python`` (own time µs of the Python functions, cProfile's overhead included)."""
+    import cProfile
+    import pstats
+
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = max(new - 1, 1)
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+    def torch_profile(n: int) -> tuple[dict[str, float], dict[str, float], float, float]:
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=activities) as prof:
+            run(n)
+        gpu = [ev for ev in prof.profiler.kineto_results.events() if ev.device_type() == DeviceType.CUDA]
+        gpu_us = sum(ev.duration_ns() for ev in gpu) / 1e3
+        self_us = {a.key: a.self_cpu_time_total for a in prof.key_averages()}
+        counts = {a.key: float(a.count) for a in prof.key_averages()}
+        return self_us, counts, gpu_us, float(len(gpu))
+
+    def python_profile(n: int) -> dict[str, float]:
+        pr = cProfile.Profile()
+        pr.enable()
+        run(n)
+        pr.disable()
+        stats = pstats.Stats(pr).stats  # {(file, line, func): (cc, nc, tottime, cumtime, callers)}
+        own: dict[str, float] = {}
+        for (file, line, func), (_, _, tottime, _, _) in stats.items():
+            name = f"{os.path.basename(file)}:{line}:{func}" if line else func
+            own[name] = own.get(name, 0.0) + tottime * 1e6
+        return own
+
+    self_n, count_n, gpu_n, act_n = torch_profile(new)
+    self_1, count_1, gpu_1, act_1 = torch_profile(1)
+    launches = (lambda counts, names: sum(v for k, v in counts.items() if k in names))
+    graph_names = {"cudaGraphLaunch", "cuGraphLaunch"}
+    kernel_names = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+    return {
+        "gpu_us": round((gpu_n - gpu_1) / steps, 1),
+        "gpu_activities": round((act_n - act_1) / steps, 1),
+        "graph_launches": round((launches(count_n, graph_names) - launches(count_1, graph_names)) / steps, 2),
+        "kernel_launches": round((launches(count_n, kernel_names) - launches(count_1, kernel_names)) / steps, 1),
+        "ops_self_us": round((sum(self_n.values()) - sum(self_1.values())) / steps, 1),
+        "top_ops": _per_step(self_n, self_1, steps, top),
+        "top_python": _per_step(python_profile(new), python_profile(1), steps, top),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- parent
@@ -286,6 +354,8 @@ def run_variant(v: Variant, args: argparse.Namespace, cuda: bool) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", v.name, "--model", args.model,
            "--layers", str(args.layers), "--vocab", str(args.vocab), "--batch", str(args.batch),
            "--prompt", str(args.prompt), "--new", str(args.new), "--rounds", str(args.rounds)]
+    if args.profile:
+        cmd.append("--profile")
     if args.smoke:
         cmd.append("--smoke")
     if not cuda:
@@ -354,7 +424,33 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"{r.get('recompiles', '-')} | "
             f"{num('warmup_s', 1)} | {notes.replace('|', '/')} |"
         )
+    lines += profile_lines(rows, meta["batch"])
     return "\n".join(lines) + "\n"
+
+
+def profile_lines(rows: list[dict], batch: int) -> list[str]:
+    """The ``--profile`` section: one decode step per variant (GPU busy, launches, host time by op and function)."""
+    rows = [r for r in rows if r.get("profile")]
+    if not rows:
+        return []
+    lines = ["", "## One decode step (--profile: an N-token call minus a 1-token call, / (N - 1))", "",
+             "wall µs = 1e6 / decode tok/s x batch. ops self µs = host time inside profiled torch ops and CUDA calls "
+             "(the rest of the wall is Python or waiting); Python own µs comes from a separate cProfile'd call "
+             "(its overhead included).", "",
+             "| variant | wall µs | GPU busy µs | GPU activities | graph launches | kernel launches | ops self µs |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["profile"]
+        wall = f"{1e6 * batch / r['decode_tok_s']:.0f}" if r.get("decode_tok_s") else "-"
+        lines.append(f"| {r['variant']} | {wall} | {p['gpu_us']} | {p['gpu_activities']} | {p['graph_launches']} | "
+                     f"{p['kernel_launches']} | {p['ops_self_us']} |")
+    for key, title in (("top_ops", "torch ops / CUDA calls, self µs per step"),
+                       ("top_python", "Python functions, own µs per step (cProfile)")):
+        lines += ["", f"{title}:", ""]
+        for r in rows:
+            items = "; ".join(f"{name} {us}" for name, us in r["profile"][key])
+            lines.append(f"- {r['variant']}: {items.replace('|', '/')}")
+    return lines
 
 
 def parent(args: argparse.Namespace) -> None:
@@ -426,6 +522,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no variant after this many seconds")
     ap.add_argument("--out", default=None, help="results folder (default bench/results; smoke: a temp folder)")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one decode step (GPU busy, launches, host time by op and Python function)")
     ap.add_argument("--keep-logs", action="store_true", help="write each variant's stdout/stderr next to the results")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU; CUDA-graph variants report 'needs CUDA'")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="join earlier runs' JSON files into one md/json")
