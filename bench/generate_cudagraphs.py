@@ -221,6 +221,9 @@ def child(args: argparse.Namespace) -> None:
         got = run(args.new)[:, args.prompt:].cpu()
         run(args.new)
         warm_s = time.perf_counter() - t0
+        # Inductor's cudagraphs log is on (for the skip messages) and at debug level it formats every re-recording's
+        # reason (milliseconds of host time a step where graphs re-record): keep it out of the timed calls.
+        torch._logging.set_logs(recompiles=True)
         full, one = [], []
         for _ in range(args.rounds):
             for new, bucket in ((args.new, full), (1, one)):
@@ -258,7 +261,8 @@ def _per_step(full: dict[str, float], one: dict[str, float], steps: int, top: in
 def step_profile(run: Any, new: int, top: int = HOST_TOP) -> dict[str, Any]:
     """Where one decode step's time goes: a call generating ``new`` tokens minus one generating 1 (the prefill
     and the fixed cost cancel), divided by ``new - 1``. From torch.profiler: ``gpu_us`` (GPU busy), ``gpu_activities``,
-    ``graph_launches`` and ``kernel_launches`` (CUDA runtime/driver calls), ``ops_self_us`` (the host time spent in
+    ``graph_launches`` and ``kernel_launches`` (CUDA runtime/driver calls), ``graph_records`` (CUDA graphs
+    recorded anew: cudagraph trees record one per new value of a dynamic int input), ``ops_self_us`` (the host time spent in
     profiled ops, the rest being Python) and ``top_ops`` (self µs); from cProfile, a separate call each:
     ``top_python`` (own time µs of the Python functions, cProfile's overhead included)."""
     import cProfile
@@ -299,11 +303,13 @@ def step_profile(run: Any, new: int, top: int = HOST_TOP) -> dict[str, Any]:
     self_1, count_1, gpu_1, act_1 = torch_profile(1)
     launches = (lambda counts, names: sum(v for k, v in counts.items() if k in names))
     graph_names = {"cudaGraphLaunch", "cuGraphLaunch"}
+    records = (lambda counts: sum(v for k, v in counts.items() if k.startswith("CUDAGraphNode.record")))
     kernel_names = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
     return {
         "gpu_us": round((gpu_n - gpu_1) / steps, 1),
         "gpu_activities": round((act_n - act_1) / steps, 1),
         "graph_launches": round((launches(count_n, graph_names) - launches(count_1, graph_names)) / steps, 2),
+        "graph_records": round((records(count_n) - records(count_1)) / steps, 2),
         "kernel_launches": round((launches(count_n, kernel_names) - launches(count_1, kernel_names)) / steps, 1),
         "ops_self_us": round((sum(self_n.values()) - sum(self_1.values())) / steps, 1),
         "top_ops": _per_step(self_n, self_1, steps, top),
@@ -437,13 +443,14 @@ def profile_lines(rows: list[dict], batch: int) -> list[str]:
              "wall µs = 1e6 / decode tok/s x batch. ops self µs = host time inside profiled torch ops and CUDA calls "
              "(the rest of the wall is Python or waiting); Python own µs comes from a separate cProfile'd call "
              "(its overhead included).", "",
-             "| variant | wall µs | GPU busy µs | GPU activities | graph launches | kernel launches | ops self µs |",
-             "|---|---|---|---|---|---|---|"]
+             "| variant | wall µs | GPU busy µs | GPU activities | graph launches | graph records | kernel launches | "
+             "ops self µs |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p = r["profile"]
         wall = f"{1e6 * batch / r['decode_tok_s']:.0f}" if r.get("decode_tok_s") else "-"
         lines.append(f"| {r['variant']} | {wall} | {p['gpu_us']} | {p['gpu_activities']} | {p['graph_launches']} | "
-                     f"{p['kernel_launches']} | {p['ops_self_us']} |")
+                     f"{p.get('graph_records', '-')} | {p['kernel_launches']} | {p['ops_self_us']} |")
     for key, title in (("top_ops", "torch ops / CUDA calls, self µs per step"),
                        ("top_python", "Python functions, own µs per step (cProfile)")):
         lines += ["", f"{title}:", ""]
