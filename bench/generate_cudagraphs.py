@@ -183,6 +183,9 @@ def child(args: argparse.Namespace) -> None:
     import moe_fx  # noqa: F401  (registers backend="moe_fx" in a source checkout)
 
     v = BY_NAME[args.child]
+    # Inductor's "skipping cudagraphs due to ..." goes to the "cudagraphs" logging artifact; recompiles are counted.
+    # Set here, not through TORCH_LOGS, which would make torch ignore the set_logs call before the timed calls.
+    torch._logging.set_logs(cudagraphs=True, recompiles=True)
     cuda = torch.cuda.is_available() and not args.smoke_cpu
     device = "cuda" if cuda else "cpu"
     spec = (SMOKE_MODELS if args.smoke else MODELS)[args.model]
@@ -367,8 +370,6 @@ def run_variant(v: Variant, args: argparse.Namespace, cuda: bool) -> dict:
     if not cuda:
         cmd.append("--smoke-cpu")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-    # Inductor's "skipping cudagraphs due to ..." goes to the "cudagraphs" logging artifact; recompiles are counted
-    env["TORCH_LOGS"] = ",".join(x for x in (env.get("TORCH_LOGS", ""), "cudagraphs", "recompiles") if x)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(HERE), env.get("PYTHONPATH", "")) if p)
     t0 = time.time()
     try:
