@@ -441,11 +441,11 @@ def profile_lines(rows: list[dict], batch: int) -> list[str]:
     if not rows:
         return []
     lines = ["", "## One decode step (--profile: an N-token call minus a 1-token call, / (N - 1))", "",
-             "wall µs = 1e6 / decode tok/s x batch. ops self µs = host time inside profiled torch ops and CUDA calls "
-             "(the rest of the wall is Python or waiting); Python own µs comes from a separate cProfile'd call "
-             "(its overhead included).", "",
-             "| variant | wall µs | GPU busy µs | GPU activities | graph launches | graph records | kernel launches | "
-             "ops self µs |",
+             ("wall µs = 1e6 / decode tok/s x batch. ops self µs = host time inside profiled torch ops and CUDA calls "
+              "(the rest of the wall is Python or waiting); Python own µs comes from a separate cProfile'd call "
+              "(its overhead included)."), "",
+             ("| variant | wall µs | GPU busy µs | GPU activities | graph launches | graph records | kernel launches | "
+              "ops self µs |"),
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p = r["profile"]
