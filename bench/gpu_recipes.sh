@@ -4,7 +4,8 @@
 # Results and logs go to $OUT (the device tool's output folder; /tmp/out elsewhere); copy them to bench/results
 # with the machine in the name (_h100 for an H100). Nothing here builds or fetches code from outside the project.
 #
-#   tests          every GPU test of tests/test_compiled_gpu.py and test_backend.py (pytest -m gpu, 4 workers)
+#   tests          every GPU test (pytest -m gpu tests, 8 workers; test_ep_gpu's multi-GPU ones skip on one GPU)
+#   tests_compiled the GPU tests of tests/test_compiled_gpu.py and test_backend.py only (4 workers)
 #   switches       the GPU tests of the lowering switches only (static launch, combine in graph)
 #   gen_cg_plain   GPT-OSS-20B 24 layers, generate() through transformers' CompileConfig (CUDA graphs), plain
 #   gen_cg_moe_fx  the same under backend="moe_fx" (its own call: the compile takes minutes)
@@ -34,6 +35,9 @@ for name in "$@"; do
   echo "== $name $(date +%T)"
   case $name in
     tests)
+      timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests > "$OUT/pytest_gpu_$name.log" 2>&1
+      grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -20 ;;
+    tests_compiled)
       timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/test_compiled_gpu.py tests/test_backend.py \
         > "$OUT/pytest_gpu_$name.log" 2>&1
       grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -20 ;;
