@@ -304,7 +304,6 @@ def gpu_time_per_call(fn: Callable[[], Any], iters: int) -> dict[str, Any]:
     activities Kineto records (kernels, memcpy, memset) over ``iters`` calls; its numbers are None without
     CUDA."""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
@@ -314,9 +313,15 @@ def gpu_time_per_call(fn: Callable[[], Any], iters: int) -> dict[str, Any]:
         for _ in range(iters):
             fn()
         synchronize()
-    events = [(ev.name(), ev.duration_ns() if hasattr(ev, "duration_ns") else 1e3 * ev.duration_us())
-              for ev in prof.profiler.kineto_results.events() if ev.device_type() == DeviceType.CUDA]
-    return tally_gpu(events, iters)
+    return tally_gpu(gpu_activities(prof), iters)
+
+
+def gpu_activities(prof) -> list[tuple[str, float]]:
+    """``(name, ns)`` of every GPU-side activity (kernel, memcpy, memset) a finished torch.profiler run recorded."""
+    from torch.autograd import DeviceType
+
+    return [(ev.name(), ev.duration_ns() if hasattr(ev, "duration_ns") else 1e3 * ev.duration_us())
+            for ev in prof.profiler.kineto_results.events() if ev.device_type() == DeviceType.CUDA]
 
 
 def tally_gpu(events: list[tuple[str, float]], iters: int, top: int = TOP_KERNELS) -> dict[str, Any]:

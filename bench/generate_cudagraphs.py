@@ -56,7 +56,15 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from e2e_model import MODELS, SMOKE_MODELS, build_model, cache_kwarg, load_runs, static_cache  # noqa: E402
+from e2e_model import (  # noqa: E402
+    MODELS,
+    SMOKE_MODELS,
+    build_model,
+    cache_kwarg,
+    gpu_activities,
+    load_runs,
+    static_cache,
+)
 from moe_layer import log, machine_meta  # noqa: E402
 
 RESULT = "RESULT "
@@ -272,7 +280,6 @@ def step_profile(run: Any, new: int, top: int = HOST_TOP) -> dict[str, Any]:
     import pstats
 
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     steps = max(new - 1, 1)
@@ -284,8 +291,8 @@ def step_profile(run: Any, new: int, top: int = HOST_TOP) -> dict[str, Any]:
             torch.cuda.synchronize()
         with profile(activities=activities) as prof:
             run(n)
-        gpu = [ev for ev in prof.profiler.kineto_results.events() if ev.device_type() == DeviceType.CUDA]
-        gpu_us = sum(ev.duration_ns() for ev in gpu) / 1e3
+        gpu = gpu_activities(prof)
+        gpu_us = sum(ns for _, ns in gpu) / 1e3
         self_us = {a.key: a.self_cpu_time_total for a in prof.key_averages()}
         counts = {a.key: float(a.count) for a in prof.key_averages()}
         return self_us, counts, gpu_us, float(len(gpu))
