@@ -134,6 +134,9 @@ VARIANTS = [
     # transformers' own compile path (eager prefill, compiled decode)
     Variant("cc"),
     Variant("cc", backend="moe_fx"),
+    # the same with one cache for every call (transformers builds a new one per call otherwise: a re-recording)
+    Variant("cc", earlycache=True),
+    Variant("cc", backend="moe_fx", earlycache=True),
     # default mode, for the tokens/s without CUDA graphs
     Variant("fwd", mode="default"),
     Variant("fwd", backend="moe_fx", mode="default"),

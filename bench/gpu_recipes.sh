@@ -11,6 +11,7 @@
 #   gen_cg_moe_fx  the same under backend="moe_fx" (its own call: the compile takes minutes)
 #   gen_cg_profile both CompileConfig sides in one call with --profile: one decode step's GPU time, launches, host time
 #   gen_cg_qwen3   Qwen3-30B-A3B 48 layers (no sliding-window layers), both CompileConfig sides with --profile
+#   gen_cg_cache   Qwen3 48 layers, CompileConfig with one StaticCache passed to every call, both sides
 #   gen_default    GPT-OSS-20B 24 layers, default-mode generate() with the decode-step split, shipped settings
 #   gen_combine    the same with masked_experts.pipeline.COMBINE_IN_GRAPH=True (one launch fewer a layer)
 #   l2_static      GPT-OSS 2 layers, T=1 forward + generate(), shipped then STATIC_LAUNCH_KERNELS (in one call)
@@ -60,6 +61,11 @@ for name in "$@"; do
         --variants cc-ro-inductor,cc-ro-moe_fx --profile --timeout-s 285 --out $OUT --tag qwen3_48_cc_profile \
         > "$OUT/log_$name.txt" 2>&1
       summary qwen3_48_cc_profile; grep -A30 "^## One decode step" "$OUT"/*qwen3_48_cc_profile.md | cut -c1-700 ;;
+    gen_cg_cache)
+      timeout 590 python3 bench/generate_cudagraphs.py --model qwen3 --layers 48 --batch 1 --new 32 --rounds 3 \
+        --variants cc-ro-inductor-earlycache,cc-ro-moe_fx-earlycache --timeout-s 285 --out $OUT \
+        --tag qwen3_48_cc_cache > "$OUT/log_$name.txt" 2>&1
+      summary qwen3_48_cc_cache ;;
     gen_default)
       timeout 590 python3 $E2E_GEN --tag full_gpt_oss_gen_b1_shipped > "$OUT/log_$name.txt" 2>&1
       summary full_gpt_oss_gen_b1_shipped ;;
