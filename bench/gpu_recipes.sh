@@ -27,9 +27,15 @@ E2E_GEN="bench/e2e_model.py --models gpt_oss --layers full --tokens 32 --no-forw
 L2="bench/e2e_model.py --models gpt_oss --tokens 1 --modes default --no-deepgemm --layers 2 --no-layer-host
   --rounds 8 --gen-batch 1 --gen-new 32 --gen-rounds 3 --budget-s 120 --no-plot --out $OUT"
 CG="bench/generate_cudagraphs.py --model gpt_oss --layers 24 --batch 1 --new 32 --rounds 3 --timeout-s 560 --out $OUT"
+CG_QWEN3="bench/generate_cudagraphs.py --model qwen3 --layers 48 --batch 1 --new 32 --rounds 3 --timeout-s 285
+  --out $OUT"
 
 summary() {  # the result rows of the markdown files a recipe wrote
   grep -h -E "^\| (gpt_oss|qwen3|cc-|fwd-)" "$OUT"/*"$1"*.md 2>/dev/null | cut -c1-260
+}
+
+profile_section() {  # the decode-step section of a generate_cudagraphs --profile run
+  grep -h -A30 "^## One decode step" "$OUT"/*"$1".md 2>/dev/null | cut -c1-700
 }
 
 for name in "$@"; do
@@ -55,15 +61,13 @@ for name in "$@"; do
     gen_cg_profile)
       timeout 590 python3 $CG --variants cc-ro-inductor,cc-ro-moe_fx --profile --timeout-s 280 \
         --tag gpt_oss24_cc_profile > "$OUT/log_$name.txt" 2>&1
-      summary gpt_oss24_cc_profile; grep -A30 "^## One decode step" "$OUT"/*gpt_oss24_cc_profile.md | cut -c1-700 ;;
+      summary gpt_oss24_cc_profile; profile_section gpt_oss24_cc_profile ;;
     gen_cg_qwen3)
-      timeout 590 python3 bench/generate_cudagraphs.py --model qwen3 --layers 48 --batch 1 --new 32 --rounds 3 \
-        --variants cc-ro-inductor,cc-ro-moe_fx --profile --timeout-s 285 --out $OUT --tag qwen3_48_cc_profile \
+      timeout 590 python3 $CG_QWEN3 --variants cc-ro-inductor,cc-ro-moe_fx --profile --tag qwen3_48_cc_profile \
         > "$OUT/log_$name.txt" 2>&1
-      summary qwen3_48_cc_profile; grep -A30 "^## One decode step" "$OUT"/*qwen3_48_cc_profile.md | cut -c1-700 ;;
+      summary qwen3_48_cc_profile; profile_section qwen3_48_cc_profile ;;
     gen_cg_cache)
-      timeout 590 python3 bench/generate_cudagraphs.py --model qwen3 --layers 48 --batch 1 --new 32 --rounds 3 \
-        --variants cc-ro-inductor-earlycache,cc-ro-moe_fx-earlycache --timeout-s 285 --out $OUT \
+      timeout 590 python3 $CG_QWEN3 --variants cc-ro-inductor-earlycache,cc-ro-moe_fx-earlycache \
         --tag qwen3_48_cc_cache > "$OUT/log_$name.txt" 2>&1
       summary qwen3_48_cc_cache ;;
     gen_default)

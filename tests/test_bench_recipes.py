@@ -30,13 +30,15 @@ def test_every_documented_recipe_has_a_branch_and_back():
 def test_every_benchmark_command_parses():
     text = SCRIPT.read_text()
     commands = _variables(text)
-    assert set(commands) == {"E2E_GEN", "L2", "CG"}
+    assert set(commands) == {"E2E_GEN", "L2", "CG", "CG_QWEN3"}
     e2e, cudagraphs = load_bench("e2e_model"), load_bench("generate_cudagraphs")
     for name in ("E2E_GEN", "L2"):
         args = e2e.parse_args(commands[name][1:])
         assert args.models == "gpt_oss" and args.no_deepgemm
     cg = cudagraphs.parse_args(commands["CG"][1:])
     assert cg.model == "gpt_oss" and cg.layers == 24
+    cg_qwen3 = cudagraphs.parse_args(commands["CG_QWEN3"][1:])
+    assert cg_qwen3.model == "qwen3" and cg_qwen3.layers == 48 and cg_qwen3.out == "/tmp/out"
     used = re.findall(r"--variants ([\w,-]+)", text)
     assert used and all(v in cudagraphs.BY_NAME for group in used for v in group.split(","))
     # the settings the recipes flip exist under the names they give
