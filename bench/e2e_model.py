@@ -102,7 +102,16 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # bench/moe_layer.py's helpers
 
-from moe_layer import apply_settings, layer_floor, log, machine_meta, measure_limits, qualified_setting  # noqa: E402
+from moe_layer import (  # noqa: E402
+    apply_settings,
+    current_settings,
+    layer_floor,
+    log,
+    machine_meta,
+    measure_limits,
+    qualified_setting,
+    settings_applied,
+)
 from pass_time import compile_metrics, compile_split  # noqa: E402
 
 # What is measured where (the issue's targets).
@@ -113,6 +122,8 @@ TARGET_GENERATE = 1.2
 TARGET_LAYER_HOST_US = 40.0
 LARGE_T = 1024
 BACKENDS = ("plain", "moe_fx")
+#: The generate() side that runs moe_fx with ``--ab-set``'s constants (compiled and called with them in force).
+AB_SIDE = "moe_fx_ab"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,6 +446,7 @@ class Settings:
     gen_rounds: int
     weights: str = "bf16"
     share_weights: bool = False
+    ab_set: tuple[str, ...] = ()  # --ab-set: generate()'s third compiled side, moe_fx with these constants
 
     def layers_of(self, spec: ModelSpec) -> int:
         """The decoder layers a model of ``spec`` gets in this run."""
@@ -457,6 +469,19 @@ def compile_forward(model, backend: str, mode: str, dynamic: bool, weights: str 
 
         return moe_fx.compile(model, moe_fx.MoEConfig(quantize="fp8" if weights == "quantize_fp8" else None), **kwargs)
     return torch.compile(model, **kwargs)
+
+
+def ab_backend(pairs: tuple[str, ...], seen: list[dict[str, object]]) -> Callable:
+    """``backend="moe_fx"`` as an object of its own, for the A/B side: Dynamo keeps compiled frames per backend,
+    so the A/B side compiles its own graphs (with its constants in force) instead of reusing moe_fx's. Appends
+    to ``seen``, at each compile, the values ``pairs``' constants have then (the record that they were in force)."""
+    from moe_fx.backend import moe_fx_backend
+
+    def moe_fx_ab(gm, example_inputs, **kwargs):
+        seen.append(current_settings(list(pairs)))
+        return moe_fx_backend(gm, example_inputs, **kwargs)
+
+    return moe_fx_ab
 
 
 def forward_call(compiled: Callable, input_ids, mode: str) -> Callable[[], Any]:
@@ -657,9 +682,11 @@ def cache_kwarg(model) -> str:
 def generate_row(model_name: str, models: dict[str, Any], s: Settings) -> dict:
     """Greedy generate() with a static cache: eager, plain torch.compile and moe_fx, timed alternately.
 
-    ``models`` maps ``"eager"``, ``"plain"``, ``"moe_fx"`` to model objects with the same weights (one object
-    more than once with ``--share-weights``); each compiled side gets its own compiled forward
-    (``torch.compile(model.forward, ...)``, transformers' recipe), installed as ``model.forward`` for its calls.
+    ``models`` maps ``"eager"``, ``"plain"``, ``"moe_fx"`` (and :data:`AB_SIDE` with ``--ab-set``) to model objects
+    with the same weights (one object more than once with ``--share-weights``); each compiled side gets its own
+    compiled forward (``torch.compile(model.forward, ...)``, transformers' recipe), installed as ``model.forward``
+    for its calls. The A/B side is moe_fx compiled and run with ``s.ab_set``'s constants, in the same alternating
+    rounds: a lowering switch compared without the drift between two runs.
     """
     import torch
 
@@ -669,20 +696,26 @@ def generate_row(model_name: str, models: dict[str, Any], s: Settings) -> dict:
     mask = torch.ones_like(prompts)
     max_len = s.gen_prompt + s.gen_new
     caches, runs, forwards = {}, {}, {}
+    ab_compiles: list[dict[str, object]] = []  # the --ab-set constants as each of the A/B side's compiles saw them
     cache_kw = cache_kwarg(base)  # before any forward is replaced: read from its signature
     for name, model in models.items():
         model.generation_config.disable_compile = True  # eager stays eager; compiled forwards are compiled once
         own = type(model).forward.__get__(model)  # the class's forward: never another side's compiled one
-        forwards[name] = own if name == "eager" else compile_forward(own, name, "default", s.dynamic, s.weights)
+        if name == AB_SIDE:
+            forwards[name] = torch.compile(own, backend=ab_backend(s.ab_set, ab_compiles), dynamic=s.dynamic)
+        else:
+            forwards[name] = own if name == "eager" else compile_forward(own, name, "default", s.dynamic, s.weights)
         caches[name] = static_cache(model, s.gen_batch, max_len)
 
     def run(name: str, new: int):
         caches[name].reset()
         models[name].forward = forwards[name]
-        return models[name].generate(
-            prompts, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
-            **{cache_kw: caches[name]},
-        )
+        # every call of the A/B side (its compiles happen inside some of them) with its constants, then back
+        with settings_applied(list(s.ab_set)) if name == AB_SIDE else contextlib.nullcontext():
+            return models[name].generate(
+                prompts, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                pad_token_id=0, **{cache_kw: caches[name]},
+            )
 
     with torch.no_grad():
         tokens, warm, outs = {}, {}, {}
@@ -730,6 +763,11 @@ def generate_row(model_name: str, models: dict[str, Any], s: Settings) -> dict:
         }
     plain, mine = row["plain"]["decode_tok_s"], row["moe_fx"]["decode_tok_s"]
     row["speedup"] = mine / plain if plain and mine else None
+    if AB_SIDE in models:
+        ab = row[AB_SIDE]["decode_tok_s"]
+        row["ab_set"] = list(s.ab_set)
+        row["ab_compiles"] = ab_compiles
+        row["ab_speedup"] = ab / mine if ab and mine else None
     row["target"] = TARGET_GENERATE
     row["ok"] = None if row["speedup"] is None else row["speedup"] >= TARGET_GENERATE
     return row
@@ -920,6 +958,9 @@ def run_benchmark(args: argparse.Namespace) -> None:
     # moe_fx constants (--set; --static-launch is one): moe_fx's side only, plain's graphs hold no moe_fx op or
     # user-defined Triton kernel
     settings_set = apply_settings(args.set + (["moe_fx.backend.STATIC_LAUNCH_KERNELS=True"] if args.static_launch else []))
+    if args.ab_set:  # a typo or a malformed pair fails now, not after the first compiles
+        with settings_applied(args.ab_set):
+            pass
     meta = {
         **machine_meta(),
         "smoke": args.smoke,
@@ -931,6 +972,7 @@ def run_benchmark(args: argparse.Namespace) -> None:
         "specialize_float": bool(args.specialize_float),
         "static_launch": bool(args.static_launch),
         "settings": settings_set,
+        "ab_set": list(args.ab_set),
         "deepgemm": dg,
         # copy and matmul rates, for the MoE floor of each forward row (a few seconds, CUDA only)
         "limits": measure_limits() if settings.device == "cuda" else None,
@@ -1019,7 +1061,9 @@ def run_benchmark(args: argparse.Namespace) -> None:
             finish(run_cell(
                 {"kind": "generate", **tag, "mode": "default", "layers": layers},
                 lambda: generate_row(model_name, {"eager": base_model, "plain": side(plain_src),
-                                                  "moe_fx": side(moe_src)}, settings),
+                                                  "moe_fx": side(moe_src),
+                                                  **({AB_SIDE: side(moe_src)} if settings.ab_set else {})},
+                                     settings),
                 budget, errors,
             ))
         if settings.share_weights:
@@ -1062,6 +1106,7 @@ def make_settings(args: argparse.Namespace) -> Settings:
         gen_rounds=1 if smoke else args.gen_rounds,
         weights=args.weights,
         share_weights=args.share_weights or args.layers == "full",
+        ab_set=tuple(args.ab_set),
     )
 
 
@@ -1102,7 +1147,9 @@ def summary_line(row: dict) -> str:
     return (f"{head}  decode tok/s eager {fmt(row['eager']['decode_tok_s'], 0)} plain {fmt(row['plain']['decode_tok_s'], 0)} "
             f"moe_fx {fmt(row['moe_fx']['decode_tok_s'], 0)}  x{fmt(row['speedup'], 2)} ({verdict(row)})  step wall / GPU µs "
             f"plain {fmt(row['plain'].get('step_wall_us'), 0)} / {fmt(row['plain'].get('step_gpu_us'), 0)} moe_fx "
-            f"{fmt(row['moe_fx'].get('step_wall_us'), 0)} / {fmt(row['moe_fx'].get('step_gpu_us'), 0)}")
+            f"{fmt(row['moe_fx'].get('step_wall_us'), 0)} / {fmt(row['moe_fx'].get('step_gpu_us'), 0)}"
+            + (f"  A/B {fmt(row[AB_SIDE]['decode_tok_s'], 0)} tok/s, x{fmt(row.get('ab_speedup'), 3)} of moe_fx"
+               if AB_SIDE in row else ""))
 
 
 def write_results(base: str, meta: dict, rows: list[dict], plot_it: bool) -> None:
@@ -1220,7 +1267,41 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         ],
         sort_key=lambda r: (r["model"], r.get("weights", "bf16"), r["deepgemm"]),
     )
+    lines += ab_table([r for r in gen if AB_SIDE in r])
     return "\n".join(lines) + "\n"
+
+
+def ab_table(ab: list[dict]) -> list[str]:
+    """The markdown section of generate() rows with an A/B side (``--ab-set``): moe_fx with and without the
+    constants, timed in the same rounds."""
+    if not ab:
+        return []
+    return md_table(
+        "generate() A/B: moe_fx with --ab-set's constants, in the same alternating rounds",
+        "A/B = moe_fx compiled and run with the constants named (each call sets them, then puts them back); "
+        "A/B / moe_fx = its decode tok/s over moe_fx's (> 1: the constants are faster). step = wall µs / GPU busy "
+        "µs / GPU activities per decode step. compiles = the A/B side's backend calls, each of which saw the "
+        "constants (recorded by its backend).",
+        ["model", "layers", "DeepGEMM", "batch x prompt + new", "constants", "plain decode tok/s",
+         "moe_fx decode tok/s", "A/B decode tok/s", "A/B / moe_fx", "A/B / plain", "step moe_fx", "step A/B",
+         "warm-up s moe_fx / A/B", "compiles"],
+        ab, lambda r: [r["model"], str(r.get("layers", "?")), r["deepgemm"]],
+        lambda r: [
+            f"{r['batch']} x {r['prompt']} + {r['new']}", ", ".join(f"`{c}`" for c in r["ab_set"]),
+            *(fmt(r[n]["decode_tok_s"], 0) for n in ("plain", "moe_fx", AB_SIDE)),
+            f"{fmt(r.get('ab_speedup'), 3)}x",
+            f"{fmt(_ratio(r[AB_SIDE]['decode_tok_s'], r['plain']['decode_tok_s']), 2)}x",
+            *(" / ".join(fmt(r[n].get(k), 0) for k in ("step_wall_us", "step_gpu_us", "step_kernels"))
+              for n in ("moe_fx", AB_SIDE)),
+            f"{fmt(r['moe_fx'].get('warmup_s'))} / {fmt(r[AB_SIDE].get('warmup_s'))}",
+            str(len(r.get("ab_compiles", []))),
+        ],
+        sort_key=lambda r: (r["model"], r["deepgemm"]),
+    )
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
 
 
 KERNELS_SHOWN = 5  # of a row's top_kernels, the ones the markdown lists
@@ -1427,6 +1508,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="a moe_fx constant for the whole run (moe_fx's side): a module under moe_fx.lowering, e.g. "
                          "masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS=4, or a full moe_fx module name, e.g. "
                          "moe_fx.backend.STATIC_LAUNCH_KERNELS=True (repeatable)")
+    ap.add_argument("--ab-set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                    help="generate() gets a third compiled side, moe_fx with this constant (--set's names; "
+                         "repeatable: all of them on that side), timed in the same alternating rounds as plain and "
+                         "moe_fx: an A/B of a lowering switch without the drift between runs (bf16 weights)")
     ap.add_argument("--no-forward", action="store_true",
                     help="skip the forward cells (--tokens then only feeds explain: a generate()-only run, such as "
                          "a full-depth model whose four compiles would not fit one call otherwise)")
@@ -1442,6 +1527,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu", action="store_true", help="with --smoke: stay on CPU even if CUDA is there")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="join earlier runs' JSON files into one md/json/png")
     args = ap.parse_args(argv)
+    if args.ab_set and args.weights != "bf16":
+        ap.error("--ab-set compiles its side with backend='moe_fx': bf16 weights only")
     args.out = args.out or (os.path.join(tempfile.gettempdir(), "moe_fx_smoke") if args.smoke else os.path.join(HERE, "results"))
     args.models = args.models or ("qwen3" if args.smoke else ",".join(MODELS))
     args.tokens = args.tokens or ("1,8" if args.smoke else "1,16,256,1024,4096")

@@ -28,6 +28,7 @@ A failure in one cell is printed and recorded, and the run carries on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -37,6 +38,7 @@ import platform
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 
 import torch
 
@@ -109,28 +111,62 @@ def qualified_setting(name: str) -> str:
     return name if name == "moe_fx" or name.startswith("moe_fx.") else f"moe_fx.lowering.{name}"
 
 
+def setting_target(name: str):
+    """``(module, attr)`` of a ``--set`` name ``module.ATTR`` (:func:`qualified_setting`); raises ``ValueError``
+    for a name without a module and ``AttributeError`` for a constant the module does not have (a typo must not
+    run the defaults under another name)."""
+    import importlib
+
+    if "." not in name:
+        raise ValueError(f"--set wants module.ATTR=value (module under moe_fx.lowering or moe_fx...), got {name!r}")
+    path, attr = name.strip().rsplit(".", 1)
+    module_name = qualified_setting(path)
+    module = importlib.import_module(module_name)
+    if not hasattr(module, attr):
+        raise AttributeError(f"--set: {module_name} has no {attr}")
+    return module, attr
+
+
 def apply_settings(pairs: list[str]) -> dict[str, object]:
     """Set ``module.ATTR=value`` (a module under ``moe_fx.lowering``, or a full ``moe_fx...`` module name:
     :func:`qualified_setting`; a Python literal) for each of ``pairs``; returns ``{name: value}`` as set, each name
     as given. Raises ``ValueError`` for a malformed pair and ``AttributeError`` for a
     constant the module does not have (a typo must not run the defaults under another name)."""
     import ast
-    import importlib
 
     settings = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
-        if not sep or "." not in name:
+        if not sep:
             raise ValueError(f"--set wants module.ATTR=value (module under moe_fx.lowering or moe_fx...), got {pair!r}")
-        path, attr = name.strip().rsplit(".", 1)
-        module_name = qualified_setting(path)
-        module = importlib.import_module(module_name)
-        if not hasattr(module, attr):
-            raise AttributeError(f"--set: {module_name} has no {attr}")
+        module, attr = setting_target(name)
         value = ast.literal_eval(text.strip())
         setattr(module, attr, value)
         settings[name.strip()] = value
     return settings
+
+
+def current_settings(pairs: list[str]) -> dict[str, object]:
+    """The values the constants named by ``pairs`` (``module.ATTR=value`` or just ``module.ATTR``) have now,
+    ``{name: value}`` with each name as given."""
+    out = {}
+    for pair in pairs:
+        name = pair.partition("=")[0].strip()
+        module, attr = setting_target(name)
+        out[name] = getattr(module, attr)
+    return out
+
+
+@contextlib.contextmanager
+def settings_applied(pairs: list[str]) -> Iterator[dict[str, object]]:
+    """:func:`apply_settings` for the body of a ``with``, then every named constant back to the value it had
+    (also when the body raises): one side of an in-process A/B runs with a switch while the others keep theirs."""
+    before = current_settings(pairs)  # validates every name before anything changes
+    try:
+        yield apply_settings(pairs)
+    finally:
+        for name, value in before.items():
+            setattr(*setting_target(name), value)
 
 
 def bench_us(fn, warmup: int = 3, rep_ms: float = 30.0) -> float:

@@ -223,29 +223,63 @@ def test_e2e_model_no_forward_runs_no_forward_cell(tmp_path):
     assert "`moe_fx.backend.STATIC_LAUNCH_KERNELS` = True" in md
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(170)
 def test_e2e_model_generate_cell(tmp_path):
-    """The generate() cell alone on CPU (four compiles: prefill and decode per side): tokens/s of the three sides,
-    the decode step's wall time from the decode rate, no GPU split without CUDA, and its markdown row."""
+    """The generate() cell alone on CPU (prefill and decode compiles per side): tokens/s of the three sides and of
+    the A/B side (``--ab-set``: moe_fx compiled with a lowering constant, each of its compiles seeing it), the
+    decode step's wall time from the decode rate, no GPU split without CUDA, and the markdown rows."""
     out = tmp_path / "res"
+    setting = "masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS"
     proc = _run(["--smoke", "--cpu", "--tokens", "8", "--layers", "1", "--no-forward", "--no-layer-host",
                  "--gen-prompt", "4", "--gen-new", "3", "--gen-rounds", "1", "--no-plot", "--out", str(out),
-                 "--tag", "g"], timeout=110)
+                 "--ab-set", f"{setting}=3", "--tag", "g"], timeout=160)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     [js] = out.glob("e2e_model_*_g.json")
-    [row] = json.loads(js.read_text())["rows"]
+    data = json.loads(js.read_text())
+    [row] = data["rows"]
     assert row["kind"] == "generate" and row["new"] == 3 and "error" not in row, row
-    for side in ("eager", "plain", "moe_fx"):
+    for side in ("eager", "plain", "moe_fx", "moe_fx_ab"):
         assert row[side]["s_per_call"] > row[side]["s_per_call_1_new"] > 0, (side, row[side])
         assert 0.0 <= row[side]["same_tokens_as_eager"] <= 1.0
     assert row["eager"]["same_tokens_as_eager"] == 1.0
-    for side in ("plain", "moe_fx"):
+    for side in ("plain", "moe_fx", "moe_fx_ab"):
         got = row[side]
         assert got["step_wall_us"] == pytest.approx((got["s_per_call"] - got["s_per_call_1_new"]) / 2 * 1e6)
         assert got["step_gpu_us"] is None and got["step_kernels"] is None  # no CUDA: no profiler split
     assert row["speedup"] == pytest.approx(row["moe_fx"]["decode_tok_s"] / row["plain"]["decode_tok_s"])
+    # the A/B side compiled graphs of its own (prefill and decode), each with the constant in force; the
+    # shipped value (1) is what the run's other sides saw, and it is back at the end
+    assert row["ab_set"] == [f"{setting}=3"] and data["meta"]["ab_set"] == [f"{setting}=3"]
+    assert len(row["ab_compiles"]) >= 2 and all(c == {setting: 3} for c in row["ab_compiles"]), row["ab_compiles"]
+    assert row["moe_fx_ab"]["compile"]["backend_calls"] >= 2
+    assert row["ab_speedup"] == pytest.approx(row["moe_fx_ab"]["decode_tok_s"] / row["moe_fx"]["decode_tok_s"])
     md = js.with_suffix(".md").read_text()
     assert "| step plain | step moe_fx |" in md and f"| {row['plain']['step_wall_us']:.0f} / - / - |" in md
+    assert "## generate() A/B" in md and f"| `{setting}=3` |" in md and f"| {row['ab_speedup']:.3f}x |" in md
+
+
+def test_settings_applied_restores():
+    """``settings_applied`` (the A/B side's calls): the constants hold inside the ``with``, and afterwards, also
+    after an exception, each is back at its value; a name the module lacks fails before anything changes."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import moe_layer
+
+    from moe_fx.lowering.masked_experts import pipeline
+
+    shipped_rows, shipped_combine = pipeline.SLOT_ROWS_MAX_TOKENS, pipeline.COMBINE_IN_GRAPH
+    pairs = ["masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS=5", "masked_experts.pipeline.COMBINE_IN_GRAPH=True"]
+    with moe_layer.settings_applied(pairs) as got:
+        assert got == {"masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS": 5, "masked_experts.pipeline.COMBINE_IN_GRAPH": True}
+        assert (pipeline.SLOT_ROWS_MAX_TOKENS, pipeline.COMBINE_IN_GRAPH) == (5, True)
+    assert (pipeline.SLOT_ROWS_MAX_TOKENS, pipeline.COMBINE_IN_GRAPH) == (shipped_rows, shipped_combine)
+    with pytest.raises(RuntimeError, match="body"), moe_layer.settings_applied(pairs[:1]):
+        assert pipeline.SLOT_ROWS_MAX_TOKENS == 5
+        raise RuntimeError("body")
+    assert pipeline.SLOT_ROWS_MAX_TOKENS == shipped_rows
+    with pytest.raises(AttributeError, match="NO_SUCH"), moe_layer.settings_applied(
+            pairs[:1] + ["masked_experts.pipeline.NO_SUCH=1"]):
+        pass
+    assert pipeline.SLOT_ROWS_MAX_TOKENS == shipped_rows
 
 
 def test_decode_step_gpu_subtracts_the_one_token_call(monkeypatch):

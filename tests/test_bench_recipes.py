@@ -30,9 +30,9 @@ def test_every_documented_recipe_has_a_branch_and_back():
 def test_every_benchmark_command_parses():
     text = SCRIPT.read_text()
     commands = _variables(text)
-    assert set(commands) == {"E2E_GEN", "L2", "CG", "CG_QWEN3"}
+    assert set(commands) == {"E2E_GEN", "E2E_AB", "L2", "CG", "CG_QWEN3"}
     e2e, cudagraphs = load_bench("e2e_model"), load_bench("generate_cudagraphs")
-    for name in ("E2E_GEN", "L2"):
+    for name in ("E2E_GEN", "E2E_AB", "L2"):
         args = e2e.parse_args(commands[name][1:])
         assert args.models == "gpt_oss" and args.no_deepgemm
     cg = cudagraphs.parse_args(commands["CG"][1:])
@@ -43,7 +43,7 @@ def test_every_benchmark_command_parses():
     assert used and all(v in cudagraphs.BY_NAME for group in used for v in group.split(","))
     # the settings the recipes flip exist under the names they give
     moe_layer = load_bench("moe_layer")
-    for pair in re.findall(r"--set (\S+)", text):
+    for pair in re.findall(r"--(?:ab-)?set (\S+)", text):
         name, _, _ = pair.partition("=")
         path, attr = name.rsplit(".", 1)
         assert hasattr(importlib.import_module(moe_layer.qualified_setting(path)), attr), name
