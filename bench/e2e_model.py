@@ -51,6 +51,10 @@ thermal drift hit both; numbers are medians):
   the CUDA-graph variant is bench/generate_cudagraphs.py, which isolates its segfault). Reported: new
   tokens/s of whole calls, and decode tokens/s from ``(t(N new) - t(1 new))``, for eager, plain and
   moe_fx; whether the greedy tokens equal eager's; each side's warm-up seconds and what it compiled.
+  ``--ab-set MODULE.ATTR=VALUE`` (repeatable) adds a fourth side: moe_fx compiled (under a backend object of
+  its own, so it never reuses moe_fx's graphs) and called with those constants in force, timed in the same
+  alternating rounds: the A/B of a lowering switch without the drift between two runs (``--set`` applies a
+  constant to the whole run instead).
 
 ``--no-deepgemm`` sets ``MOE_FX_DISABLE_DEEPGEMM=1`` before moe_fx is imported (moe_fx then runs its
 Triton kernels); a run without it uses DeepGEMM where ``deep_gemm`` imports and the shapes fit. Merge
@@ -74,6 +78,8 @@ plain.
         [--modes default,reduce-overhead] [--no-deepgemm] [--budget-s 420] [--tag TAG]
     python bench/e2e_model.py --models qwen3 --layers full --tokens 16,1024,4096 --modes default
     python bench/e2e_model.py --models qwen3,mixtral --weights fp8_checkpoint --tokens 16,1024,4096 --modes default
+    python bench/e2e_model.py --models gpt_oss --layers 16 --no-forward --gen-batch 1
+        --ab-set moe_fx.backend.STATIC_LAUNCH_KERNELS=True     # (one line) generate(): with and without a switch
     python bench/e2e_model.py --merge A.json B.json [--tag TAG]
     python bench/e2e_model.py --smoke        # CPU, tiny model, ~2-3 min on 2 cores: checks the script end to end
 

@@ -49,9 +49,11 @@ PASSES_TIMER = "moe_fx_passes"
 #: overrides it. Read at every compile. Inductor's compile workers get only ``use_static_triton_launcher`` of the
 #: parent's options (torch 2.11-2.13, ``async_compile``), so a kernel compiled in a worker would keep Triton's launcher:
 #: with the switch on, the graph compiles its kernels in-process (``compile_threads=1``; slower compiles). False: the
-#: timings so far (H100, 2-layer Qwen3, 2026-12-05, bench/results/e2e_model_2026-12-05_launch_{shipped,static}_h100.md;
-#: H200, 2-layer GPT-OSS, e2e_model_2026-12-05_gptoss_l2_{shipped,static}.md) showed no clear gain, but they ran
-#: before that fix, when the kernels compiled once the worker pool was up kept Triton's launcher.
+#: timings before that fix (H100, 2-layer Qwen3, bench/results/e2e_model_2026-12-05_launch_{shipped,static}_h100.md;
+#: H200, 2-layer GPT-OSS, e2e_model_2026-12-05_gptoss_l2_{shipped,static}.md) showed no clear gain; the one after it
+#: (H200, the same GPT-OSS run, ``..._s9.md``) +3% at T=1 and +6% in generate()'s decode, each side in a run of its
+#: own (inside the runs' drift), with the in-process compile's cost at depth unmeasured. The A/B in one set of
+#: alternating rounds is ``bash bench/gpu_recipes.sh gen_ab_static``.
 STATIC_LAUNCH_KERNELS = False
 #: The Inductor options :data:`STATIC_LAUNCH_KERNELS` puts in every compile.
 _STATIC_LAUNCH_OPTIONS = {"static_launch_user_defined_triton_kernels": True, "compile_threads": 1}

@@ -53,8 +53,10 @@ SLOT_ROWS_MAX_TOKENS = 1
 #: Whether a decode-sized call (rows-per-expert regime 0) leaves its combine to Inductor while a graph is compiled
 #: (:func:`combine_in_graph`). Off: on an H100 (2-layer GPT-OSS, 2026-12-05) it saved the launch it should (62 -> 60
 #: GPU activities per T=1 forward, 1.09 -> 1.11x plain) but generate()'s decode moved inside the runs' drift
-#: (bench/results/e2e_model_2026-12-05_gptoss_l2_{shipped,combine}_h100.md); the full-depth A/B that decides it is
-#: ``bash bench/gpu_recipes.sh gen_default gen_combine``.
+#: (bench/results/e2e_model_2026-12-05_gptoss_l2_{shipped,combine}_h100.md). At full depth (GPT-OSS-20B, 24 layers,
+#: H200, e2e_model_2026-12-05_full_gpt_oss_gen_b1_{shipped,combine}.md) one launch a layer fewer again, GPU busy
+#: -1%, generate() 1.13x shipped / 1.10x with it, two runs whose host time drifted ~30%: no gain seen. The A/B in
+#: one set of alternating rounds is ``bash bench/gpu_recipes.sh gen_ab_combine``.
 COMBINE_IN_GRAPH = False
 
 
