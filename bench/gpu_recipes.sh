@@ -18,7 +18,8 @@
 #   gen_combine    the same with masked_experts.pipeline.COMBINE_IN_GRAPH=True (one launch fewer a layer)
 #   l2_static      GPT-OSS 2 layers, T=1 forward + generate(), shipped then STATIC_LAUNCH_KERNELS (in one call)
 #   gen_ab_static  GPT-OSS 16 layers, default-mode generate(): plain, moe_fx and moe_fx with STATIC_LAUNCH_KERNELS
-#                  timed in the same alternating rounds (e2e_model --ab-set: no drift between runs)
+#                  timed in the same alternating rounds (e2e_model --ab-set: no drift between runs; the A/B side
+#                  compiles after moe_fx's, on Triton's warm on-disk cache: its warm-up is not a cold compile)
 #   gen_ab_combine the same A/B with masked_experts.pipeline.COMBINE_IN_GRAPH=True
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
