@@ -38,6 +38,7 @@ import platform
 import sys
 import time
 import traceback
+import types
 from collections.abc import Iterator
 
 import torch
@@ -111,7 +112,7 @@ def qualified_setting(name: str) -> str:
     return name if name == "moe_fx" or name.startswith("moe_fx.") else f"moe_fx.lowering.{name}"
 
 
-def setting_target(name: str):
+def setting_target(name: str) -> tuple[types.ModuleType, str]:
     """``(module, attr)`` of a ``--set`` name ``module.ATTR`` (:func:`qualified_setting`); raises ``ValueError``
     for a name without a module and ``AttributeError`` for a constant the module does not have (a typo must not
     run the defaults under another name)."""
