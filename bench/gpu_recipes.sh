@@ -21,6 +21,8 @@
 #                  timed in the same alternating rounds (e2e_model --ab-set: no drift between runs; the A/B side
 #                  compiles after moe_fx's, on Triton's warm on-disk cache: its warm-up is not a cold compile)
 #   gen_ab_combine the same A/B with masked_experts.pipeline.COMBINE_IN_GRAPH=True
+#   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
+#                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}
@@ -101,6 +103,11 @@ for name in "$@"; do
       timeout 590 python3 $E2E_AB --ab-set masked_experts.pipeline.COMBINE_IN_GRAPH=True --tag gpt_oss16_ab_combine \
         > "$OUT/log_$name.txt" 2>&1
       summary gpt_oss16_ab_combine ;;
+    peer_vllm)
+      if [ ! -f .ext/vllm_peer.py ]; then echo "no .ext/vllm_peer.py: build it, then carry .ext"; exit 2; fi
+      timeout 590 python3 bench/peer_layer.py --peer .ext/vllm_peer.py --shapes qwen3,mixtral --auto \
+        --budget-s 500 --out "$OUT" --tag vllm > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral)" "$OUT"/peer_layer_*vllm.md | cut -c1-200 ;;
     *)
       echo "unknown recipe $name (see the head of $0)"; exit 2 ;;
   esac

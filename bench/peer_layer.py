@@ -1,0 +1,284 @@
+"""One MoE layer: moe_fx against a peer implementation (vLLM's fused MoE, SGLang's, ...) loaded from a file.
+
+The peer's code is never part of moe_fx: it lives in a git-ignored folder (``.ext/``) on the machine that runs
+this script, in a Python file that ``--peer`` names. That file defines
+
+* ``NAME``: a short name for the tables (``"vllm_triton"``);
+* ``experts(hidden, topk_ids, topk_weights, w13, w2, *, w13_scale=None, w2_scale=None, **op_kwargs)``: one layer,
+  ``[T, H]`` in ``hidden``'s dtype, with ``torch.ops.moe_fx.experts``' layout (``w13 [E, N1, H]`` gate then up
+  halves or interleaved, ``w2 [E, H, I]``; fp8 e4m3 weights with ``[E, ceil(N/128), ceil(K/128)]`` fp32
+  scales; ``op_kwargs`` as the op's: ``w13_bias``, ``w2_bias``, the activation's ``gate_up_layout``, ``alpha``,
+  ``limit``, ``up_offset``). It may raise ``NotImplementedError`` for a case it does not cover (the row says so).
+
+For each shape (bench/moe_layer.py's ``SHAPES``), token count and weight dtype, both sides get the same weights
+and the same ``ROTATE`` routing sets, are captured in CUDA graphs (one per set) and replayed in rotation; the two
+sides alternate over ``--rounds`` rounds (the side that goes first alternates too) and each side's figure is the
+median of its rounds, so drift of the machine hits both. moe_fx is ``torch.ops.moe_fx.experts`` under
+``torch.compile`` with ``kernel_choice`` ``"triton"`` (and ``"auto"`` with ``--auto``): the kernels a compiled
+model launches. Every side is checked first against the fp32 torch reference on fresh random inputs (relative
+error per shape and dtype in the results); a side whose error is above ``MAX_REL_ERR`` of its dtype gets no time
+(a fast wrong answer must not show as a win). Roofline columns as bench/moe_layer.py's (limits measured in the
+run).
+
+    python bench/peer_layer.py --peer .ext/vllm_peer.py [--shapes qwen3,mixtral,dsv3,gpt_oss]
+        [--tokens 1,16,64,256,1024,4096,16384] [--dtypes bf16,fp8] [--auto] [--rounds 5] [--tag TAG]
+
+Writes ``peer_layer_<date>[_tag].{md,json}`` to ``--out`` (default bench/results) after every cell. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # bench/moe_layer.py's helpers
+
+from moe_layer import (
+    GPT_OSS_ACT,
+    ROTATE,
+    SHAPES,
+    capture_graphs,
+    experts_fn,
+    layer_floor,
+    log,
+    machine_meta,
+    measure_limits,
+    replay_us,
+    results_stem,
+    routing_sets,
+)
+
+TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+#: Above this relative error (Frobenius norm, against the fp32 reference) a side's output is wrong, per weight
+#: dtype: bf16 rounding of a layer's output stays near 1e-2, fp8 blocks with 1x128 activations near 5e-2.
+MAX_REL_ERR = {"bf16": 3e-2, "fp8": 1e-1}
+
+
+def load_peer(path: str) -> types.ModuleType:
+    """The peer module of ``path`` (see the module docstring); ``ValueError`` naming what it lacks."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--peer {path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"moe_fx_peer_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    missing = [n for n, ok in (("NAME", isinstance(getattr(module, "NAME", None), str)),
+                               ("experts", callable(getattr(module, "experts", None)))) if not ok]
+    if missing:
+        raise ValueError(f"--peer {path}: the file must define {' and '.join(missing)} (bench/peer_layer.py's "
+                         "docstring says how)")
+    return module
+
+
+def rel_err(got, want) -> float:
+    """``|got - want| / |want|`` (Frobenius norms, fp32)."""
+    got, want = got.float(), want.float()
+    return ((got - want).norm() / want.norm()).item()
+
+
+def check_side(fn: Callable, reference: Callable, sets: list) -> float:
+    """The worst relative error of ``fn`` against ``reference`` over ``sets`` (fresh inputs, never zeros)."""
+    return max(rel_err(fn(*s), reference(*s)) for s in sets)
+
+
+def fp32_reference(w13, w2, **op_kwargs) -> Callable:
+    """``fn(hidden, ids, weights)``: the op's torch reference in fp32 on these (bf16) weights, the yardstick of
+    both sides (fp8 sides then also carry their quantisation error)."""
+    import torch
+
+    from moe_fx.ops import experts_reference
+
+    kw = {n: (v.float() if torch.is_tensor(v) else v) for n, v in op_kwargs.items()}
+    w13, w2 = w13.float(), w2.float()
+
+    def reference(hidden, ids, weights):
+        return experts_reference(hidden.float(), ids, weights.float(), w13, w2, **kw)
+
+    return reference
+
+
+def alternate_graph_us(fns: dict[str, Callable], sets: list, rounds: int,
+                       timer: Callable[[list], float] = replay_us,
+                       capture: Callable[[Callable, list], tuple[list, list]] = capture_graphs) -> dict[str, float]:
+    """Median µs of one replay per side: each side's CUDA graphs (one per input set) replayed in rotation,
+    the sides alternating over ``rounds`` rounds with the first side alternating too."""
+    graphs = {name: capture(fn, sets)[0] for name, fn in fns.items()}
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            times[name].append(timer(graphs[name]))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def floor_cell(t: int, ids, k: int, h: int, i: int, fp8: bool, limits: dict) -> dict[str, float]:
+    """The layer's roofline for these routings (:func:`moe_layer.layer_floor`): floor µs and experts hit."""
+    hit = int(ids.unique().numel())
+    _, _, floor_us = layer_floor(t, hit, k, h, i, fp8, limits)
+    return {"floor_us": floor_us, "experts_hit": hit}
+
+
+def pair_row(shape: str, t: int, dtype: str, sides: dict[str, float], errors: dict[str, float | str],
+             floor: dict[str, float], peer_name: str) -> dict[str, Any]:
+    """One results row: each side's µs and fraction of the floor, moe_fx / peer time ratios (< 1: moe_fx faster)."""
+    row: dict[str, Any] = {"shape": shape, "T": t, "dtype": dtype, "peer": peer_name, "us": sides,
+                           "rel_err": errors, **floor}
+    row["frac_floor"] = {name: floor["floor_us"] / us for name, us in sides.items()}
+    peer_us = sides.get("peer")
+    row["vs_peer"] = {name: us / peer_us for name, us in sides.items() if name != "peer" and peer_us}
+    return row
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    """The results page: one line per (shape, T, dtype) with both sides, their floors and ratios."""
+    peer = meta.get("peer_name", "peer")
+    mine = sorted({n for r in rows for n in r.get("us", {}) if n != "peer"})
+    lim = meta.get("limits") or {}
+    lines = [
+        f"# One MoE layer: moe_fx against {peer} (CUDA-graph replays, sides alternated)",
+        "",
+        (f"{meta.get('date')} · {meta.get('gpu')} · torch {meta.get('torch')} · triton {meta.get('triton')} · "
+         f"peer file `{meta.get('peer_file')}`: {meta.get('peer_doc') or '-'}"),
+        "",
+        f"Command: `{meta.get('command', '?')}`",
+        "",
+        (f"Limits measured in the run: copy {lim.get('copy_tbs', 0):.2f} TB/s, bf16 matmul "
+         f"{lim.get('bf16_tflops', 0):.0f} TFLOP/s, fp8 matmul {lim.get('fp8_tflops', 0):.0f} TFLOP/s. "
+         f"floor = max(bytes / copy rate, flops / matmul rate) for the experts the routings hit; frac = floor / "
+         f"time. x = moe_fx µs / {peer} µs (< 1: moe_fx is faster). {meta.get('timing', '')}"),
+        "",
+        (f"| shape | T | dtype | {peer} µs | " + " | ".join(f"{n} µs" for n in mine) + " | "
+         + " | ".join(f"{n} x" for n in mine) + f" | floor µs | frac {peer} | "
+         + " | ".join(f"frac {n}" for n in mine) + " | rel err |"),
+        "|---|---|---|---|" + "---|" * (3 * len(mine) + 2),
+    ]
+    for r in rows:
+        head = f"| {r['shape']} | {r['T']} | {r['dtype']} | "
+        if "error" in r:
+            lines.append(head + r["error"] + " |" + " |" * (3 * len(mine) + 2))
+            continue
+        us, frac, vs = r["us"], r["frac_floor"], r["vs_peer"]
+        cells = [_num(us.get("peer"))] + [_num(us.get(n)) for n in mine] + [_num(vs.get(n), 3) for n in mine]
+        cells += [_num(r["floor_us"])] + [_pct(frac.get("peer"))] + [_pct(frac.get(n)) for n in mine]
+        cells.append(", ".join(f"{n} {v:.1e}" if isinstance(v, float) else f"{n} {v}" for n, v in r["rel_err"].items()))
+        lines.append(head + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _num(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peer", required=True, help="the peer's Python file (git-ignored; see above)")
+    ap.add_argument("--shapes", default="qwen3,mixtral,dsv3,gpt_oss", help=f"comma list of {', '.join(SHAPES)}")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--dtypes", default="bf16,fp8", help="weight dtypes: bf16, fp8 (128x128 blocks)")
+    ap.add_argument("--auto", action="store_true", help="also time kernel_choice='auto' (DeepGEMM where it fits)")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per cell")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no cell after this many seconds")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    for shape in args.shapes.split(","):
+        if shape not in SHAPES:
+            raise SystemExit(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    peer = load_peer(args.peer)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/peer_layer.py needs a CUDA GPU (CUDA graphs of both sides)")
+    import moe_fx.lowering  # noqa: F401  (the op's CUDA implementation)
+    from moe_fx.lowering.quant import quantize_fp8_blockwise
+
+    start = time.time()
+    limits = measure_limits()
+    meta = {**machine_meta(), "peer_name": peer.NAME, "peer_file": os.path.basename(args.peer),
+            "peer_doc": (peer.__doc__ or "").strip().splitlines()[0] if peer.__doc__ else "", "limits": limits,
+            "timing": f"{ROTATE} routing sets, one graph each, replayed in rotation; {args.rounds} alternating "
+                      "rounds, medians; first side alternates.",
+            "max_rel_err": MAX_REL_ERR}
+    rows: list[dict] = []
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, results_stem("peer_layer", args.tag))
+
+    def save() -> None:
+        with open(base + ".json", "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        with open(base + ".md", "w") as f:
+            f.write(markdown(meta, rows))
+
+    op = torch.ops.moe_fx.experts
+    for shape in args.shapes.split(","):
+        family, e, k, h, i = SHAPES[shape]
+        g = torch.Generator(device="cuda").manual_seed(1)
+        w13 = torch.randn(e, 2 * i, h, device="cuda", generator=g, dtype=torch.bfloat16) / h**0.5
+        w2 = torch.randn(e, h, i, device="cuda", generator=g, dtype=torch.bfloat16) / i**0.5
+        op_kw: dict[str, Any] = {}
+        if family == "gpt_oss":
+            op_kw = {**GPT_OSS_ACT,
+                     "w13_bias": torch.randn(e, 2 * i, device="cuda", generator=g, dtype=torch.bfloat16) * 0.1,
+                     "w2_bias": torch.randn(e, h, device="cuda", generator=g, dtype=torch.bfloat16) * 0.1}
+        for dtype in args.dtypes.split(","):
+            if dtype == "fp8":
+                (q13, s13), (q2, s2) = quantize_fp8_blockwise(w13), quantize_fp8_blockwise(w2)
+                weights = (q13, q2, s13, s2)
+            else:
+                weights = (w13, w2, None, None)
+            fns = {"peer": experts_fn(peer.experts, *weights, **op_kw),
+                   "moe_fx": torch.compile(experts_fn(op, *weights, kernel_choice="triton", **op_kw))}
+            if args.auto:
+                fns["moe_fx_auto"] = torch.compile(experts_fn(op, *weights, kernel_choice="auto", **op_kw))
+            reference = fp32_reference(w13, w2, **op_kw)
+            for t in map(int, args.tokens.split(",")):
+                if time.time() - start > args.budget_s:
+                    rows.append({"shape": shape, "T": t, "dtype": dtype, "error": "skipped: time budget"})
+                    continue
+                sets = routing_sets(t, e, k, h, ROTATE, seed=t)
+                fresh = routing_sets(t, e, k, h, 2, seed=10_000 + t)
+                errors: dict[str, float | str] = {}
+                timed = {}
+                with torch.no_grad():
+                    for name, fn in fns.items():
+                        try:
+                            errors[name] = check_side(fn, reference, fresh)
+                        except NotImplementedError as err:
+                            errors[name] = f"not supported: {err}"
+                            continue
+                        if errors[name] <= MAX_REL_ERR[dtype]:
+                            timed[name] = fn
+                        else:
+                            errors[name] = f"WRONG ({errors[name]:.2e}): not timed"
+                    if "peer" not in timed or "moe_fx" not in timed:
+                        rows.append({"shape": shape, "T": t, "dtype": dtype, "error": f"not compared: {errors}"})
+                        log(json.dumps(rows[-1]))
+                        save()
+                        continue
+                    sides = alternate_graph_us(timed, sets, args.rounds)
+                rows.append(pair_row(shape, t, dtype, sides, errors,
+                                     floor_cell(t, sets[0][1], k, h, i, dtype == "fp8", limits), peer.NAME))
+                log(json.dumps({n: rows[-1][n] for n in ("shape", "T", "dtype", "us", "vs_peer")}))
+                save()
+                torch.cuda.empty_cache()
+    save()
+    log(f"done in {time.time() - start:.0f}s -> {base}.md")
+
+
+if __name__ == "__main__":
+    main()

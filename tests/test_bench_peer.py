@@ -1,0 +1,146 @@
+"""bench/peer_layer.py (one MoE layer, moe_fx against a peer implementation loaded from a file): the peer file's
+contract, the alternating rounds, the correctness gate and the results page on CPU; the whole run on a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _triton_util import gpu
+from helpers import load_bench
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "peer_layer.py"
+
+# A peer that is the op's torch reference computed in fp32 (right), and one that drops the routing weights (wrong).
+REFERENCE_PEER = '''"""The op's torch reference as a peer."""
+from moe_fx.ops import experts_reference
+
+NAME = "torch_ref"
+
+
+def experts(hidden, ids, weights, w13, w2, *, w13_scale=None, w2_scale=None, **kw):
+    if w13_scale is not None:
+        raise NotImplementedError("bf16 weights only")
+    kw = {n: (v.float() if hasattr(v, "float") else v) for n, v in kw.items()}
+    return experts_reference(hidden.float(), ids, weights.float(), w13.float(), w2.float(), **kw).to(hidden.dtype)
+'''
+WRONG_PEER = REFERENCE_PEER.replace('"torch_ref"', '"unweighted"').replace("weights.float()", "weights.float() * 0 + 1")
+
+
+@pytest.fixture(scope="module")
+def peer_layer():
+    return load_bench("peer_layer")
+
+
+def _write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_load_peer_checks_the_contract(peer_layer, tmp_path):
+    """A peer file must define NAME and experts(); the error names what is missing and the file."""
+    mod = peer_layer.load_peer(_write(tmp_path, "ok.py", REFERENCE_PEER))
+    assert mod.NAME == "torch_ref" and callable(mod.experts)
+    with pytest.raises(ValueError, match=r"bad\.py.*experts"):
+        peer_layer.load_peer(_write(tmp_path, "bad.py", 'NAME = "x"\n'))
+    with pytest.raises(ValueError, match="NAME and experts"):
+        peer_layer.load_peer(_write(tmp_path, "empty.py", "\n"))
+    with pytest.raises(ValueError, match="no such file"):
+        peer_layer.load_peer(str(tmp_path / "absent.py"))
+
+
+def test_check_side_tells_a_wrong_peer(peer_layer, tmp_path):
+    """The correctness gate on fresh random inputs: the reference peer is within bf16 rounding of the fp32
+    reference, the peer that ignores the routing weights is far outside it (and would not be timed)."""
+    e, k, h, i, t = 4, 2, 32, 16, 5
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, generator=g) / i**0.5).bfloat16()
+    sets = []
+    for _ in range(2):
+        x = torch.randn(t, h, generator=g).bfloat16()
+        w, ids = torch.randn(t, e, generator=g).softmax(-1).topk(k, dim=-1)
+        sets.append((x, ids, w.bfloat16()))
+    reference = peer_layer.fp32_reference(w13, w2)
+    right = peer_layer.load_peer(_write(tmp_path, "ref.py", REFERENCE_PEER))
+    wrong = peer_layer.load_peer(_write(tmp_path, "wrong.py", WRONG_PEER))
+    moe_layer = load_bench("moe_layer")
+    good = peer_layer.check_side(moe_layer.experts_fn(right.experts, w13, w2), reference, sets)
+    bad = peer_layer.check_side(moe_layer.experts_fn(wrong.experts, w13, w2), reference, sets)
+    assert 0 < good <= peer_layer.MAX_REL_ERR["bf16"] < bad, (good, bad)
+
+
+def test_alternate_graph_us_alternates_and_takes_medians(peer_layer):
+    """Each side's graphs are captured once; the sides alternate over the rounds, the first side alternating
+    too; each side's figure is the median of its rounds."""
+    calls = []
+    values = {"peer": iter([10.0, 30.0, 20.0]), "moe_fx": iter([5.0, 7.0, 100.0])}
+
+    def capture(fn, sets):
+        return [fn], None
+
+    def timer(graphs):
+        name = graphs[0]
+        calls.append(name)
+        return next(values[name])
+
+    got = peer_layer.alternate_graph_us({"peer": "peer", "moe_fx": "moe_fx"}, [None], 3, timer=timer,
+                                        capture=capture)
+    assert calls == ["peer", "moe_fx", "moe_fx", "peer", "peer", "moe_fx"]
+    assert got == {"peer": 20.0, "moe_fx": 7.0}
+
+
+def test_results_page(peer_layer):
+    """A compared row shows both sides, moe_fx / peer and the fractions of the floor; a row that was not
+    compared shows why."""
+    row = peer_layer.pair_row("qwen3", 16, "bf16", {"peer": 40.0, "moe_fx": 30.0}, {"peer": 4e-3, "moe_fx": 5e-3},
+                              {"floor_us": 24.0, "experts_hit": 90}, "vllm_triton")
+    assert row["vs_peer"] == {"moe_fx": pytest.approx(0.75)}
+    assert row["frac_floor"] == {"peer": pytest.approx(0.6), "moe_fx": pytest.approx(0.8)}
+    skipped = {"shape": "qwen3", "T": 1024, "dtype": "fp8", "error": "not compared: {'peer': 'WRONG (9.9e-01)'}"}
+    md = peer_layer.markdown({"peer_name": "vllm_triton", "limits": {"copy_tbs": 4.0}}, [row, skipped])
+    assert "| shape | T | dtype | vllm_triton µs | moe_fx µs | moe_fx x | floor µs | frac vllm_triton | frac moe_fx |" in md
+    assert "| qwen3 | 16 | bf16 | 40.0 | 30.0 | 0.750 | 24.0 | 60% | 80% | peer 4.0e-03, moe_fx 5.0e-03 |" in md
+    assert "| qwen3 | 1024 | fp8 | not compared: {'peer': 'WRONG (9.9e-01)'} |" in md
+
+
+def test_main_needs_a_gpu_or_a_peer(peer_layer, tmp_path):
+    """Without CUDA the run stops with a message (after checking the peer file and the shapes); an unknown
+    shape is named."""
+    with pytest.raises(SystemExit, match="unknown shape 'nope'"):
+        peer_layer.main(["--peer", _write(tmp_path, "ref.py", REFERENCE_PEER), "--shapes", "nope"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            peer_layer.main(["--peer", _write(tmp_path, "ref2.py", REFERENCE_PEER), "--out", str(tmp_path)])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.timeout(400)
+def test_peer_layer_runs_on_the_gpu(tmp_path):
+    """The whole script on a GPU: OLMoE's layer (E=64, K=8, H=2048, I=1024) at T=1 and 16, bf16 and fp8,
+    against the torch reference as a peer (bf16 only: its fp8 rows say so) and against a wrong peer (no time)."""
+    out = tmp_path / "res"
+    for name, text, dtypes in (("ref.py", REFERENCE_PEER, "bf16,fp8"), ("wrong.py", WRONG_PEER, "bf16")):
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), "--peer", _write(tmp_path, name, text), "--shapes", "olmoe",
+             "--tokens", "1,16", "--dtypes", dtypes, "--rounds", "2", "--out", str(out), "--tag", name[:-3]],
+            capture_output=True, text=True, timeout=380, cwd=ROOT, check=False)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ref = json.loads(next(out.glob("peer_layer_*_ref.json")).read_text())
+    bf16 = [r for r in ref["rows"] if r["dtype"] == "bf16"]
+    assert [r["T"] for r in bf16] == [1, 16] and all("error" not in r for r in bf16), bf16
+    for r in bf16:
+        assert r["us"]["peer"] > 0 and r["us"]["moe_fx"] > 0 and r["floor_us"] > 0 and r["experts_hit"] >= 8
+        assert r["vs_peer"]["moe_fx"] == pytest.approx(r["us"]["moe_fx"] / r["us"]["peer"])
+        assert r["rel_err"]["moe_fx"] <= 3e-2 and r["rel_err"]["peer"] <= 3e-2
+    fp8 = [r for r in ref["rows"] if r["dtype"] == "fp8"]
+    assert fp8 and all("not supported: bf16 weights only" in r["error"] for r in fp8), fp8
+    wrong = json.loads(next(out.glob("peer_layer_*_wrong.json")).read_text())
+    assert len(wrong["rows"]) == 2 and all("WRONG" in r["error"] and "us" not in r for r in wrong["rows"]), wrong["rows"]
