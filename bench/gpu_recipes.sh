@@ -23,6 +23,7 @@
 #   gen_ab_combine the same A/B with masked_experts.pipeline.COMBINE_IN_GRAPH=True
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
+#   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}
@@ -47,6 +48,13 @@ summary() {  # the result rows of the markdown files a recipe wrote
 
 profile_section() {  # the decode-step section of a generate_cudagraphs --profile run
   grep -h -A30 "^## One decode step" "$OUT"/*"$1".md 2>/dev/null | cut -c1-700
+}
+
+peer_run() {  # one layer against .ext/vllm_peer.py (bench/peer_layer.py): $1 the recipe, $2 the shapes
+  if [ ! -f .ext/vllm_peer.py ]; then echo "no .ext/vllm_peer.py: build it, then carry .ext"; return 2; fi
+  timeout 590 python3 bench/peer_layer.py --peer .ext/vllm_peer.py --shapes "$2" --budget-s 480 --out "$OUT" \
+    --tag "$1" > "$OUT/log_$1.txt" 2>&1
+  grep -h -E "^\| (qwen3|mixtral|dsv3|gpt_oss)" "$OUT"/peer_layer_*"$1".md | cut -c1-200
 }
 
 for name in "$@"; do
@@ -104,10 +112,9 @@ for name in "$@"; do
         > "$OUT/log_$name.txt" 2>&1
       summary gpt_oss16_ab_combine ;;
     peer_vllm)
-      if [ ! -f .ext/vllm_peer.py ]; then echo "no .ext/vllm_peer.py: build it, then carry .ext"; exit 2; fi
-      timeout 590 python3 bench/peer_layer.py --peer .ext/vllm_peer.py --shapes qwen3,mixtral --auto \
-        --budget-s 500 --out "$OUT" --tag vllm > "$OUT/log_$name.txt" 2>&1
-      grep -h -E "^\| (qwen3|mixtral)" "$OUT"/peer_layer_*vllm.md | cut -c1-200 ;;
+      peer_run "$name" qwen3,mixtral ;;
+    peer_vllm_more)
+      peer_run "$name" dsv3,gpt_oss ;;
     *)
       echo "unknown recipe $name (see the head of $0)"; exit 2 ;;
   esac
