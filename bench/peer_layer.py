@@ -270,7 +270,14 @@ def main(argv: list[str] | None = None) -> None:
                         log(json.dumps(rows[-1]))
                         save()
                         continue
-                    sides = alternate_graph_us(timed, sets, args.rounds)
+                    try:
+                        sides = alternate_graph_us(timed, sets, args.rounds)
+                    except RuntimeError as err:  # a side that cannot be captured (a host sync): the row says so
+                        rows.append({"shape": shape, "T": t, "dtype": dtype, "rel_err": errors,
+                                     "error": f"not timed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"})
+                        log(json.dumps(rows[-1]))
+                        save()
+                        continue
                 rows.append(pair_row(shape, t, dtype, sides, errors,
                                      floor_cell(t, sets[0][1], k, h, i, dtype == "fp8", limits), peer.NAME))
                 log(json.dumps({n: rows[-1][n] for n in ("shape", "T", "dtype", "us", "vs_peer")}))

@@ -16,20 +16,28 @@ from helpers import load_bench
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "peer_layer.py"
 
-# A peer that is the op's torch reference computed in fp32 (right), and one that drops the routing weights (wrong).
-REFERENCE_PEER = '''"""The op's torch reference as a peer."""
-from moe_fx.ops import experts_reference
+# A peer computing SwiGLU experts densely in fp32 (every expert on every token, weighted by its routing weight:
+# no host sync, so CUDA graphs capture it) and one that drops the routing weights (wrong).
+REFERENCE_PEER = '''"""Dense fp32 SwiGLU experts as a peer."""
+import torch
 
-NAME = "torch_ref"
+NAME = "dense_fp32"
 
 
 def experts(hidden, ids, weights, w13, w2, *, w13_scale=None, w2_scale=None, **kw):
     if w13_scale is not None:
         raise NotImplementedError("bf16 weights only")
-    kw = {n: (v.float() if hasattr(v, "float") else v) for n, v in kw.items()}
-    return experts_reference(hidden.float(), ids, weights.float(), w13.float(), w2.float(), **kw).to(hidden.dtype)
+    if kw:
+        raise NotImplementedError(f"arguments {sorted(kw)}")
+    x = hidden.float()
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        gate, up = (x @ w13[e].float().T).chunk(2, dim=-1)
+        coef = ((ids == e).float() * weights.float()).sum(-1, keepdim=True)
+        out += coef * ((torch.nn.functional.silu(gate) * up) @ w2[e].float().T)
+    return out.to(hidden.dtype)
 '''
-WRONG_PEER = REFERENCE_PEER.replace('"torch_ref"', '"unweighted"').replace("weights.float()", "weights.float() * 0 + 1")
+WRONG_PEER = REFERENCE_PEER.replace('"dense_fp32"', '"unweighted"').replace(" * weights.float()", "")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +54,7 @@ def _write(tmp_path: Path, name: str, text: str) -> str:
 def test_load_peer_checks_the_contract(peer_layer, tmp_path):
     """A peer file must define NAME and experts(); the error names what is missing and the file."""
     mod = peer_layer.load_peer(_write(tmp_path, "ok.py", REFERENCE_PEER))
-    assert mod.NAME == "torch_ref" and callable(mod.experts)
+    assert mod.NAME == "dense_fp32" and callable(mod.experts)
     with pytest.raises(ValueError, match=r"bad\.py.*experts"):
         peer_layer.load_peer(_write(tmp_path, "bad.py", 'NAME = "x"\n'))
     with pytest.raises(ValueError, match="NAME and experts"):
@@ -125,7 +133,7 @@ def test_main_needs_a_gpu_or_a_peer(peer_layer, tmp_path):
 @pytest.mark.timeout(400)
 def test_peer_layer_runs_on_the_gpu(tmp_path):
     """The whole script on a GPU: OLMoE's layer (E=64, K=8, H=2048, I=1024) at T=1 and 16, bf16 and fp8,
-    against the torch reference as a peer (bf16 only: its fp8 rows say so) and against a wrong peer (no time)."""
+    against a dense fp32 peer (bf16 only: its fp8 rows say so) and against a wrong peer (no time)."""
     out = tmp_path / "res"
     for name, text, dtypes in (("ref.py", REFERENCE_PEER, "bf16,fp8"), ("wrong.py", WRONG_PEER, "bf16")):
         proc = subprocess.run(
