@@ -23,7 +23,8 @@ run).
     python bench/peer_layer.py --peer .ext/vllm_peer.py [--shapes qwen3,mixtral,dsv3,gpt_oss]
         [--tokens 1,16,64,256,1024,4096,16384] [--dtypes bf16,fp8] [--auto] [--rounds 5] [--tag TAG]
 
-Writes ``peer_layer_<date>[_tag].{md,json}`` to ``--out`` (default bench/results) after every cell. Needs CUDA.
+Writes ``peer_layer_<date>[_tag].{md,json}`` to ``--out`` (default bench/results) after every cell, and at the end
+a plot of moe_fx's time over the peer's against T (``.png``). Needs CUDA.
 """
 
 from __future__ import annotations
@@ -175,6 +176,37 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(path: str, meta: dict, rows: list[dict]) -> None:
+    """moe_fx's time over the peer's against T, one panel per weight dtype, one line per (shape, moe_fx side);
+    below 1 moe_fx is faster. Rows without times are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in rows if "vs_peer" in r]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in timed)) or ["bf16"]
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes):
+        lines = sorted({(r["shape"], side) for r in timed if r["dtype"] == dtype for side in r["vs_peer"]})
+        for shape, side in lines:
+            pts = sorted((r["T"], r["vs_peer"][side]) for r in timed
+                         if r["dtype"] == dtype and r["shape"] == shape and side in r["vs_peer"])
+            ax.plot(*zip(*pts), "-" if side == "moe_fx" else "--", marker="o", ms=3, label=f"{shape} {side}")
+        ax.axhline(1.0, color="k", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel(f"moe_fx µs / {meta.get('peer_name', 'peer')} µs")
+        ax.set_title(f"{dtype} weights (below 1: moe_fx faster)")
+        ax.grid(alpha=0.3)
+        if lines:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"one MoE layer, {meta.get('gpu')}, CUDA-graph replays, sides alternated")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _num(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -284,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
                 save()
                 torch.cuda.empty_cache()
     save()
+    plot(base + ".png", meta, rows)
     log(f"done in {time.time() - start:.0f}s -> {base}.md")
 
 

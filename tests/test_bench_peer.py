@@ -142,6 +142,7 @@ def test_peer_layer_runs_on_the_gpu(tmp_path):
             capture_output=True, text=True, timeout=380, cwd=ROOT, check=False)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     ref = json.loads(next(out.glob("peer_layer_*_ref.json")).read_text())
+    assert next(out.glob("peer_layer_*_ref.png")).stat().st_size > 0
     bf16 = [r for r in ref["rows"] if r["dtype"] == "bf16"]
     assert [r["T"] for r in bf16] == [1, 16] and all("error" not in r for r in bf16), bf16
     for r in bf16:
@@ -152,3 +153,31 @@ def test_peer_layer_runs_on_the_gpu(tmp_path):
     assert fp8 and all("not supported: bf16 weights only" in r["error"] for r in fp8), fp8
     wrong = json.loads(next(out.glob("peer_layer_*_wrong.json")).read_text())
     assert len(wrong["rows"]) == 2 and all("WRONG" in r["error"] and "us" not in r for r in wrong["rows"]), wrong["rows"]
+
+
+def test_plot_draws_the_timed_rows(peer_layer, tmp_path):
+    """The plot has one panel per weight dtype and one line per (shape, moe_fx side) through the timed rows, in
+    T order; rows without times are left out."""
+    rows = [peer_layer.pair_row("qwen3", t, "bf16", {"peer": 10.0 * t, "moe_fx": 9.0 * t}, {}, {"floor_us": 1.0},
+                                "p") for t in (64, 1, 16)]
+    rows.append({"shape": "qwen3", "T": 4096, "dtype": "fp8", "error": "skipped: time budget"})
+    path = tmp_path / "p.png"
+    import matplotlib.pyplot as plt
+
+    drawn = {}
+    real_savefig = plt.Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        drawn["axes"] = [[(line.get_label(), list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines]
+                         for ax in fig.axes]
+        return real_savefig(fig, *args, **kwargs)
+
+    plt.Figure.savefig = spy
+    try:
+        peer_layer.plot(str(path), {"peer_name": "p", "gpu": "test"}, rows)
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert path.stat().st_size > 0
+    [panel] = drawn["axes"]  # the fp8 row has no time: no panel for it
+    [(label, xs, ys), _one] = panel  # the moe_fx line, then the y = 1 line
+    assert label == "qwen3 moe_fx" and xs == [1, 16, 64] and ys == pytest.approx([0.9, 0.9, 0.9])
