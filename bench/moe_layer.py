@@ -345,6 +345,12 @@ def experts_fn(op, w13, w2, s13=None, s2=None, **kw):
     return fn
 
 
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``|got - want| / |want|`` (Frobenius norms, fp32)."""
+    got, want = got.float(), want.float()
+    return ((got - want).norm() / want.norm()).item()
+
+
 def check_outputs(fns: dict, e: int, k: int, h: int, w13, w2, **op_kwargs) -> dict:
     """Relative error of every implementation against the fp32 reference on one T=64 routing set."""
     from moe_fx.ops import experts_reference
@@ -355,8 +361,7 @@ def check_outputs(fns: dict, e: int, k: int, h: int, w13, w2, **op_kwargs) -> di
     for name, fn in fns.items():
         try:
             with torch.no_grad():
-                got = fn(hidden, ids, w).float()
-            out[name] = round(((got - ref).norm() / ref.norm()).item(), 5)
+                out[name] = round(rel_err(fn(hidden, ids, w), ref), 5)
         except CELL_ERRORS as err:
             out[name] = f"{type(err).__name__}: {str(err)[:100]}"
     return out

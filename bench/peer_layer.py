@@ -54,6 +54,7 @@ from moe_layer import (
     log,
     machine_meta,
     measure_limits,
+    rel_err,
     replay_us,
     results_stem,
     routing_sets,
@@ -79,12 +80,6 @@ def load_peer(path: str) -> types.ModuleType:
         raise ValueError(f"--peer {path}: the file must define {' and '.join(missing)} (bench/peer_layer.py's "
                          "docstring says how)")
     return module
-
-
-def rel_err(got, want) -> float:
-    """``|got - want| / |want|`` (Frobenius norms, fp32)."""
-    got, want = got.float(), want.float()
-    return ((got - want).norm() / want.norm()).item()
 
 
 def check_side(fn: Callable, reference: Callable, sets: list) -> float:
