@@ -21,6 +21,8 @@
 #                  timed in the same alternating rounds (e2e_model --ab-set: no drift between runs; the A/B side
 #                  compiles after moe_fx's, on Triton's warm on-disk cache: its warm-up is not a cold compile)
 #   gen_ab_combine the same A/B with masked_experts.pipeline.COMBINE_IN_GRAPH=True
+#   compile_static what STATIC_LAUNCH_KERNELS costs a cold compile (no worker pool): GPT-OSS 16 layers, one T=1
+#                  forward per side, shipped then static, each process with empty Inductor and Triton caches
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
@@ -38,6 +40,8 @@ L2="bench/e2e_model.py --models gpt_oss --tokens 1 --modes default --no-deepgemm
 # 16 of GPT-OSS's 24 layers: three compiled sides (plain, moe_fx, the A/B side) fit one call
 E2E_AB="bench/e2e_model.py --models gpt_oss --layers 16 --tokens 32 --no-forward --modes default --no-deepgemm
   --gen-batch 1 --gen-new 32 --gen-rounds 4 --no-layer-host --budget-s 500 --no-plot --out $OUT"
+E2E_COMPILE="bench/e2e_model.py --models gpt_oss --layers 16 --tokens 1 --modes default --no-deepgemm
+  --no-layer-host --no-generate --rounds 2 --per-round 2 --budget-s 250 --no-plot --out $OUT"
 CG="bench/generate_cudagraphs.py --model gpt_oss --layers 24 --batch 1 --new 32 --rounds 3 --timeout-s 560 --out $OUT"
 CG_QWEN3="bench/generate_cudagraphs.py --model qwen3 --layers 48 --batch 1 --new 32 --rounds 3 --timeout-s 285
   --out $OUT"
@@ -111,6 +115,13 @@ for name in "$@"; do
       timeout 590 python3 $E2E_AB --ab-set masked_experts.pipeline.COMBINE_IN_GRAPH=True --tag gpt_oss16_ab_combine \
         > "$OUT/log_$name.txt" 2>&1
       summary gpt_oss16_ab_combine ;;
+    compile_static)
+      for side in shipped static; do
+        caches=$(mktemp -d)
+        TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton timeout 285 python3 $E2E_COMPILE \
+          $([ $side = static ] && echo --static-launch) --tag gpt_oss16_compile_$side > "$OUT/log_${name}_$side.txt" 2>&1
+      done
+      summary gpt_oss16_compile_ ;;
     peer_vllm)
       peer_run "$name" qwen3,mixtral ;;
     peer_vllm_more)

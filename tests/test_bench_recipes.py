@@ -30,9 +30,9 @@ def test_every_documented_recipe_has_a_branch_and_back():
 def test_every_benchmark_command_parses():
     text = SCRIPT.read_text()
     commands = _variables(text)
-    assert set(commands) == {"E2E_GEN", "E2E_AB", "L2", "CG", "CG_QWEN3"}
+    assert set(commands) == {"E2E_GEN", "E2E_AB", "E2E_COMPILE", "L2", "CG", "CG_QWEN3"}
     e2e, cudagraphs = load_bench("e2e_model"), load_bench("generate_cudagraphs")
-    for name in ("E2E_GEN", "E2E_AB", "L2"):
+    for name in ("E2E_GEN", "E2E_AB", "E2E_COMPILE", "L2"):
         args = e2e.parse_args(commands[name][1:])
         assert args.models == "gpt_oss" and args.no_deepgemm
     cg = cudagraphs.parse_args(commands["CG"][1:])
