@@ -22,6 +22,7 @@ run).
 
     python bench/peer_layer.py --peer .ext/vllm_peer.py [--shapes qwen3,mixtral,dsv3,gpt_oss]
         [--tokens 1,16,64,256,1024,4096,16384] [--dtypes bf16,fp8] [--auto] [--rounds 5] [--tag TAG]
+    TRITON_INTERPRET=1 python bench/peer_layer.py --peer .ext/vllm_peer.py --smoke --out /tmp/p   # CPU check
 
 Writes ``peer_layer_<date>[_tag].{md,json}`` to ``--out`` (default bench/results) after every cell, and at the end
 a plot of moe_fx's time over the peer's against T (``.png``). Needs CUDA.
@@ -61,6 +62,8 @@ from moe_layer import (
 )
 
 TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+#: ``--smoke`` (CPU): 128-multiple sizes (whole fp8 blocks), Qwen3's form and GPT-OSS's.
+SMOKE_SHAPES = {"tiny": ("qwen3_moe", 8, 2, 128, 128), "tiny_gpt_oss": ("gpt_oss", 8, 2, 128, 128)}
 #: Above this relative error (Frobenius norm, against the fp32 reference) a side's output is wrong, per weight
 #: dtype: bf16 rounding of a layer's output stays near 1e-2, fp8 blocks with 1x128 activations near 5e-2.
 MAX_REL_ERR = {"bf16": 3e-2, "fp8": 1e-1}
@@ -117,11 +120,22 @@ def alternate_graph_us(fns: dict[str, Callable], sets: list, rounds: int,
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def floor_cell(t: int, ids, k: int, h: int, i: int, fp8: bool, limits: dict) -> dict[str, float]:
-    """The layer's roofline for these routings (:func:`moe_layer.layer_floor`): floor µs and experts hit."""
+def floor_cell(t: int, ids, k: int, h: int, i: int, fp8: bool, limits: dict | None) -> dict[str, float | None]:
+    """The layer's roofline for these routings (:func:`moe_layer.layer_floor`): floor µs (None without measured
+    limits) and experts hit."""
     hit = int(ids.unique().numel())
-    _, _, floor_us = layer_floor(t, hit, k, h, i, fp8, limits)
+    floor_us = layer_floor(t, hit, k, h, i, fp8, limits)[2] if limits else None
     return {"floor_us": floor_us, "experts_hit": hit}
+
+
+def call_us(calls: list) -> float:
+    """``--smoke``'s timer: median wall µs of one call, the calls (fn, inputs) made in rotation."""
+    times = []
+    for fn, inputs in calls * 3:
+        start = time.perf_counter()
+        fn(*inputs)
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
 
 
 def pair_row(shape: str, t: int, dtype: str, sides: dict[str, float], errors: dict[str, float | str],
@@ -129,7 +143,7 @@ def pair_row(shape: str, t: int, dtype: str, sides: dict[str, float], errors: di
     """One results row: each side's µs and fraction of the floor, moe_fx / peer time ratios (< 1: moe_fx faster)."""
     row: dict[str, Any] = {"shape": shape, "T": t, "dtype": dtype, "peer": peer_name, "us": sides,
                            "rel_err": errors, **floor}
-    row["frac_floor"] = {name: floor["floor_us"] / us for name, us in sides.items()}
+    row["frac_floor"] = {name: floor["floor_us"] / us if floor["floor_us"] else None for name, us in sides.items()}
     peer_us = sides.get("peer")
     row["vs_peer"] = {name: us / peer_us for name, us in sides.items() if name != "peer" and peer_us}
     return row
@@ -141,7 +155,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     mine = sorted({n for r in rows for n in r.get("us", {}) if n != "peer"})
     lim = meta.get("limits") or {}
     lines = [
-        f"# One MoE layer: moe_fx against {peer} (CUDA-graph replays, sides alternated)",
+        f"# One MoE layer: moe_fx against {peer} ("
+        + ("SMOKE: CPU wall-clock calls" if meta.get("smoke") else "CUDA-graph replays") + ", sides alternated)",
         "",
         (f"{meta.get('date')} · {meta.get('gpu')} · torch {meta.get('torch')} · triton {meta.get('triton')} · "
          f"peer file `{meta.get('peer_file')}`: {meta.get('peer_doc') or '-'}"),
@@ -161,7 +176,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     for r in rows:
         head = f"| {r['shape']} | {r['T']} | {r['dtype']} | "
         if "error" in r:
-            lines.append(head + r["error"] + " |" + " |" * (3 * len(mine) + 2))
+            lines.append(head + r["error"] + " |" + " |" * (3 * len(mine) + 3))
             continue
         us, frac, vs = r["us"], r["frac_floor"], r["vs_peer"]
         cells = [_num(us.get("peer"))] + [_num(us.get(n)) for n in mine] + [_num(vs.get(n), 3) for n in mine]
@@ -213,8 +228,12 @@ def _pct(x: float | None) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peer", required=True, help="the peer's Python file (git-ignored; see above)")
-    ap.add_argument("--shapes", default="qwen3,mixtral,dsv3,gpt_oss", help=f"comma list of {', '.join(SHAPES)}")
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--shapes", default=None, help=f"comma list of {', '.join(SHAPES)} (default: qwen3,mixtral,dsv3,"
+                                                   "gpt_oss; smoke: tiny,tiny_gpt_oss)")
+    ap.add_argument("--tokens", default=None, help="comma list of T (default 1 ... 16384; smoke 1,5)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU, tiny shapes, wall-clock calls instead of CUDA graphs, moe_fx's op uncompiled with "
+                         "kernel_choice='auto' (its reference on CPU), no floors: checks the script and a peer file")
     ap.add_argument("--dtypes", default="bf16,fp8", help="weight dtypes: bf16, fp8 (128x128 blocks)")
     ap.add_argument("--auto", action="store_true", help="also time kernel_choice='auto' (DeepGEMM where it fits)")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per cell")
@@ -222,24 +241,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    args.shapes = args.shapes or ",".join(SMOKE_SHAPES if args.smoke else ("qwen3", "mixtral", "dsv3", "gpt_oss"))
+    args.tokens = args.tokens or ("1,5" if args.smoke else ",".join(map(str, TOKENS)))
     for shape in args.shapes.split(","):
-        if shape not in SHAPES:
-            raise SystemExit(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+        if shape not in shapes:
+            raise SystemExit(f"unknown shape {shape!r}; known: {', '.join(shapes)}")
     peer = load_peer(args.peer)
 
     import torch
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/peer_layer.py needs a CUDA GPU (CUDA graphs of both sides)")
+    if not torch.cuda.is_available() and not args.smoke:
+        raise SystemExit("bench/peer_layer.py needs a CUDA GPU (CUDA graphs of both sides); --smoke runs on CPU")
     import moe_fx.lowering  # noqa: F401  (the op's CUDA implementation)
     from moe_fx.lowering.quant import quantize_fp8_blockwise
 
+    device = "cpu" if args.smoke else "cuda"
     start = time.time()
-    limits = measure_limits()
+    limits = None if args.smoke else measure_limits()
     meta = {**machine_meta(), "peer_name": peer.NAME, "peer_file": os.path.basename(args.peer),
             "peer_doc": (peer.__doc__ or "").strip().splitlines()[0] if peer.__doc__ else "", "limits": limits,
-            "timing": f"{ROTATE} routing sets, one graph each, replayed in rotation; {args.rounds} alternating "
-                      "rounds, medians; first side alternates.",
+            "smoke": args.smoke,
+            "timing": (f"SMOKE (CPU): wall-clock calls over {ROTATE} routing sets" if args.smoke else
+                       f"{ROTATE} routing sets, one graph each, replayed in rotation")
+                      + f"; {args.rounds} alternating rounds, medians; first side alternates.",
             "max_rel_err": MAX_REL_ERR}
     rows: list[dict] = []
     os.makedirs(args.out, exist_ok=True)
@@ -253,15 +278,15 @@ def main(argv: list[str] | None = None) -> None:
 
     op = torch.ops.moe_fx.experts
     for shape in args.shapes.split(","):
-        family, e, k, h, i = SHAPES[shape]
-        g = torch.Generator(device="cuda").manual_seed(1)
-        w13 = torch.randn(e, 2 * i, h, device="cuda", generator=g, dtype=torch.bfloat16) / h**0.5
-        w2 = torch.randn(e, h, i, device="cuda", generator=g, dtype=torch.bfloat16) / i**0.5
+        family, e, k, h, i = shapes[shape]
+        g = torch.Generator(device=device).manual_seed(1)
+        w13 = torch.randn(e, 2 * i, h, device=device, generator=g, dtype=torch.bfloat16) / h**0.5
+        w2 = torch.randn(e, h, i, device=device, generator=g, dtype=torch.bfloat16) / i**0.5
         op_kw: dict[str, Any] = {}
         if family == "gpt_oss":
             op_kw = {**GPT_OSS_ACT,
-                     "w13_bias": torch.randn(e, 2 * i, device="cuda", generator=g, dtype=torch.bfloat16) * 0.1,
-                     "w2_bias": torch.randn(e, h, device="cuda", generator=g, dtype=torch.bfloat16) * 0.1}
+                     "w13_bias": torch.randn(e, 2 * i, device=device, generator=g, dtype=torch.bfloat16) * 0.1,
+                     "w2_bias": torch.randn(e, h, device=device, generator=g, dtype=torch.bfloat16) * 0.1}
         for dtype in args.dtypes.split(","):
             if dtype == "fp8":
                 (q13, s13), (q2, s2) = quantize_fp8_blockwise(w13), quantize_fp8_blockwise(w2)
@@ -269,16 +294,17 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 weights = (w13, w2, None, None)
             fns = {"peer": experts_fn(peer.experts, *weights, **op_kw),
-                   "moe_fx": torch.compile(experts_fn(op, *weights, kernel_choice="triton", **op_kw))}
-            if args.auto:
+                   "moe_fx": experts_fn(op, *weights, kernel_choice="auto", **op_kw) if args.smoke else
+                   torch.compile(experts_fn(op, *weights, kernel_choice="triton", **op_kw))}
+            if args.auto and not args.smoke:
                 fns["moe_fx_auto"] = torch.compile(experts_fn(op, *weights, kernel_choice="auto", **op_kw))
             reference = fp32_reference(w13, w2, **op_kw)
             for t in map(int, args.tokens.split(",")):
                 if time.time() - start > args.budget_s:
                     rows.append({"shape": shape, "T": t, "dtype": dtype, "error": "skipped: time budget"})
                     continue
-                sets = routing_sets(t, e, k, h, ROTATE, seed=t)
-                fresh = routing_sets(t, e, k, h, 2, seed=10_000 + t)
+                sets = routing_sets(t, e, k, h, ROTATE, seed=t, device=device)
+                fresh = routing_sets(t, e, k, h, 2, seed=10_000 + t, device=device)
                 errors: dict[str, float | str] = {}
                 timed = {}
                 with torch.no_grad():
@@ -298,7 +324,9 @@ def main(argv: list[str] | None = None) -> None:
                         save()
                         continue
                     try:
-                        sides = alternate_graph_us(timed, sets, args.rounds)
+                        sides = (alternate_graph_us(timed, sets, args.rounds, timer=call_us,
+                                                    capture=lambda fn, inputs: ([(fn, s) for s in inputs], None))
+                                 if args.smoke else alternate_graph_us(timed, sets, args.rounds))
                     except RuntimeError as err:  # a side that cannot be captured (a host sync): the row says so
                         rows.append({"shape": shape, "T": t, "dtype": dtype, "rel_err": errors,
                                      "error": f"not timed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"})
@@ -309,7 +337,8 @@ def main(argv: list[str] | None = None) -> None:
                                      floor_cell(t, sets[0][1], k, h, i, dtype == "fp8", limits), peer.NAME))
                 log(json.dumps({n: rows[-1][n] for n in ("shape", "T", "dtype", "us", "vs_peer")}))
                 save()
-                torch.cuda.empty_cache()
+                if not args.smoke:
+                    torch.cuda.empty_cache()
     save()
     plot(base + ".png", meta, rows)
     log(f"done in {time.time() - start:.0f}s -> {base}.md")

@@ -119,13 +119,39 @@ def test_results_page(peer_layer):
 
 
 def test_main_needs_a_gpu_or_a_peer(peer_layer, tmp_path):
-    """Without CUDA the run stops with a message (after checking the peer file and the shapes); an unknown
-    shape is named."""
+    """Without CUDA the run stops with a message (after checking the peer file and the shapes) unless it is a
+    smoke run; an unknown shape is named."""
     with pytest.raises(SystemExit, match="unknown shape 'nope'"):
         peer_layer.main(["--peer", _write(tmp_path, "ref.py", REFERENCE_PEER), "--shapes", "nope"])
     if not torch.cuda.is_available():
-        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        with pytest.raises(SystemExit, match="needs a CUDA GPU.*--smoke runs on CPU"):
             peer_layer.main(["--peer", _write(tmp_path, "ref2.py", REFERENCE_PEER), "--out", str(tmp_path)])
+
+
+@pytest.mark.timeout(120)
+def test_smoke_run_end_to_end(peer_layer, tmp_path):
+    """``--smoke`` on CPU, the whole script: the dense peer is timed beside moe_fx where it supports the case
+    (bf16, Qwen3's form), its other rows say why not; a peer that drops the routing weights is never timed.
+    Results, page and plot are written; no floors without measured limits."""
+    out = tmp_path / "res"
+    peer_layer.main(["--peer", _write(tmp_path, "ref.py", REFERENCE_PEER), "--smoke", "--rounds", "2",
+                     "--out", str(out), "--tag", "s"])
+    data = json.loads(next(out.glob("peer_layer_*_s.json")).read_text())
+    assert data["meta"]["smoke"] is True and data["meta"]["limits"] is None
+    by_key = {(r["shape"], r["T"], r["dtype"]): r for r in data["rows"]}
+    assert sorted(by_key) == sorted((s, t, d) for s in ("tiny", "tiny_gpt_oss") for t in (1, 5) for d in ("bf16", "fp8"))
+    for t in (1, 5):
+        row = by_key[("tiny", t, "bf16")]
+        assert row["us"]["peer"] > 0 and row["us"]["moe_fx"] > 0 and row["floor_us"] is None
+        assert row["rel_err"]["peer"] <= peer_layer.MAX_REL_ERR["bf16"] and row["rel_err"]["moe_fx"] <= 3e-2
+        assert "not supported: bf16 weights only" in by_key[("tiny", t, "fp8")]["error"]
+        assert "not supported: arguments" in by_key[("tiny_gpt_oss", t, "bf16")]["error"]
+    md = next(out.glob("peer_layer_*_s.md")).read_text()
+    assert "SMOKE: CPU wall-clock calls" in md and next(out.glob("peer_layer_*_s.png")).stat().st_size > 0
+    peer_layer.main(["--peer", _write(tmp_path, "wrong.py", WRONG_PEER), "--smoke", "--shapes", "tiny",
+                     "--dtypes", "bf16", "--out", str(out), "--tag", "w"])
+    wrong = json.loads(next(out.glob("peer_layer_*_w.json")).read_text())["rows"]
+    assert len(wrong) == 2 and all("WRONG" in r["error"] and "us" not in r for r in wrong), wrong
 
 
 @gpu
