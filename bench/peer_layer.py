@@ -276,6 +276,11 @@ def main(argv: list[str] | None = None) -> None:
         with open(base + ".md", "w") as f:
             f.write(markdown(meta, rows))
 
+    def finish(row: dict) -> None:  # every cell's row, timed or not: kept, logged, saved
+        rows.append(row)
+        log(json.dumps({n: row[n] for n in ("shape", "T", "dtype", "us", "vs_peer", "error") if n in row}))
+        save()
+
     op = torch.ops.moe_fx.experts
     for shape in args.shapes.split(","):
         family, e, k, h, i = shapes[shape]
@@ -301,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
             reference = fp32_reference(w13, w2, **op_kw)
             for t in map(int, args.tokens.split(",")):
                 if time.time() - start > args.budget_s:
-                    rows.append({"shape": shape, "T": t, "dtype": dtype, "error": "skipped: time budget"})
+                    finish({"shape": shape, "T": t, "dtype": dtype, "error": "skipped: time budget"})
                     continue
                 sets = routing_sets(t, e, k, h, ROTATE, seed=t, device=device)
                 fresh = routing_sets(t, e, k, h, 2, seed=10_000 + t, device=device)
@@ -319,24 +324,18 @@ def main(argv: list[str] | None = None) -> None:
                         else:
                             errors[name] = f"WRONG ({errors[name]:.2e}): not timed"
                     if "peer" not in timed or "moe_fx" not in timed:
-                        rows.append({"shape": shape, "T": t, "dtype": dtype, "error": f"not compared: {errors}"})
-                        log(json.dumps(rows[-1]))
-                        save()
+                        finish({"shape": shape, "T": t, "dtype": dtype, "error": f"not compared: {errors}"})
                         continue
                     try:
                         sides = (alternate_graph_us(timed, sets, args.rounds, timer=call_us,
                                                     capture=lambda fn, inputs: ([(fn, s) for s in inputs], None))
                                  if args.smoke else alternate_graph_us(timed, sets, args.rounds))
                     except RuntimeError as err:  # a side that cannot be captured (a host sync): the row says so
-                        rows.append({"shape": shape, "T": t, "dtype": dtype, "rel_err": errors,
-                                     "error": f"not timed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"})
-                        log(json.dumps(rows[-1]))
-                        save()
+                        finish({"shape": shape, "T": t, "dtype": dtype, "rel_err": errors,
+                                "error": f"not timed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"})
                         continue
-                rows.append(pair_row(shape, t, dtype, sides, errors,
-                                     floor_cell(t, sets[0][1], k, h, i, dtype == "fp8", limits), peer.NAME))
-                log(json.dumps({n: rows[-1][n] for n in ("shape", "T", "dtype", "us", "vs_peer")}))
-                save()
+                finish(pair_row(shape, t, dtype, sides, errors,
+                                floor_cell(t, sets[0][1], k, h, i, dtype == "fp8", limits), peer.NAME))
                 if not args.smoke:
                     torch.cuda.empty_cache()
     save()
