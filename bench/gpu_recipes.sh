@@ -23,6 +23,9 @@
 #   gen_ab_combine the same A/B with masked_experts.pipeline.COMBINE_IN_GRAPH=True
 #   compile_static what STATIC_LAUNCH_KERNELS costs a cold compile (no worker pool): GPT-OSS 16 layers, one T=1
 #                  forward per side, shipped then static, each process with empty Inductor and Triton caches
+#   fwd_fp8        whole 2-layer models with transformers' fine-grained FP8 experts (Qwen3, Mixtral, OLMoE; GPT-OSS's
+#                  biased experts have no FP8 form there, two DeepSeek-V3 layers with their copies do not fit an H100),
+#                  T = 1024 / 4096 forwards, moe_fx against plain (issue 16: >= 1.5x)
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
@@ -42,6 +45,8 @@ E2E_AB="bench/e2e_model.py --models gpt_oss --layers 16 --tokens 32 --no-forward
   --gen-batch 1 --gen-new 32 --gen-rounds 4 --no-layer-host --budget-s 500 --no-plot --out $OUT"
 E2E_COMPILE="bench/e2e_model.py --models gpt_oss --layers 16 --tokens 1 --modes default --no-deepgemm
   --no-layer-host --no-generate --rounds 2 --per-round 2 --budget-s 250 --no-plot --out $OUT"
+E2E_FP8="bench/e2e_model.py --models qwen3,mixtral,olmoe --weights fp8_checkpoint --tokens 1024,4096 --modes default
+  --no-deepgemm --rounds 4 --no-generate --no-layer-host --budget-s 450 --no-plot --out $OUT"
 CG="bench/generate_cudagraphs.py --model gpt_oss --layers 24 --batch 1 --new 32 --rounds 3 --timeout-s 560 --out $OUT"
 CG_QWEN3="bench/generate_cudagraphs.py --model qwen3 --layers 48 --batch 1 --new 32 --rounds 3 --timeout-s 285
   --out $OUT"
@@ -122,6 +127,9 @@ for name in "$@"; do
           $([ $side = static ] && echo --static-launch) --tag gpt_oss16_compile_$side > "$OUT/log_${name}_$side.txt" 2>&1
       done
       summary gpt_oss16_compile_ ;;
+    fwd_fp8)
+      timeout 590 python3 $E2E_FP8 --tag fp8_checkpoint > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral|olmoe)" "$OUT"/*fp8_checkpoint.md 2>/dev/null | cut -c1-260 ;;
     peer_vllm)
       peer_run "$name" qwen3,mixtral ;;
     peer_vllm_more)

@@ -125,6 +125,7 @@ class ExpertsProblem:
 
     @property
     def fp8(self) -> bool:
+        """Whether the expert weights are fp8 with block scales (``fp8_block`` set)."""
         return self.fp8_block is not None
 
     def gemm_shapes(self) -> dict[str, tuple[int, int]]:

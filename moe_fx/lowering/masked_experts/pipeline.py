@@ -73,6 +73,7 @@ class ExpertWeights:
 
     @property
     def fp8(self) -> bool:
+        """Whether the weights are fp8 codes (the op contract then gives both block scales)."""
         return self.w13.dtype == FP8_DTYPE
 
 

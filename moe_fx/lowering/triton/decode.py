@@ -15,7 +15,8 @@ than the sorted layout in every cell: as multiply-and-reduce GEMVs 1.3-6.6x (the
 pipeline), as MMAs on 16-column tiles (``use_dot``, the default here) 1.09-1.42x at T = 1 and 4
 (Qwen3 T=1 48.7 vs 42.3 µs, Mixtral 257 vs 187 µs). The lowering therefore never picks it; the
 module stays for the benchmark and as the start of a decode kernel (next: several slots of one
-expert per program, programmatic dependent launch between the two kernels).
+expert per program; programmatic dependent launch between the two kernels is not available to user
+kernels that Inductor launches: docs/triton.md).
 
 FP8 weights (128x128 block scales) are dequantised in registers: the tokens and the activation stay
 in their dtype and fp32 (no 1x128 quantisation of the activations, unlike the fp8 GEMMs; 1e-5 against
