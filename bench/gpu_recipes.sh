@@ -26,6 +26,8 @@
 #   fwd_fp8        whole 2-layer models with transformers' fine-grained FP8 experts (Qwen3, Mixtral, OLMoE; GPT-OSS's
 #                  biased experts have no FP8 form there, two DeepSeek-V3 layers with their copies do not fit an H100),
 #                  T = 1024 / 4096 forwards, moe_fx against plain (issue 16: >= 1.5x)
+#   pass_time      the moe_fx passes on 4 real-size GPT-OSS and Mixtral layers, the numerical check's random weights
+#                  drawn on the GPU (shipped since 2026-12-05) against on the host and copied over (before)
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
@@ -47,6 +49,7 @@ E2E_COMPILE="bench/e2e_model.py --models gpt_oss --layers 16 --tokens 1 --modes 
   --no-layer-host --no-generate --rounds 2 --per-round 2 --budget-s 250 --no-plot --out $OUT"
 E2E_FP8="bench/e2e_model.py --models qwen3,mixtral,olmoe --weights fp8_checkpoint --tokens 1024,4096 --modes default
   --no-deepgemm --rounds 4 --no-generate --no-layer-host --budget-s 450 --no-plot --out $OUT"
+PASS_TIME="bench/pass_time.py --real gpt_oss,mixtral --layers 4 --repeats 2 --out $OUT"
 CG="bench/generate_cudagraphs.py --model gpt_oss --layers 24 --batch 1 --new 32 --rounds 3 --timeout-s 560 --out $OUT"
 CG_QWEN3="bench/generate_cudagraphs.py --model qwen3 --layers 48 --batch 1 --new 32 --rounds 3 --timeout-s 285
   --out $OUT"
@@ -130,6 +133,9 @@ for name in "$@"; do
     fwd_fp8)
       timeout 590 python3 $E2E_FP8 --tag fp8_checkpoint > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral|olmoe)" "$OUT"/*fp8_checkpoint.md 2>/dev/null | cut -c1-260 ;;
+    pass_time)
+      timeout 590 python3 $PASS_TIME --tag _gpu > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (gpt_oss|mixtral)" "$OUT"/pass_time_real_*.md 2>/dev/null ;;
     peer_vllm)
       peer_run "$name" qwen3,mixtral ;;
     peer_vllm_more)

@@ -13,6 +13,11 @@ each run in a fresh process with a fresh ``TORCHINDUCTOR_CACHE_DIR``: Dynamo's t
 Inductor (AOT + lowering + code generation + C++/Triton builds), from ``torch._dynamo.utils.compile_times()``
 (:func:`compile_split`); ``--specialize-float`` with ``torch._dynamo.config.specialize_float = True``. Writes
 bench/results/compile_time_<date>.md.
+
+``python bench/pass_time.py --real gpt_oss,mixtral --layers 4 [--repeats 2]``: the passes on real-size layers of
+bench/e2e_model.py's models (bf16; on the GPU where there is one), with the numerical check's random weights drawn
+on the device (shipped) and on the host (as until 2026-12-05: :func:`host_random_weight`), the sides alternating.
+Writes bench/results/pass_time_real_<date>.md.
 """
 
 from __future__ import annotations
@@ -198,6 +203,104 @@ def split_report(layer_counts: list[int], repeats: int, tag: str, specialize_flo
     return out
 
 
+def host_random_weight(shape, fan_in, gen, *, device="cpu", windowed_bytes=None, dtype=torch.float32):
+    """``check_numerics.random_weight`` as it was until 2026-12-05 (the "host" side of ``--real``): drawn by the
+    probe's generator on the host, then copied to ``device``."""
+    import math
+
+    from moe_fx.verify.check_numerics import WINDOWED_BYTES
+
+    windowed_bytes = WINDOWED_BYTES if windowed_bytes is None else windowed_bytes
+    std = 1.0 / math.sqrt(max(fan_in, 1))
+    if len(shape) == 3 and math.prod(shape) * 4 > windowed_bytes and shape[0] > 1:
+        e, a, b = shape
+        step = b + 1
+        buf = torch.randn(a * b + (e - 1) * step, generator=gen).mul_(std).to(device=device, dtype=dtype)
+        return buf.as_strided((e, a, b), (step, b, 1))
+    return torch.randn(*shape, generator=gen).mul_(std).to(device=device, dtype=dtype)
+
+
+#: ``--real`` sides: where the probe's random weights are drawn
+REAL_SIDES = ("device", "host")
+
+
+def measure_real(model, ids, side: str) -> dict[str, float]:
+    """One ``moe_fx.explain`` of ``model`` (Dynamo + the passes, no Inductor) with the probe's random weights
+    drawn as ``side`` says; seconds in the passes and in drawing random weights, regions rewritten."""
+    import moe_fx
+    from moe_fx.passes.recognize import verify_region
+    from moe_fx.verify.check_numerics import random_weight
+
+    draw = {"device": random_weight, "host": host_random_weight}[side]
+    spent = {"random_s": 0.0}
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = draw(*args, **kwargs)
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        spent["random_s"] += time.perf_counter() - start
+        return out
+
+    torch._dynamo.reset()
+    original = verify_region.random_weight
+    verify_region.random_weight = timed
+    try:
+        report = moe_fx.explain(model, ids)
+    finally:
+        verify_region.random_weight = original
+    return {"passes_s": report.pass_ms / 1e3, "random_s": spent["random_s"], "rewritten": len(report.matched)}
+
+
+def real_report(models: list[str], layers: int, repeats: int, tag: str, out_dir: Path | None = None) -> Path:
+    """The passes on ``layers`` real-size layers of each bench/e2e_model.py model (bf16, on the GPU where there
+    is one), the probe's random weights drawn on the device against on the host, sides alternating; writes
+    pass_time_real_<date><tag>.md to ``out_dir`` (default bench/results)."""
+    import statistics
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import e2e_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for name in models:
+        model = e2e_model.build_model(e2e_model.MODELS[name], layers, 256, device, torch.bfloat16)
+        ids = torch.randint(0, 256, (1, 16), device=device)
+        for r in range(repeats):
+            for side in REAL_SIDES if r % 2 == 0 else REAL_SIDES[::-1]:
+                m = measure_real(model, ids, side)
+                runs.setdefault((name, side), []).append(m)
+                print(f"{datetime.datetime.now():%H:%M:%S} {name} x{layers} {side}: passes {m['passes_s']:.2f} s, "
+                      f"random weights {m['random_s']:.2f} s, {m['rewritten']} rewritten", flush=True)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "none (CPU: both sides draw on the host)"
+    lines = [
+        "# moe_fx passes on real-size layers: the probe's random weights drawn on the device vs on the host",
+        "",
+        (f"{datetime.datetime.now().isoformat(timespec='seconds')} · {gpu} · {os.cpu_count()} CPUs · torch "
+         f"{torch.__version__} · `python bench/pass_time.py --real {','.join(models)} --layers {layers} --repeats "
+         f"{repeats}` · moe_fx.explain (Dynamo + passes, no Inductor), bf16 random models, T=16; sides alternating, "
+         "medians"),
+        "",
+        "| model | layers | side | passes (s) | drawing random weights (s) | per layer (s) | regions rewritten |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in models:
+        for side in REAL_SIDES:
+            ms = runs[(name, side)]
+            passes = statistics.median(m["passes_s"] for m in ms)
+            lines.append(f"| {name} | {layers} | {side} | {passes:.2f} | "
+                         f"{statistics.median(m['random_s'] for m in ms):.2f} | {passes / layers:.3f} | "
+                         f"{ms[0]['rewritten']} |")
+    out = (out_dir or Path(__file__).parent / "results") / f"pass_time_real_{datetime.date.today()}{tag}.md"
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {out}")
+    return out
+
+
 def _in_fresh_process(layers: int, verify: str) -> dict[str, float]:
     env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
     out = subprocess.run([sys.executable, __file__, "--layers", str(layers), "--one", verify], env=env, check=True,
@@ -205,7 +308,8 @@ def _in_fresh_process(layers: int, verify: str) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", default="48", help="decoder layers (--split: a comma list)")
     parser.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)  # one mode, in this process
@@ -214,8 +318,19 @@ def main() -> None:
     parser.add_argument("--one-split", choices=SPLIT_BACKENDS, help=argparse.SUPPRESS)  # one run, in this process
     parser.add_argument("--specialize-float", action="store_true",
                         help="--split: torch._dynamo.config.specialize_float = True (no restart of the compile)")
+    parser.add_argument("--real", metavar="MODELS",
+                        help="comma list of bench/e2e_model.py models: the passes on --layers real-size layers, the "
+                             "probe's random weights drawn on the device against on the host")
+    parser.add_argument("--out", type=Path, default=None, help="--real: results folder (default bench/results)")
     parser.add_argument("--tag", default="", help="suffix of the results file name")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.real:
+        real_report(args.real.split(","), int(args.layers), args.repeats, args.tag, args.out)
+        return
     if args.split:
         split_report([int(n) for n in args.layers.split(",")], args.repeats, args.tag, args.specialize_float)
         return

@@ -127,6 +127,38 @@ def test_random_weights_windowed_are_distinct_experts_in_little_memory():
     assert small.is_contiguous() and small.untyped_storage().nbytes() == 4 * 8 * 16 * 4
 
 
+def test_random_weights_are_one_draw_of_the_probe_generator():
+    """The values come from a generator of their own seeded by one draw of ``gen``: the same state gives the
+    same tensor, ``gen`` moves on by that one draw whatever the size, and the next call gives other values."""
+    g = torch.Generator().manual_seed(7)
+    state = g.get_state()
+    a = random_weight((8, 64, 96), 96, g, windowed_bytes=1 << 10)
+    after = g.get_state()
+    g.set_state(state)
+    torch.randint(0, 2**62, (), generator=g)
+    assert torch.equal(g.get_state(), after)  # one draw, not 8 * 64 * 96 of them
+    g.set_state(state)
+    assert torch.equal(random_weight((8, 64, 96), 96, g, windowed_bytes=1 << 10), a)
+    assert not torch.equal(random_weight((8, 64, 96), 96, g, windowed_bytes=1 << 10), a)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_random_weights_are_made_on_the_gpu(dtype):
+    """On a CUDA device the values are drawn there (no host tensor of the weight's size), windowed or not,
+    deterministic for one generator state, with the fan-in's standard deviation."""
+    shape = (16, 512, 1024)
+    for windowed in (1 << 20, math.inf):
+        w = random_weight(shape, 1024, torch.Generator().manual_seed(3), device="cuda", windowed_bytes=windowed,
+                          dtype=dtype)
+        again = random_weight(shape, 1024, torch.Generator().manual_seed(3), device="cuda", windowed_bytes=windowed,
+                              dtype=dtype)
+        assert w.is_cuda and w.dtype == dtype and w.shape == shape
+        assert torch.equal(w.float(), again.float()) and not torch.equal(w[0].float(), w[1].float())
+        assert abs(w.float().std().item() * math.sqrt(1024) - 1) < 0.05
+
+
 def test_signed_weights_have_both_signs_and_bounded_magnitudes():
     w = signed_weights(64, 4, torch.Generator().manual_seed(0))
     assert (w < 0).any() and (w > 0).any() and w.abs().min() >= 0.1 and w.abs().max() <= 1.0

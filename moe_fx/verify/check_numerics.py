@@ -166,15 +166,32 @@ def random_weight(shape: Sequence[int], fan_in: int, gen: torch.Generator, *, de
     A 3-D ``[E, A, B]`` tensor of more than ``windowed_bytes`` (in float32) is made of overlapping windows of one
     buffer (expert ``e + 1`` is expert ``e`` shifted by one row and one column): every expert differs from the
     others, at the memory of one expert; read-only, as the probe uses it.
+
+    The values are drawn on ``device`` by a generator of its own, seeded from ``gen`` (one draw of ``gen``): the
+    same ``gen`` state gives the same tensor. A compile probes every MoE layer on random weights of its shapes
+    (tens to hundreds of MB of values a layer at real sizes), which drawn by the host's generator and copied
+    over took the host's time at every layer of every compiled graph.
     """
     std = 1.0 / math.sqrt(max(fan_in, 1))
+    device = torch.device(device)
+    local = _device_generator(device, gen)
     numel = math.prod(shape)
     if len(shape) == 3 and numel * 4 > windowed_bytes and shape[0] > 1:
         e, a, b = shape
         step = b + 1
-        buf = torch.randn(a * b + (e - 1) * step, generator=gen).mul_(std).to(device=device, dtype=dtype)
-        return buf.as_strided((e, a, b), (step, b, 1))
-    return torch.randn(*shape, generator=gen).mul_(std).to(device=device, dtype=dtype)
+        buf = torch.randn(a * b + (e - 1) * step, generator=local, device=local.device).mul_(std)
+        return buf.to(device=device, dtype=dtype).as_strided((e, a, b), (step, b, 1))
+    return torch.randn(*shape, generator=local, device=local.device).mul_(std).to(device=device, dtype=dtype)
+
+
+def _device_generator(device: torch.device, gen: torch.Generator) -> torch.Generator:
+    """A generator on ``device`` (on the CPU for a device without one) seeded by one draw of ``gen``."""
+    seed = int(torch.randint(0, 2**62, (), generator=gen))
+    try:
+        local = torch.Generator(device=device)
+    except RuntimeError:  # a device type without generators (meta, or a backend that has none): draw on the CPU
+        local = torch.Generator()
+    return local.manual_seed(seed)
 
 
 def clamp_scale(w13: torch.Tensor, limit: float | None) -> float | None:
