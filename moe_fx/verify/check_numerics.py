@@ -169,8 +169,8 @@ def random_weight(shape: Sequence[int], fan_in: int, gen: torch.Generator, *, de
 
     The values are drawn on ``device`` by a generator of its own, seeded from ``gen`` (one draw of ``gen``): the
     same ``gen`` state gives the same tensor. A compile probes every MoE layer on random weights of its shapes
-    (tens to hundreds of MB of values a layer at real sizes), which drawn by the host's generator and copied
-    over took the host's time at every layer of every compiled graph.
+    (tens to hundreds of MB a layer at real sizes); drawing them with the host's generator and copying them
+    over cost host time at every layer of every compiled graph.
     """
     std = 1.0 / math.sqrt(max(fan_in, 1))
     device = torch.device(device)
