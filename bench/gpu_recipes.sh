@@ -28,6 +28,9 @@
 #                  T = 1024 / 4096 forwards, moe_fx against plain (issue 16: >= 1.5x)
 #   pass_time      the moe_fx passes on 4 real-size GPT-OSS and Mixtral layers, the numerical check's random weights
 #                  drawn on the GPU (shipped since 2026-12-05) against on the host and copied over (before)
+#   tune_fp8_prefill  the fp8 GEMM tiles of the prefill regimes (more than 64 rows per expert) for Qwen3, Mixtral and
+#                  the DeepSeek-V3 shard, with the 3-programs-per-SM 64x64x128 candidate; the report gives each T's old
+#                  (shipped) tile beside the new choice, and the merged table comes back as tuned_tiles_fp8_prefill.json
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
@@ -50,6 +53,7 @@ E2E_COMPILE="bench/e2e_model.py --models gpt_oss --layers 16 --tokens 1 --modes 
 E2E_FP8="bench/e2e_model.py --models qwen3,mixtral,olmoe --weights fp8_checkpoint --tokens 1024,4096 --modes default
   --no-deepgemm --rounds 4 --no-generate --no-layer-host --budget-s 450 --no-plot --out $OUT"
 PASS_TIME="bench/pass_time.py --real gpt_oss,mixtral --layers 4 --repeats 2 --out $OUT"
+TUNE_FP8="bench/tune_tiles.py --sorted --kinds fp8 --warm 8 --budget-s 240 --ship --out $OUT"
 CG="bench/generate_cudagraphs.py --model gpt_oss --layers 24 --batch 1 --new 32 --rounds 3 --timeout-s 560 --out $OUT"
 CG_QWEN3="bench/generate_cudagraphs.py --model qwen3 --layers 48 --batch 1 --new 32 --rounds 3 --timeout-s 285
   --out $OUT"
@@ -136,6 +140,20 @@ for name in "$@"; do
     pass_time)
       timeout 590 python3 $PASS_TIME --tag _gpu > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (gpt_oss|mixtral)" "$OUT"/pass_time_real_*.md 2>/dev/null ;;
+    tune_fp8_prefill)
+      # the token counts of regimes 3 and 4 only (Qwen3: T > 1024; Mixtral, DeepSeek: T > 256). The new table comes
+      # back in $OUT; the working tree's table and the tuning cache stay as they were for the recipes after this one.
+      table=moe_fx/lowering/triton/tuned_tiles.json
+      cp $table "$OUT/tuned_tiles_shipped.json"
+      export MOE_FX_CACHE_DIR=$(mktemp -d)
+      timeout 290 python3 $TUNE_FP8 --shapes qwen3 --tokens 1536,2048,3072,4096,8192,16384 --tag fp8_prefill_qwen3 \
+        > "$OUT/log_${name}_qwen3.txt" 2>&1
+      timeout 290 python3 $TUNE_FP8 --shapes mixtral,dsv3 --tokens 384,512,768,1024,2048,4096,8192,16384 \
+        --tag fp8_prefill_mixtral_dsv3 > "$OUT/log_${name}_mixtral_dsv3.txt" 2>&1
+      unset MOE_FX_CACHE_DIR
+      cp $table "$OUT/tuned_tiles_fp8_prefill.json"
+      cp "$OUT/tuned_tiles_shipped.json" $table
+      grep -h "worst chosen\|shipped" "$OUT"/log_${name}_*.txt ;;
     peer_vllm)
       peer_run "$name" qwen3,mixtral ;;
     peer_vllm_more)

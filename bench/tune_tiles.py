@@ -43,7 +43,8 @@ from moe_layer import GPT_OSS_ACT, SHAPES, TOKENS  # noqa: E402
 DEVICE = "cuda"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="mixtral,qwen3,dsv3")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
@@ -61,7 +62,11 @@ def main() -> None:
                          "hidden H, expert intermediate I; name it in --shapes too")
     ap.add_argument("--ship-slots", nargs="+", metavar="JSON", help="no GPU: add the static-size entries of saved "
                     "--sorted runs (their report JSON) to the shipped table")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     SHAPES.update(dict(args.add_shape))
     if args.ship_slots:
         ship_slots(args.ship_slots)

@@ -30,7 +30,8 @@ def test_every_documented_recipe_has_a_branch_and_back():
 def test_every_benchmark_command_parses():
     text = SCRIPT.read_text()
     commands = _variables(text)
-    assert set(commands) == {"E2E_GEN", "E2E_AB", "E2E_COMPILE", "E2E_FP8", "PASS_TIME", "L2", "CG", "CG_QWEN3"}
+    assert set(commands) == {"E2E_GEN", "E2E_AB", "E2E_COMPILE", "E2E_FP8", "PASS_TIME", "TUNE_FP8", "L2", "CG",
+                             "CG_QWEN3"}
     e2e, cudagraphs = load_bench("e2e_model"), load_bench("generate_cudagraphs")
     for name in ("E2E_GEN", "E2E_AB", "E2E_COMPILE", "L2"):
         args = e2e.parse_args(commands[name][1:])
@@ -39,6 +40,18 @@ def test_every_benchmark_command_parses():
     assert fp8.weights == "fp8_checkpoint" and set(fp8.models.split(",")) <= set(e2e.MODELS) - {"gpt_oss"}
     pass_time = load_bench("pass_time").parse_args(commands["PASS_TIME"][1:])
     assert pass_time.real and set(pass_time.real.split(",")) <= set(e2e.MODELS) and str(pass_time.out) == "/tmp/out"
+    tune = load_bench("tune_tiles").parse_args(commands["TUNE_FP8"][1:])
+    assert tune.sorted and tune.kinds == "fp8" and tune.ship and tune.out == "/tmp/out"
+    # each run retunes the prefill regimes only: every token count it times is above 64 rows per expert
+    from moe_fx.lowering.problem import row_regime, rows_per_expert
+
+    layer_shapes = load_bench("moe_layer").SHAPES
+    runs = re.findall(r"\$TUNE_FP8 --shapes (\S+) --tokens (\S+)", text)
+    assert runs
+    for shapes, tokens in runs:
+        for shape in shapes.split(","):
+            _, e, k, _, _ = layer_shapes[shape]
+            assert all(row_regime(rows_per_expert(int(t), k, e)) >= 3 for t in tokens.split(",")), (shape, tokens)
     cg = cudagraphs.parse_args(commands["CG"][1:])
     assert cg.model == "gpt_oss" and cg.layers == 24
     cg_qwen3 = cudagraphs.parse_args(commands["CG_QWEN3"][1:])
