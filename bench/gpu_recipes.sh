@@ -28,9 +28,9 @@
 #                  T = 1024 / 4096 forwards, moe_fx against plain (issue 16: >= 1.5x)
 #   pass_time      the moe_fx passes on 4 real-size GPT-OSS and Mixtral layers, the numerical check's random weights
 #                  drawn on the GPU (shipped since 2026-12-05) against on the host and copied over (before)
-#   tune_fp8_prefill  the fp8 GEMM tiles of the prefill regimes (more than 64 rows per expert) for Qwen3, Mixtral and
-#                  the DeepSeek-V3 shard, with the 3-programs-per-SM 64x64x128 candidate; the report gives each T's old
-#                  (shipped) tile beside the new choice, and the merged table comes back as tuned_tiles_fp8_prefill.json
+#   tune_fp8_prefill  the fp8 GEMM tiles of the regimes above 16 rows per expert for Qwen3, Mixtral and the DeepSeek-V3
+#                  shard, with the 3-programs-per-SM 64x64x128 candidate; the report gives each T's old (shipped) tile
+#                  beside the new choice, and the merged table comes back as tuned_tiles_fp8_prefill.json
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
@@ -141,14 +141,14 @@ for name in "$@"; do
       timeout 590 python3 $PASS_TIME --tag _gpu > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (gpt_oss|mixtral)" "$OUT"/pass_time_real_*.md 2>/dev/null ;;
     tune_fp8_prefill)
-      # the token counts of regimes 3 and 4 only (Qwen3: T > 1024; Mixtral, DeepSeek: T > 256). The new table comes
-      # back in $OUT; the working tree's table and the tuning cache stay as they were for the recipes after this one.
+      # the token counts of regimes 2 to 4 only (Qwen3: T > 256; Mixtral, DeepSeek: T > 64). The new table comes back
+      # in $OUT; the working tree's table and the tuning cache stay as they were for the recipes after this one.
       table=moe_fx/lowering/triton/tuned_tiles.json
       cp $table "$OUT/tuned_tiles_shipped.json"
       export MOE_FX_CACHE_DIR=$(mktemp -d)
-      timeout 290 python3 $TUNE_FP8 --shapes qwen3 --tokens 1536,2048,3072,4096,8192,16384 --tag fp8_prefill_qwen3 \
+      timeout 290 python3 $TUNE_FP8 --shapes qwen3 --tokens 384,512,768,1024,1536,2048,3072,4096,8192,16384 --tag fp8_prefill_qwen3 \
         > "$OUT/log_${name}_qwen3.txt" 2>&1
-      timeout 290 python3 $TUNE_FP8 --shapes mixtral,dsv3 --tokens 384,512,768,1024,2048,4096,8192,16384 \
+      timeout 290 python3 $TUNE_FP8 --shapes mixtral,dsv3 --tokens 96,128,192,256,384,512,768,1024,2048,4096,8192,16384 \
         --tag fp8_prefill_mixtral_dsv3 > "$OUT/log_${name}_mixtral_dsv3.txt" 2>&1
       unset MOE_FX_CACHE_DIR
       cp $table "$OUT/tuned_tiles_fp8_prefill.json"

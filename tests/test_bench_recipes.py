@@ -42,7 +42,7 @@ def test_every_benchmark_command_parses():
     assert pass_time.real and set(pass_time.real.split(",")) <= set(e2e.MODELS) and str(pass_time.out) == "/tmp/out"
     tune = load_bench("tune_tiles").parse_args(commands["TUNE_FP8"][1:])
     assert tune.sorted and tune.kinds == "fp8" and tune.ship and tune.out == "/tmp/out"
-    # each run retunes the prefill regimes only: every token count it times is above 64 rows per expert
+    # each run retunes the regimes above 16 rows per expert only (the ones the new candidate joined)
     from moe_fx.lowering.problem import row_regime, rows_per_expert
 
     layer_shapes = load_bench("moe_layer").SHAPES
@@ -51,7 +51,7 @@ def test_every_benchmark_command_parses():
     for shapes, tokens in runs:
         for shape in shapes.split(","):
             _, e, k, _, _ = layer_shapes[shape]
-            assert all(row_regime(rows_per_expert(int(t), k, e)) >= 3 for t in tokens.split(",")), (shape, tokens)
+            assert all(row_regime(rows_per_expert(int(t), k, e)) >= 2 for t in tokens.split(",")), (shape, tokens)
     cg = cudagraphs.parse_args(commands["CG"][1:])
     assert cg.model == "gpt_oss" and cg.layers == 24
     cg_qwen3 = cudagraphs.parse_args(commands["CG_QWEN3"][1:])

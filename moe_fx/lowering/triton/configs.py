@@ -247,9 +247,9 @@ def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
                      T(32, 128, 64, 1, 4, 3, 3, swap_ab=True), T(32, 64, 64, 1, 4, 4, 2, swap_ab=True)]
             flat = [T(32, 64, 128, 1, 4, 4, 2, swap_ab=True), T(16, 64, 128, 1, 4, 4, 2)]
     elif hi is not None and hi <= 64:
-        if fp8:
+        if fp8:  # 64x64x128 at three programs per SM: see the prefill regimes below
             cands = [T(32, 128, 128, 4, 4, 4, 2), T(64, 128, 128, 4, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1),
-                     T(64, 128, 128, 4, 4, 4, 2, tma=True), T(32, 128, 128, 1, 4, 3, 2)]
+                     T(64, 128, 128, 4, 4, 4, 2, tma=True), T(32, 128, 128, 1, 4, 3, 2), T(64, 64, 128, 4, 4, 4, 3)]
             flat = [T(64, 128, 128, 4, 4, 3, 2), T(128, 128, 128, 8, 8, 4, 1, tma=True)]
         else:
             # 128x256: vLLM's tuned H200 tile at these sizes (Mixtral T=256: 737 against 865 µs, 2026-12-04), which
