@@ -35,7 +35,7 @@ from moe_fx.passes.graph_utils import (
 )
 from moe_fx.passes.recognize.autocast_guard import check_autocast
 from moe_fx.passes.recognize.extract_region import Region, expert_products, extract_region
-from moe_fx.passes.recognize.find_experts import ExpertWeights, find_expert_weights
+from moe_fx.passes.recognize.find_experts import ExpertAnchors, find_expert_weights
 from moe_fx.passes.recognize.near_misses import per_expert_near_misses
 from moe_fx.passes.recognize.read_form import FormReading, expert_id_bound, read_region
 from moe_fx.passes.recognize.verify_region import ProbeResult, probe_region, region_rows_per_token, specialize_scalars
@@ -69,7 +69,7 @@ def _family(cls: str) -> str:
     return ""
 
 
-def _per_expert_values(anchors: ExpertWeights, ctx: PassContext) -> list[torch.Tensor] | None:
+def _per_expert_values(anchors: ExpertAnchors, ctx: PassContext) -> list[torch.Tensor] | None:
     """The real gate, up and down weights of every expert (E each, in that order), or None."""
     values = [ctx.real_value(n) for n in anchors.gate + anchors.up + anchors.down]
     return values if all(isinstance(t, torch.Tensor) for t in values) else None
@@ -202,7 +202,7 @@ def _param_path(node: fx.Node) -> str:
     return re.sub(r"_(modules|parameters|buffers)_", ".", "_" + name).lstrip("._")
 
 
-def _tied_weights(anchors: ExpertWeights) -> str | None:
+def _tied_weights(anchors: ExpertAnchors) -> str | None:
     """Why a group whose experts share a weight (one Parameter in two slots) is left as written, or None.
 
     The op reads one stacked ``[E, 2I, H]`` / ``[E, H, I]`` copy with a slot per expert: a tie would need
@@ -226,7 +226,7 @@ def _tied_weights(anchors: ExpertWeights) -> str | None:
     return None
 
 
-def _report_for(anchors: ExpertWeights, region: Region | None) -> RegionReport:
+def _report_for(anchors: ExpertAnchors, region: Region | None) -> RegionReport:
     path, cls = experts_module_of(region.output) if region is not None else ("", "")
     if not cls.endswith("Experts"):
         # No experts module around the output: name the region after its weights' owner, or the
@@ -259,7 +259,7 @@ def _details(region: Region, spec: ExpertActivation | None) -> str:
     return "; ".join(parts)
 
 
-def _weights_freed(anchors: ExpertWeights, ctx: PassContext) -> bool:
+def _weights_freed(anchors: ExpertAnchors, ctx: PassContext) -> bool:
     """True if ``split_ep`` already reduced these expert weights to this rank's experts (an earlier compile under
     expert parallelism): the other experts' rows are gone, so their values must not be read."""
     values = [ctx.real_value(n) for n in anchors.nodes]
@@ -278,7 +278,7 @@ def _probe_plan(region: Region, ctx: PassContext, stacked) -> ProbePlan | str:
                       a.hidden, a.intermediate, budget, ctx.config.verify)
 
 
-def _next_layer_start(flow: DataFlow, anchors: ExpertWeights, groups: list[ExpertWeights]) -> fx.Node | None:
+def _next_layer_start(flow: DataFlow, anchors: ExpertAnchors, groups: list[ExpertAnchors]) -> fx.Node | None:
     """The earliest expert product of another group of expert weights after ``anchors``' products (the next
     MoE layer), or None."""
     own = expert_products(flow, anchors)
@@ -310,7 +310,7 @@ def _guard(region: Region, ctx: PassContext, flow: DataFlow, stacked: tuple[torc
                         real_weights)
 
 
-def _refuse_split(anchors: ExpertWeights, ctx: PassContext, report: RegionReport) -> None:
+def _refuse_split(anchors: ExpertAnchors, ctx: PassContext, report: RegionReport) -> None:
     """A region left as written must be able to run: not when its weights hold only this rank's experts (split by
     an earlier compile under expert parallelism, the other rows freed). Raises then, with the reason."""
     if _weights_freed(anchors, ctx):

@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from moe_fx.passes.graph_utils import DataFlow, is_factory, is_matmul, node_value, op_name, tensor_value
-from moe_fx.passes.recognize.find_experts import ExpertWeights, _first_matmul
+from moe_fx.passes.recognize.find_experts import ExpertAnchors, _first_matmul
 
 __all__ = ["Region", "expert_products", "extract_region", "sparse_support"]
 
@@ -65,7 +65,7 @@ class Region:
         dense_scores: True when the region reads a ``[T, E]`` score matrix instead of top-k weights.
     """
 
-    anchors: ExpertWeights
+    anchors: ExpertAnchors
     nodes: set[fx.Node]
     output: fx.Node
     output_base: fx.Node | None
@@ -121,14 +121,14 @@ def _same(a: object, b: object) -> bool:
     return bool(statically_known_true(a == b))
 
 
-def expert_products(flow: DataFlow, anchors: ExpertWeights) -> list[fx.Node]:
+def expert_products(flow: DataFlow, anchors: ExpertAnchors) -> list[fx.Node]:
     """The first matrix product each expert weight of ``anchors`` reaches."""
     mms = [_first_matmul(flow, w) for w in anchors.nodes]
     return [m for m in mms if m is not None]
 
 
 def _output_candidates(
-    flow: DataFlow, anchors: ExpertWeights, fwd: set[fx.Node], before: fx.Node | None = None
+    flow: DataFlow, anchors: ExpertAnchors, fwd: set[fx.Node], before: fx.Node | None = None
 ) -> list[fx.Node]:
     products = expert_products(flow, anchors)
     if not products:
@@ -148,7 +148,7 @@ def _output_candidates(
 class _Builder:
     """Builds the region ending at one output candidate, or raises :class:`_Reject`."""
 
-    def __init__(self, flow: DataFlow, anchors: ExpertWeights, fwd: set[fx.Node], output: fx.Node) -> None:
+    def __init__(self, flow: DataFlow, anchors: ExpertAnchors, fwd: set[fx.Node], output: fx.Node) -> None:
         self.flow, self.anchors, self.fwd, self.output = flow, anchors, fwd, output
         self.anchor_set = set(anchors.nodes)
         self.num_tokens = tensor_value(output).shape[0]
@@ -455,7 +455,7 @@ def _constant_fill(node: fx.Node) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def extract_region(flow: DataFlow, anchors: ExpertWeights, before: fx.Node | None = None) -> Region | str:
+def extract_region(flow: DataFlow, anchors: ExpertAnchors, before: fx.Node | None = None) -> Region | str:
     """The experts region anchored on ``anchors``, or the reason no closed region was found.
 
     ``before``: the first expert product of the next MoE layer, if any; a region ends before it (this

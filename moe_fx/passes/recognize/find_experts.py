@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from moe_fx.passes.graph_utils import DataFlow, is_matmul, moe_fx_op, op_name, tensor_value
 
-__all__ = ["ExpertWeights", "find_expert_weights"]
+__all__ = ["ExpertAnchors", "find_expert_weights"]
 
 _PASS_THROUGH = frozenset({"to", "float", "type", "bfloat16", "half", "contiguous", "type_as"})
 _ACTIVATIONS = frozenset({"silu", "gelu"})
@@ -33,7 +33,7 @@ _EXPERT_INDEX = (
 
 
 @dataclass
-class ExpertWeights:
+class ExpertAnchors:
     """Anchors of one candidate MoE region.
 
     Attributes:
@@ -131,10 +131,10 @@ def _token_width(flow: DataFlow, mm: fx.Node, weight: fx.Node) -> int | None:
     return None
 
 
-def _find_stacked(graph: fx.Graph, flow: DataFlow) -> list[ExpertWeights]:
+def _find_stacked(graph: fx.Graph, flow: DataFlow) -> list[ExpertAnchors]:
     weights = _weight_nodes(graph, 3)
     first_mm = {w: _first_matmul(flow, w) for w in weights}
-    found: list[ExpertWeights] = []
+    found: list[ExpertAnchors] = []
     used: set[fx.Node] = set()
     for a in weights:
         if first_mm[a] is None or a in used:
@@ -154,7 +154,7 @@ def _find_stacked(graph: fx.Graph, flow: DataFlow) -> list[ExpertWeights]:
         for b in sorted(partners, key=lambda b: flow.order[first_mm[b]]):
             transposed, h, i, gated = _stacked_orientation(tensor_value(a), tensor_value(b), width)
             found.append(
-                ExpertWeights("stacked", [a, b], tensor_value(a).shape[0], h, i, w13=a, w2=b,
+                ExpertAnchors("stacked", [a, b], tensor_value(a).shape[0], h, i, w13=a, w2=b,
                               transposed=transposed, gated=gated, name=b.name)
             )
             used.update((a, b))
@@ -191,7 +191,7 @@ def _swiglu_triple(down_linear: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | N
     return None
 
 
-def _find_per_expert(graph: fx.Graph) -> list[ExpertWeights]:
+def _find_per_expert(graph: fx.Graph) -> list[ExpertAnchors]:
     groups: dict[str, dict[int, tuple[fx.Node, fx.Node, fx.Node]]] = {}
     repeated: dict[str, set[int]] = {}
     for n in graph.nodes:
@@ -220,12 +220,12 @@ def _find_per_expert(graph: fx.Graph) -> list[ExpertWeights]:
             and tuple(tensor_value(d).shape) == (h, i) for g, u, d in zip(gate, up, down, strict=True)
         )
         if shapes_ok:
-            found.append(ExpertWeights("per_expert", gate + up + down, e, h, i, gate=gate, up=up, down=down,
+            found.append(ExpertAnchors("per_expert", gate + up + down, e, h, i, gate=gate, up=up, down=down,
                                        name=key, repeated=sorted(repeated.get(key, ()))))
     return found
 
 
-def find_expert_weights(graph: fx.Graph, flow: DataFlow | None = None) -> list[ExpertWeights]:
+def find_expert_weights(graph: fx.Graph, flow: DataFlow | None = None) -> list[ExpertAnchors]:
     """Every candidate group of expert weights in ``graph``, stacked groups first."""
     flow = flow or DataFlow(graph)
     return _find_stacked(graph, flow) + _find_per_expert(graph)
