@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from moe_fx.passes.graph_utils import DataFlow, is_matmul, moe_fx_op, op_name, tensor_value
 
-__all__ = ["ExpertAnchors", "find_expert_weights"]
+__all__ = ["ExpertAnchors", "find_expert_weights", "linear_weight"]
 
 _PASS_THROUGH = frozenset({"to", "float", "type", "bfloat16", "half", "contiguous", "type_as"})
 _ACTIVATIONS = frozenset({"silu", "gelu"})
@@ -168,7 +168,8 @@ def _strip_casts(node: object) -> object:
     return node
 
 
-def _linear_weight(node: object) -> fx.Node | None:
+def linear_weight(node: object) -> fx.Node | None:
+    """The weight of ``node`` if it is ``F.linear(x, w, ...)`` with ``w`` a graph input or attribute, else None."""
     if isinstance(node, fx.Node) and op_name(node) == "linear" and len(node.args) >= 2:
         w = node.args[1]
         if isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr"):
@@ -178,14 +179,14 @@ def _linear_weight(node: object) -> fx.Node | None:
 
 def _swiglu_triple(down_linear: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
     """(gate, up, down) weight nodes if ``down_linear`` computes ``down(act(gate(x)) * up(x))``."""
-    wd = _linear_weight(down_linear)
+    wd = linear_weight(down_linear)
     prod = _strip_casts(down_linear.args[0])
     if wd is None or not isinstance(prod, fx.Node) or op_name(prod) != "mul" or len(prod.args) != 2:
         return None
     lhs, rhs = (_strip_casts(a) for a in prod.args)
     for act, lin in ((lhs, rhs), (rhs, lhs)):
         if isinstance(act, fx.Node) and op_name(act) in _ACTIVATIONS:
-            wg, wu = _linear_weight(_strip_casts(act.args[0])), _linear_weight(lin)
+            wg, wu = linear_weight(_strip_casts(act.args[0])), linear_weight(lin)
             if wg is not None and wu is not None:
                 return wg, wu, wd
     return None

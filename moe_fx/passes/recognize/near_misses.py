@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch.fx as fx
 
 from moe_fx.passes.graph_utils import op_name, tensor_value
+from moe_fx.passes.recognize.find_experts import linear_weight
 from moe_fx.passes.report import RegionReport
 
 __all__ = ["per_expert_near_misses"]
@@ -40,13 +41,6 @@ def _clean(prefix: str) -> str:
     """``l_self_modules_moe_modules_experts`` -> ``moe.experts``; dotted paths stay."""
     name = re.sub(r"^[lL]_self_(modules_)?", "", prefix)
     return name.replace("_modules_", ".")
-
-
-def _linear_weight(node: fx.Node) -> fx.Node | None:
-    if op_name(node) != "linear" or len(node.args) < 2:
-        return None
-    w = node.args[1]
-    return w if isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr") else None
 
 
 def _has_bias(node: fx.Node) -> bool:
@@ -116,7 +110,7 @@ def per_expert_near_misses(graph: fx.Graph, claimed: Iterable[fx.Node]) -> list[
     claimed = set(claimed)
     groups: dict[str, dict[int, list[fx.Node]]] = {}
     for n in graph.nodes:
-        w = _linear_weight(n)
+        w = linear_weight(n)
         if w is None or w in claimed:
             continue
         m = next((m for m in (p.match(_weight_name(w)) for p in _INDEXED_LINEAR) if m), None)
