@@ -260,8 +260,8 @@ def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
                      T(128, 256, 64, 1, 8, 4, 1, tma=True)]
             flat = [T(128, 256, 64, 1, 8, 3, 1, tma=True), T(64, 128, 64, 4, 4, 4, 1, tma=True)]
     elif fp8:  # more than 64 rows per expert (both prefill regimes)
-        # 64x64x128: three resident programs (168 registers a thread against the 64x128 tile's 248, both as compiled
-        # by triton 3.9 for sm_90), so two programs' MMAs can run while the third promotes its block-scaled product:
+        # 64x64x128: three resident programs (160-168 registers a thread against the 64x128 tile's 248-256, compiled
+        # for sm_90 by triton 3.6 and 3.9), so two programs' MMAs can run while the third promotes its product:
         # Triton's fp8 GEMMs wait for every 128-deep product before promoting it (docs/triton.md)
         cands = [T(64, 128, 128, 8, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1), T(128, 128, 128, 8, 8, 4, 1, tma=True),
                  T(64, 128, 128, 8, 4, 4, 2, tma=True), T(64, 64, 128, 8, 4, 4, 3)]
