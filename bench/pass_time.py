@@ -203,7 +203,8 @@ def split_report(layer_counts: list[int], repeats: int, tag: str, specialize_flo
     return out
 
 
-def host_random_weight(shape, fan_in, gen, *, device="cpu", windowed_bytes=None, dtype=torch.float32):
+def host_random_weight(shape: tuple[int, ...], fan_in: int, gen: torch.Generator, *, device: str | torch.device = "cpu",
+                       windowed_bytes: float | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``check_numerics.random_weight`` as it was until 2026-12-05 (the "host" side of ``--real``): drawn by the
     probe's generator on the host, then copied to ``device``."""
     import math
@@ -224,7 +225,7 @@ def host_random_weight(shape, fan_in, gen, *, device="cpu", windowed_bytes=None,
 REAL_SIDES = ("device", "host")
 
 
-def measure_real(model, ids, side: str) -> dict[str, float]:
+def measure_real(model: torch.nn.Module, ids: torch.Tensor, side: str) -> dict[str, float]:
     """One ``moe_fx.explain`` of ``model`` (Dynamo + the passes, no Inductor) with the probe's random weights
     drawn as ``side`` says; seconds in the passes and in drawing random weights, regions rewritten."""
     import moe_fx
@@ -294,7 +295,9 @@ def real_report(models: list[str], layers: int, repeats: int, tag: str, out_dir:
             lines.append(f"| {name} | {layers} | {side} | {passes:.2f} | "
                          f"{statistics.median(m['random_s'] for m in ms):.2f} | {passes / layers:.3f} | "
                          f"{ms[0]['rewritten']} |")
-    out = (out_dir or Path(__file__).parent / "results") / f"pass_time_real_{datetime.date.today()}{tag}.md"
+    out_dir = out_dir or Path(__file__).parent / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"pass_time_real_{datetime.date.today()}{tag}.md"
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"wrote {out}")
