@@ -16,13 +16,14 @@
 #   gen_cg_cache   Qwen3 48 layers, CompileConfig with one StaticCache passed to every call, both sides
 #   gen_default    GPT-OSS-20B 24 layers, default-mode generate() with the decode-step split, shipped settings
 #   gen_combine    the same with masked_experts.pipeline.COMBINE_IN_GRAPH=True (one launch fewer a layer)
-#   l2_static      GPT-OSS 2 layers, T=1 forward + generate(), shipped then STATIC_LAUNCH_KERNELS (in one call)
-#   gen_ab_static  GPT-OSS 16 layers, default-mode generate(): plain, moe_fx and moe_fx with STATIC_LAUNCH_KERNELS
-#                  timed in the same alternating rounds (e2e_model --ab-set: no drift between runs; the A/B side
-#                  compiles after moe_fx's, on Triton's warm on-disk cache: its warm-up is not a cold compile)
+#   l2_static      GPT-OSS 2 layers, T=1 forward + generate(), Triton's launcher then STATIC_LAUNCH_KERNELS (one call)
+#   gen_ab_static  GPT-OSS 16 layers (weights shared by the sides), default-mode generate(): plain, moe_fx (static
+#                  launch, on since 2026-12-05) and moe_fx with Triton's launcher (STATIC_LAUNCH_KERNELS=False) timed in
+#                  the same alternating rounds (e2e_model --ab-set: no drift between runs; the A/B side compiles after
+#                  moe_fx's, on Triton's warm on-disk cache: its warm-up is not a cold compile)
 #   gen_ab_combine the same A/B with masked_experts.pipeline.COMBINE_IN_GRAPH=True
 #   compile_static what STATIC_LAUNCH_KERNELS costs a cold compile (no worker pool): GPT-OSS 16 layers, one T=1
-#                  forward per side, shipped then static, each process with empty Inductor and Triton caches
+#                  forward per side, Triton's launcher then static, each process with empty Inductor and Triton caches
 #   fwd_fp8        whole 2-layer models with transformers' fine-grained FP8 experts (Qwen3, Mixtral, OLMoE; GPT-OSS's
 #                  biased experts have no FP8 form there, two DeepSeek-V3 layers with their copies do not fit an H100),
 #                  T = 1024 / 4096 forwards, moe_fx against plain (issue 16: >= 1.5x)
@@ -46,7 +47,7 @@ E2E_GEN="bench/e2e_model.py --models gpt_oss --layers full --tokens 32 --no-forw
 L2="bench/e2e_model.py --models gpt_oss --tokens 1 --modes default --no-deepgemm --layers 2 --no-layer-host
   --rounds 8 --gen-batch 1 --gen-new 32 --gen-rounds 3 --budget-s 120 --no-plot --out $OUT"
 # 16 of GPT-OSS's 24 layers: three compiled sides (plain, moe_fx, the A/B side) fit one call
-E2E_AB="bench/e2e_model.py --models gpt_oss --layers 16 --tokens 32 --no-forward --modes default --no-deepgemm
+E2E_AB="bench/e2e_model.py --models gpt_oss --layers 16 --share-weights --tokens 32 --no-forward --modes default --no-deepgemm
   --gen-batch 1 --gen-new 32 --gen-rounds 4 --no-layer-host --budget-s 500 --no-plot --out $OUT"
 E2E_COMPILE="bench/e2e_model.py --models gpt_oss --layers 16 --tokens 1 --modes default --no-deepgemm
   --no-layer-host --no-generate --rounds 2 --per-round 2 --budget-s 250 --no-plot --out $OUT"
@@ -116,22 +117,24 @@ for name in "$@"; do
         --tag full_gpt_oss_gen_b1_combine > "$OUT/log_$name.txt" 2>&1
       summary full_gpt_oss_gen_b1_combine ;;
     l2_static)
-      timeout 280 python3 $L2 --tag gptoss_l2_shipped > "$OUT/log_${name}_shipped.txt" 2>&1
+      timeout 280 python3 $L2 --set moe_fx.backend.STATIC_LAUNCH_KERNELS=False --tag gptoss_l2_launcher \
+        > "$OUT/log_${name}_launcher.txt" 2>&1
       timeout 280 python3 $L2 --static-launch --tag gptoss_l2_static > "$OUT/log_${name}_static.txt" 2>&1
       summary gptoss_l2_ ;;
     gen_ab_static)
-      timeout 590 python3 $E2E_AB --ab-set moe_fx.backend.STATIC_LAUNCH_KERNELS=True --tag gpt_oss16_ab_static \
+      timeout 590 python3 $E2E_AB --ab-set moe_fx.backend.STATIC_LAUNCH_KERNELS=False --tag gpt_oss16_ab_launcher \
         > "$OUT/log_$name.txt" 2>&1
-      summary gpt_oss16_ab_static ;;
+      summary gpt_oss16_ab_launcher ;;
     gen_ab_combine)
       timeout 590 python3 $E2E_AB --ab-set masked_experts.pipeline.COMBINE_IN_GRAPH=True --tag gpt_oss16_ab_combine \
         > "$OUT/log_$name.txt" 2>&1
       summary gpt_oss16_ab_combine ;;
     compile_static)
-      for side in shipped static; do
+      for side in launcher static; do
         caches=$(mktemp -d)
         TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton timeout 285 python3 $E2E_COMPILE \
-          $([ $side = static ] && echo --static-launch) --tag gpt_oss16_compile_$side > "$OUT/log_${name}_$side.txt" 2>&1
+          $([ $side = static ] && echo --static-launch || echo --set moe_fx.backend.STATIC_LAUNCH_KERNELS=False) \
+          --tag gpt_oss16_compile_$side > "$OUT/log_${name}_$side.txt" 2>&1
       done
       summary gpt_oss16_compile_ ;;
     fwd_fp8)

@@ -35,7 +35,7 @@ from moe_fx.passes.manager import PassContext, run_passes
 from moe_fx.passes.report import RegionReport
 
 __all__ = ["PASSES_TIMER", "CheckedCall", "MoEFxBackend", "UncapturedExpertsWarning", "enable_capture", "make_backend",
-           "moe_fx_backend", "passes_fingerprint"]
+           "moe_fx_backend", "passes_fingerprint", "static_launch_options"]
 
 log = logging.getLogger("moe_fx")
 
@@ -46,17 +46,26 @@ PASSES_TIMER = "moe_fx_passes"
 #: launch path) instead of Triton's Python launcher: less host time per launch, which a decode step of many layers
 #: pays several times a layer. A kernel the static launcher cannot take (device-made TMA descriptors need Triton's
 #: global scratch) keeps Triton's launcher, kernel by kernel (Inductor logs why). ``MoEConfig.inductor_options``
-#: overrides it. Read at every compile. Inductor's compile workers get only ``use_static_triton_launcher`` of the
-#: parent's options (torch 2.11-2.13, ``async_compile``), so a kernel compiled in a worker would keep Triton's launcher:
-#: with the switch on, the graph compiles its kernels in-process (``compile_threads=1``; slower compiles). False: the
-#: timings before that fix (H100, 2-layer Qwen3, bench/results/e2e_model_2026-12-05_launch_{shipped,static}_h100.md;
-#: H200, 2-layer GPT-OSS, e2e_model_2026-12-05_gptoss_l2_{shipped,static}.md) showed no clear gain; the one after it
-#: (H200, the same GPT-OSS run, ``..._s9.md``) +3% at T=1 and +6% in generate()'s decode, each side in a run of its
-#: own (inside the runs' drift), with the in-process compile's cost at depth unmeasured. The A/B in one set of
-#: alternating rounds is ``bash bench/gpu_recipes.sh gen_ab_static``.
-STATIC_LAUNCH_KERNELS = False
-#: The Inductor options :data:`STATIC_LAUNCH_KERNELS` puts in every compile.
+#: overrides it. Read at every compile; only graphs with CUDA inputs get it (a CPU graph has no CUDA launch to save).
+#: Inductor's compile workers get only ``use_static_triton_launcher`` of the parent's options (torch 2.11-2.13,
+#: ``async_compile``), so a kernel compiled in a worker would keep Triton's launcher: with the switch on, the graph
+#: compiles its kernels in-process (``compile_threads=1``). On since 2026-12-05 (tenth session, H100, GPT-OSS-20B
+#: layers, default-mode generate(), batch 1): in one set of alternating rounds, 12 layers, decode 1.052x of moe_fx
+#: without it (195 / 185 tok/s; plain 177; step 5140 / 5407 µs at the same GPU busy time,
+#: bench/results/e2e_model_2026-12-05_gpt_oss12_ab_static_h100.md; 1.036x at 2 layers in the ninth session); a cold
+#: compile of 16 layers (empty Inductor and Triton caches, one T=1 forward) 25.5 s against 22.4 s
+#: (e2e_model_2026-12-05_gpt_oss16_compile_{shipped,static}_h100.md). On the H200, each side in a run of its own:
+#: +3% at T=1, +6% in generate()'s decode (``..._s9.md``).
+STATIC_LAUNCH_KERNELS = True
+#: The Inductor options :data:`STATIC_LAUNCH_KERNELS` puts in every compile of a graph with CUDA inputs.
 _STATIC_LAUNCH_OPTIONS = {"static_launch_user_defined_triton_kernels": True, "compile_threads": 1}
+
+
+def static_launch_options(example_inputs: Sequence[Any]) -> dict[str, Any]:
+    """The Inductor options of :data:`STATIC_LAUNCH_KERNELS` for a graph compiled with ``example_inputs``: none when
+    the switch is off or no input is a CUDA tensor."""
+    on_cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
+    return dict(_STATIC_LAUNCH_OPTIONS) if STATIC_LAUNCH_KERNELS and on_cuda else {}
 
 
 def enable_capture() -> None:
@@ -253,7 +262,7 @@ class MoEFxBackend:
             from torch._inductor.compile_fx import compile_fx
 
             patches = {
-                **(_STATIC_LAUNCH_OPTIONS if STATIC_LAUNCH_KERNELS else {}),
+                **static_launch_options(example_inputs),
                 **(list_mode_options(mode) if mode else {}),
                 **(options or {}),
                 "post_grad_custom_post_pass": _cache_salt(),

@@ -272,9 +272,11 @@ def test_mode_and_options_of_torch_compile_reach_inductor(monkeypatch):
 
 
 def test_static_launch_of_user_kernels_is_one_switch_the_config_overrides(monkeypatch):
-    """``backend.STATIC_LAUNCH_KERNELS`` asks Inductor to launch user-defined Triton kernels statically (off: no gain
-    timed on an H100, so no such patch), and ``MoEConfig.inductor_options`` has the last word."""
+    """``backend.STATIC_LAUNCH_KERNELS`` (on) asks Inductor to launch user-defined Triton kernels statically in a graph
+    with CUDA inputs (a CPU graph gets no such patch: it has no CUDA launch to save), the kernels then compile
+    in-process (Inductor's workers would not see the option), and ``MoEConfig.inductor_options`` has the last word."""
     import torch._inductor.compile_fx as cfx
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from moe_fx import MoEConfig, backend
 
@@ -286,16 +288,20 @@ def test_static_launch_of_user_kernels_is_one_switch_the_config_overrides(monkey
 
     monkeypatch.setattr(cfx, "compile_fx", spy)
     gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
-    x = [torch.randn(2, 4)]
+    cpu = [torch.randn(2, 4)]
+    with FakeTensorMode():
+        cuda = [torch.empty(2, 4, device="cuda")]  # a CUDA input's stand-in: no GPU needed
     key = "static_launch_user_defined_triton_kernels"
-    assert not backend.STATIC_LAUNCH_KERNELS
-    backend.MoEFxBackend(captured=True)(gm, x)
-    monkeypatch.setattr(backend, "STATIC_LAUNCH_KERNELS", True)
-    backend.MoEFxBackend(captured=True)(gm, x)
-    backend.MoEFxBackend(MoEConfig(inductor_options={key: False}), captured=True)(gm, x)
-    assert key not in seen[0] and seen[1][key] is True and seen[2][key] is False
-    # Inductor's compile workers would not see the option: the kernels compile in-process
-    assert "compile_threads" not in seen[0] and seen[1]["compile_threads"] == 1
+    assert backend.STATIC_LAUNCH_KERNELS
+    backend.MoEFxBackend(captured=True)(gm, cuda)
+    backend.MoEFxBackend(captured=True)(gm, cpu)
+    backend.MoEFxBackend(MoEConfig(inductor_options={key: False}), captured=True)(gm, cuda)
+    monkeypatch.setattr(backend, "STATIC_LAUNCH_KERNELS", False)
+    backend.MoEFxBackend(captured=True)(gm, cuda)
+    assert seen[0][key] is True and seen[0]["compile_threads"] == 1
+    assert key not in seen[1] and "compile_threads" not in seen[1]
+    assert seen[2][key] is False
+    assert key not in seen[3] and "compile_threads" not in seen[3]
 
 
 @pytest.mark.gpu

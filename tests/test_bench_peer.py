@@ -4,6 +4,7 @@ contract, the alternating rounds, the correctness gate and the results page on C
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -154,6 +155,12 @@ def test_smoke_run_end_to_end(peer_layer, tmp_path):
     assert len(wrong) == 2 and all("WRONG" in r["error"] and "us" not in r for r in wrong), wrong
 
 
+def _with_root_on_path() -> dict[str, str]:
+    """The environment with the repository on ``PYTHONPATH``: the script imports moe_fx, which a checkout that
+    is not pip-installed (the GPU machine's copy) has only there."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.timeout(400)
@@ -165,7 +172,7 @@ def test_peer_layer_runs_on_the_gpu(tmp_path):
         proc = subprocess.run(
             [sys.executable, str(SCRIPT), "--peer", _write(tmp_path, name, text), "--shapes", "olmoe",
              "--tokens", "1,16", "--dtypes", dtypes, "--rounds", "2", "--out", str(out), "--tag", name[:-3]],
-            capture_output=True, text=True, timeout=380, cwd=ROOT, check=False)
+            capture_output=True, text=True, timeout=380, cwd=ROOT, check=False, env=_with_root_on_path())
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     ref = json.loads(next(out.glob("peer_layer_*_ref.json")).read_text())
     assert next(out.glob("peer_layer_*_ref.png")).stat().st_size > 0
