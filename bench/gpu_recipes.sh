@@ -29,9 +29,9 @@
 #                  T = 1024 / 4096 forwards, moe_fx against plain (issue 16: >= 1.5x)
 #   pass_time      the moe_fx passes on 4 real-size GPT-OSS and Mixtral layers, the numerical check's random weights
 #                  drawn on the GPU (shipped since 2026-12-05) against on the host and copied over (before)
-#   tune_fp8_prefill  the fp8 GEMM tiles of the regimes above 16 rows per expert for Qwen3, Mixtral and the DeepSeek-V3
-#                  shard, with the 3-programs-per-SM 64x64x128 candidate; the report gives each T's old (shipped) tile
-#                  beside the new choice, and the merged table comes back as tuned_tiles_fp8_prefill.json
+#   tune_fp8_prefill  retune the fp8 GEMM tiles of the regimes above 16 rows per expert for Qwen3, Mixtral and the
+#                  DeepSeek-V3 shard on this GPU (the H100's were shipped from it, 2026-12-05); the report gives each T's
+#                  old (shipped) tile beside the new choice, and the merged table comes back as tuned_tiles_fp8_prefill.json
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS

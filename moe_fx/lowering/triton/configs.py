@@ -247,9 +247,9 @@ def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
                      T(32, 128, 64, 1, 4, 3, 3, swap_ab=True), T(32, 64, 64, 1, 4, 4, 2, swap_ab=True)]
             flat = [T(32, 64, 128, 1, 4, 4, 2, swap_ab=True), T(16, 64, 128, 1, 4, 4, 2)]
     elif hi is not None and hi <= 64:
-        if fp8:  # 64x64x128 at three programs per SM: see the prefill regimes below
+        if fp8:
             cands = [T(32, 128, 128, 4, 4, 4, 2), T(64, 128, 128, 4, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1),
-                     T(64, 128, 128, 4, 4, 4, 2, tma=True), T(32, 128, 128, 1, 4, 3, 2), T(64, 64, 128, 4, 4, 4, 3)]
+                     T(64, 128, 128, 4, 4, 4, 2, tma=True), T(32, 128, 128, 1, 4, 3, 2)]
             flat = [T(64, 128, 128, 4, 4, 3, 2), T(128, 128, 128, 8, 8, 4, 1, tma=True)]
         else:
             # 128x256: vLLM's tuned H200 tile at these sizes (Mixtral T=256: 737 against 865 µs, 2026-12-04), which
@@ -259,12 +259,10 @@ def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
                      T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 256, 64, 1, 8, 4, 1),
                      T(128, 256, 64, 1, 8, 4, 1, tma=True)]
             flat = [T(128, 256, 64, 1, 8, 3, 1, tma=True), T(64, 128, 64, 4, 4, 4, 1, tma=True)]
-    elif fp8:  # more than 64 rows per expert (both prefill regimes)
-        # 64x64x128: three resident programs (160-168 registers a thread against the 64x128 tile's 248-256, compiled
-        # for sm_90 by triton 3.6 and 3.9), so two programs' MMAs can run while the third promotes its product:
-        # Triton's fp8 GEMMs wait for every 128-deep product before promoting it (docs/triton.md)
+    elif fp8:  # more than 64 rows per expert (both prefill regimes); 64x64x128 at three programs per SM lost at
+        # every T on an H100 (1.02-2.5x, bench/results/tune_tiles_sorted_2026-12-05_fp8_prefill_*_h100.md)
         cands = [T(64, 128, 128, 8, 4, 4, 2), T(128, 128, 128, 8, 8, 4, 1), T(128, 128, 128, 8, 8, 4, 1, tma=True),
-                 T(64, 128, 128, 8, 4, 4, 2, tma=True), T(64, 64, 128, 8, 4, 4, 3)]
+                 T(64, 128, 128, 8, 4, 4, 2, tma=True)]
         flat = [T(64, 128, 128, 8, 4, 3, 2), T(128, 128, 128, 8, 8, 4, 1, tma=True)]
     elif hi is not None:
         cands = [T(64, 128, 64, 8, 4, 4, 2), T(128, 128, 64, 8, 8, 4, 1), T(128, 256, 64, 8, 8, 3, 1),
