@@ -32,6 +32,10 @@
 #   tune_fp8_prefill  retune the fp8 GEMM tiles of the regimes above 16 rows per expert for Qwen3, Mixtral and the
 #                  DeepSeek-V3 shard on this GPU (the H100's were shipped from it, 2026-12-05); the report gives each T's
 #                  old (shipped) tile beside the new choice, and the merged table comes back as tuned_tiles_fp8_prefill.json
+#   layer          bench/moe_layer.py with its roofline column: Qwen3, Mixtral and the DeepSeek-V3 shard, T = 1 ... 16384,
+#                  moe_fx bf16 and fp8 beside transformers' grouped_mm experts under plain torch.compile
+#   fwd_flat       whole 2-layer models (Qwen3, Mixtral, OLMoE, GPT-OSS, DeepSeek-V3; weights shared by the sides),
+#                  T = 1 / 16 / 1024 / 4096 forwards, Triton only, moe_fx against plain with the GPU ceiling column
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
@@ -53,6 +57,10 @@ E2E_COMPILE="bench/e2e_model.py --models gpt_oss --layers 16 --tokens 1 --modes 
   --no-layer-host --no-generate --rounds 2 --per-round 2 --budget-s 250 --no-plot --out $OUT"
 E2E_FP8="bench/e2e_model.py --models qwen3,mixtral,olmoe --weights fp8_checkpoint --tokens 1024,4096 --modes default
   --no-deepgemm --rounds 4 --no-generate --no-layer-host --budget-s 450 --no-plot --out $OUT"
+E2E_FLAT="bench/e2e_model.py --models qwen3,mixtral,olmoe,gpt_oss,deepseek_v3 --tokens 1,16,1024,4096 --modes default
+  --no-deepgemm --rounds 4 --no-generate --no-layer-host --share-weights --budget-s 480 --no-plot --out $OUT"
+LAYER="bench/moe_layer.py --shapes qwen3,mixtral,dsv3 --tokens 1,16,64,256,1024,4096,16384
+  --impls moe_fx_bf16,moe_fx_fp8,hf_grouped_mm --budget-s 450 --out $OUT"
 PASS_TIME="bench/pass_time.py --real gpt_oss,mixtral --layers 4 --repeats 2 --out $OUT"
 TUNE_FP8="bench/tune_tiles.py --sorted --kinds fp8 --warm 8 --budget-s 240 --ship --out $OUT"
 CG="bench/generate_cudagraphs.py --model gpt_oss --layers 24 --batch 1 --new 32 --rounds 3 --timeout-s 560 --out $OUT"
@@ -159,6 +167,12 @@ for name in "$@"; do
       cp $table "$OUT/tuned_tiles_fp8_prefill.json"
       cp "$OUT/tuned_tiles_shipped.json" $table
       grep -h "worst chosen\|shipped" "$OUT"/log_${name}_*.txt ;;
+    layer)
+      timeout 590 python3 $LAYER --tag layer > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/moe_layer_*layer.md 2>/dev/null | cut -c1-220 ;;
+    fwd_flat)
+      timeout 590 python3 $E2E_FLAT --tag flat > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral|olmoe|gpt_oss|deepseek_v3)" "$OUT"/*flat.md 2>/dev/null | cut -c1-260 ;;
     peer_vllm)
       peer_run "$name" qwen3,mixtral ;;
     peer_vllm_more)

@@ -373,7 +373,8 @@ def hf_fits(impl: str, t: int, e: int, k: int, h: int, i: int) -> bool:
     return True
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``) as parsed arguments."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="mixtral,qwen3,dsv3")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
@@ -396,7 +397,12 @@ def main() -> None:
         metavar="JSON",
         help="no GPU: join the rows of earlier runs' JSON files (one session split over calls) into one md/png",
     )
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark (or merge earlier runs' JSON files) as the command line says."""
+    args = parse_args(argv)
     if args.merge:
         merge_runs(args.merge, args.out, args.tag)
         return
