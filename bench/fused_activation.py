@@ -13,6 +13,8 @@
   two accumulators (``moe_fx.lowering.triton.grouped_gemm.PAIR_GATE_UP``);
 * ``--switch slot_rows``: bf16 weights, one token's rows in slot order without the sort vs sorted
   (``pipeline.SLOT_ROWS_MAX_TOKENS`` 1 vs 0): only T=1 differs;
+* ``--switch slot_down``: bf16 weights, one token's GEMM2 and combine in one launch vs two
+  (``pipeline.SLOT_DOWN_COMBINE`` True vs False): only T=1 differs;
 * ``--switch bitonic_sort``: bf16 weights, the one-launch sort's program 0 sorting up to 1024 slots by a bitonic
   network vs blocks of pairwise ranks (``moe_fx.lowering.triton.sort.BITONIC_SORT_SLOTS`` 1024 vs 0): T * K
   between the pairwise tile (128 slots at 128 experts) and 1024 differs.
@@ -24,7 +26,7 @@ kernels), over the same rotating routing sets, and the two are timed alternately
 matmul rate)`` with both limits measured in the same run, and the relative error of each variant against the
 fp32 reference (first routing set of the row), and of one variant against the other at every T.
 
-    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|pair_halves|slot_rows|bitonic_sort] [--shapes qwen3,mixtral,gpt_oss]
+    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|pair_halves|slot_rows|slot_down|bitonic_sort] [--shapes qwen3,mixtral,gpt_oss]
                                      [--tokens 1,16,256,1024,4096] [--rounds 3]
     python bench/fused_activation.py --smoke   # CPU, Triton interpreter, tiny shapes: checks the script end to end
 
@@ -105,6 +107,9 @@ SWITCHES = {
     "slot_rows": ("masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS", 1, 0, False,
                   ("one token: rows in slot order, no sort launch (on) vs sorted rows (off), bf16 (T=1 rows only "
                    "differ)")),
+    "slot_down": ("masked_experts.pipeline.SLOT_DOWN_COMBINE", True, False, False,
+                  ("one token: GEMM2 and the combine in one launch (on) vs GEMM2, then the combine kernel (off), bf16 "
+                   "(T=1 rows only differ)")),
 }
 
 
@@ -161,8 +166,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run the comparison (see the module docstring); ``argv`` as on the command line."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``) as parsed arguments."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--switch", choices=sorted(SWITCHES), default="epilogue")
     ap.add_argument("--shapes", default="qwen3,mixtral,gpt_oss")
@@ -173,7 +178,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny qwen3/gpt_oss forms")
     ap.add_argument("--on", default=None, metavar="VALUE",
                     help="the switch's value on the 'on' side (a Python literal; e.g. --switch slot_rows --on 4)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the comparison (see the module docstring); ``argv`` as on the command line."""
+    args = parse_args(argv)
     if args.smoke:
         shapes, device = {n: SMOKE_SHAPES[n] for n in ("qwen3", "gpt_oss")}, "cpu"
         tokens, args.rounds = args.tokens or "1,8", 1

@@ -36,6 +36,8 @@
 #                  moe_fx bf16 and fp8 beside transformers' grouped_mm experts under plain torch.compile
 #   fwd_flat       whole 2-layer models (Qwen3, Mixtral, OLMoE, GPT-OSS, DeepSeek-V3; weights shared by the sides),
 #                  T = 1 / 16 / 1024 / 4096 forwards, Triton only, moe_fx against plain with the GPU ceiling column
+#   slot_down      one token's GEMM2 and combine in one launch (masked_experts.pipeline.SLOT_DOWN_COMBINE, off until
+#                  timed) against the two launches, Qwen3, Mixtral, GPT-OSS at T=1, CUDA-graph replays alternating
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
@@ -61,6 +63,7 @@ E2E_FLAT="bench/e2e_model.py --models qwen3,mixtral,olmoe,gpt_oss,deepseek_v3 --
   --no-deepgemm --rounds 4 --no-generate --no-layer-host --share-weights --budget-s 480 --no-plot --out $OUT"
 LAYER="bench/moe_layer.py --shapes qwen3,mixtral,dsv3 --tokens 1,16,64,256,1024,4096,16384
   --impls moe_fx_bf16,moe_fx_fp8,hf_grouped_mm --budget-s 450 --out $OUT"
+SLOT_DOWN="bench/fused_activation.py --switch slot_down --shapes qwen3,mixtral,gpt_oss --tokens 1 --rounds 5 --out $OUT"
 PASS_TIME="bench/pass_time.py --real gpt_oss,mixtral --layers 4 --repeats 2 --out $OUT"
 TUNE_FP8="bench/tune_tiles.py --sorted --kinds fp8 --warm 8 --budget-s 240 --ship --out $OUT"
 CG="bench/generate_cudagraphs.py --model gpt_oss --layers 24 --batch 1 --new 32 --rounds 3 --timeout-s 560 --out $OUT"
@@ -173,6 +176,9 @@ for name in "$@"; do
     fwd_flat)
       timeout 590 python3 $E2E_FLAT --tag flat > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral|olmoe|gpt_oss|deepseek_v3)" "$OUT"/*flat.md 2>/dev/null | cut -c1-260 ;;
+    slot_down)
+      timeout 400 python3 $SLOT_DOWN --tag gpu > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral|gpt_oss)" "$OUT"/slot_down_*.md 2>/dev/null | cut -c1-220 ;;
     peer_vllm)
       peer_run "$name" qwen3,mixtral ;;
     peer_vllm_more)

@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 @pytest.mark.parametrize("switch,stem,bound,tokens", [("epilogue", "fused_activation", 3e-2, 3),
                                                        ("w8a16", "w8a16", 8e-2, 3), ("fp8_scales", "fp8_scales", 8e-2, 3),
                                                        ("slot_rows", "slot_rows", 3e-2, 1),
+                                                       ("slot_down", "slot_down", 3e-2, 1),
                                                        ("pair_halves", "pair_halves", 3e-2, 3),
                                                        ("bitonic_sort", "bitonic_sort", 3e-2, 3)])
 def test_smoke_writes_rows_with_both_variants_close_to_the_reference(tmp_path, switch, stem, bound, tokens):

@@ -302,6 +302,23 @@ def test_one_token_runs_without_a_sort(sm90):
     assert _kernel_name(_launches(fp8)[0]) == "sort_small_kernel"
 
 
+def test_one_token_can_run_down_and_combine_in_one_launch(sm90, monkeypatch):
+    """``pipeline.SLOT_DOWN_COMBINE``: one token's graph launches GEMM1 (SLOTS, activation in its epilogue) and
+    ``slot_down_combine_kernel`` (GEMM2 and the combine): two launches, each writing only its output; with the
+    combine left to Inductor as well, the combine stays Inductor's and GEMM2 its own launch."""
+    from moe_fx.lowering.masked_experts import pipeline
+
+    monkeypatch.setattr(pipeline, "SLOT_DOWN_COMBINE", True)
+    launches = _launches(_trace(_experts, _inputs(FakeTensorMode(), t=1)))
+    assert [_kernel_name(n) for n in launches] == ["masked_gemm_kernel", "slot_down_combine_kernel"]
+    for node, out in zip(launches, ("c_ptr", "out_ptr")):
+        assert set(node.kwargs["tensors_to_clone"]) == {out}, node.kwargs["tensors_to_clone"]
+        _assert_every_parameter_passed(node)
+    monkeypatch.setattr(pipeline, "COMBINE_IN_GRAPH", True)
+    launches = _launches(_trace(_experts, _inputs(FakeTensorMode(), t=1)))
+    assert [_kernel_name(n) for n in launches] == ["masked_gemm_kernel", "masked_gemm_kernel"]
+
+
 def test_decode_combine_can_be_left_to_inductor(sm90, monkeypatch):
     """``pipeline.COMBINE_IN_GRAPH``: a decode-sized call's combine (regime 0) traces as torch ops (a masked, weighted
     fp32 sum over K; the sorted rows gathered by ``index_select``), which Inductor fuses with what follows: one token

@@ -301,6 +301,29 @@ def test_one_token_gemms_and_combine_compile_without_a_sort(form):
     _compile(k.unpermute_kernel, types, consts)
 
 
+@pytest.mark.parametrize("form", ["silu", "gpt_oss"])
+def test_slot_down_combine_compiles_pipelined(form):
+    """GEMM2 and the combine of one token's slots in one launch (``slot_down_combine``) on its shipped tile: one
+    software-pipelined loop of (slot, k step) with async copies, MMAs on the 16-column tile, no spills."""
+    from moe_fx.lowering.triton.grouped_gemm import SLOT_DOWN_TILE
+
+    k = _kernels()
+    gpt_oss = form == "gpt_oss"
+    types = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp32"}
+    consts = {"s_ak": 1, "s_bk": 1, "s_on": 1, "s_hh": 1, "TOPK": 4 if gpt_oss else 8,
+              "BLOCK_N": SLOT_DOWN_TILE["block_n"], "BLOCK_K": SLOT_DOWN_TILE["block_k"], "UPCAST": False,
+              "IEEE": False, "HAS_W": True, "HAS_BIAS": gpt_oss, "IDENTITY": gpt_oss}
+    if gpt_oss:
+        types.update(h_ptr="*bf16", bias_ptr="*bf16")
+    else:
+        consts.update(h_ptr=None, bias_ptr=None)
+    ptx = _compile(k.slot_down_combine_kernel, types, consts, SLOT_DOWN_TILE["num_warps"],
+                   SLOT_DOWN_TILE["num_stages"]).asm["ptx"]
+    assert "mma.sync" in ptx or "wgmma.mma_async" in ptx, form
+    assert "cp.async" in ptx, form
+    assert "ld.local" not in ptx and "st.local" not in ptx, form
+
+
 def test_sort_kernels_compile():
     from moe_fx.lowering.triton.sort import BITONIC_SORT_SLOTS, DECODE_PAIRWISE_SLOTS, bitonic_log, pairwise_slots
 

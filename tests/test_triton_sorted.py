@@ -481,6 +481,60 @@ def test_rows_in_slot_order_give_the_sorted_layouts_output(form, t, max_tokens, 
     assert rel_err(slots, reference_of(a)) < 4e-2
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("t,dtype", [(1, torch.bfloat16), (3, torch.bfloat16), (1, torch.float32)])
+def test_down_and_combine_in_one_launch_match_the_two_launches(form, t, dtype, device, monkeypatch):
+    """``pipeline.SLOT_DOWN_COMBINE``: rows in slot order run GEMM2 and the combine as one launch
+    (``grouped_gemm.slot_down_combine``). Its output is the two launches' (GEMM2, then the combine) up to the bf16
+    rounding of GEMM2's rows, which it skips; in fp32 they agree to 1e-5. Every activation form (biases, identity
+    experts, weights on the input), a token naming one expert twice, an id with no expert (-1), several tokens."""
+    from moe_fx.lowering.masked_experts import pipeline
+
+    monkeypatch.setattr(pipeline, "SLOT_ROWS_MAX_TOKENS", 4)
+    gen = torch.Generator().manual_seed(t * 17 + len(form) + (dtype == torch.float32))
+    k, e, h, i = 3, 4, 136, 72
+    spec, hidden, ids, w, w13, w2, b13, b2, on_input, identity = _layer(form, t, k, e, h, i, gen, dtype)
+    ids[0, 1] = ids[0, 0].clamp(min=0)  # a token naming one expert twice
+    ids[-1, -1] = -1
+    args = [x if x is None else x.to(device) for x in (hidden, ids, w, w13, w2, b13, b2)]
+    a = bind_experts(*args[:5], spec.name, on_input, kernel_choice="triton", w13_bias=args[5], w2_bias=args[6],
+                     gated=spec.gated, gate_up_layout=spec.gate_up_layout, alpha=spec.alpha, limit=spec.limit,
+                     up_offset=spec.up_offset, identity_experts=identity)
+    two = run_experts(a, plan_experts(a))
+    monkeypatch.setattr(pipeline, "SLOT_DOWN_COMBINE", True)
+    plan = plan_experts(a)
+    assert plan.slot_rows and plan.down_combined and "GEMM2 and the combine in one launch" in plan.summary()
+    one = run_experts(a, plan)
+    assert one.shape == two.shape == hidden.shape and one.dtype == hidden.dtype
+    if dtype == torch.float32:
+        assert rel_err(one, two) < 1e-5, rel_err(one, two)
+    else:
+        assert rel_err(one, two) < 1e-2, rel_err(one, two)
+    assert rel_err(one, reference_of(a)) < 4e-2
+
+
+def test_down_and_combine_in_one_launch_only_where_asked(monkeypatch):
+    """One launch for GEMM2 and the combine needs the switch, rows in slot order, at most 16 slots a token (the
+    columns of its MMA tile) and a combine not left to Inductor."""
+    from moe_fx.lowering.masked_experts import pipeline
+    from moe_fx.lowering.triton.grouped_gemm import SLOT_DOWN_MAX_TOPK, SlotRows, slot_down_combine
+
+    assert pipeline.SLOT_DOWN_COMBINE is False  # not timed on a GPU yet
+    assert not pipeline.fuse_down_combine(True, 8, False)
+    monkeypatch.setattr(pipeline, "SLOT_DOWN_COMBINE", True)
+    assert pipeline.fuse_down_combine(True, 8, False) and pipeline.fuse_down_combine(True, SLOT_DOWN_MAX_TOPK, False)
+    assert not pipeline.fuse_down_combine(False, 8, False)  # sorted rows
+    assert not pipeline.fuse_down_combine(True, SLOT_DOWN_MAX_TOPK + 1, False)
+    assert not pipeline.fuse_down_combine(True, 8, True)  # the combine is Inductor's
+    ids = torch.zeros(1, SLOT_DOWN_MAX_TOPK + 1, dtype=torch.long)
+    a, b = torch.randn(1, ids.numel(), 32), torch.randn(2, 16, 32)
+    with pytest.raises(ValueError, match="at most 16 slots"):
+        slot_down_combine(a, b, SlotRows.of(ids, 2), torch.rand(ids.shape))
+    with pytest.raises(TypeError, match="rows in slot order"):
+        slot_down_combine(a, b, None, torch.rand(ids.shape))
+
+
 def test_rows_in_slot_order_only_for_a_static_token_count_and_unquantised_weights():
     from moe_fx.lowering.masked_experts.pipeline import SLOT_ROWS_MAX_TOKENS, slot_rows
 

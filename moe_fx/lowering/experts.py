@@ -25,6 +25,7 @@ from moe_fx.lowering.masked_experts.pipeline import (
     combine_in_graph,
     empty_scales,
     fuse_activation,
+    fuse_down_combine,
     quantize_activations,
     quantize_tokens_in_sort,
     run_contiguous_experts,
@@ -60,6 +61,8 @@ class ExpertsPlan:
     problem: ExpertsProblem
     #: the call's token count where it is static (Dynamo specialises one token), else None
     tokens: int | None = None
+    #: the call's slots a token (K), once a call's plan is made (None: a plan of no call)
+    top_k: int | None = None
 
     @property
     def reference(self) -> bool:
@@ -104,12 +107,19 @@ class ExpertsPlan:
         :func:`~moe_fx.lowering.masked_experts.pipeline.combine_in_graph` says so; the run asks this)."""
         return not self.reference and combine_in_graph(self.problem.regime if self.problem is not None else None)
 
+    @property
+    def down_combined(self) -> bool:
+        """GEMM2 and the combine run as one launch (rows in slot order, while
+        :func:`~moe_fx.lowering.masked_experts.pipeline.fuse_down_combine` says so; the run asks this)."""
+        return self.top_k is not None and fuse_down_combine(self.slot_rows, self.top_k, self.combine_in_graph)
+
     def summary(self) -> str:
         """One line: kernel and layout, e.g. ``"triton, sorted layout, activation in GEMM1's epilogue"``."""
         if self.reference:
             return self.experts.kernel
         return f"{self.experts.kernel}, {self.layout} layout" + (
             ", rows in slot order (no sort)" if self.slot_rows else "") + (
+            ", GEMM2 and the combine in one launch" if self.down_combined else "") + (
             ", bf16 activations x fp8 weights" if self.bf16_activations_fp8_weights else "") + (
             ", activation in GEMM1's epilogue" if self.activation_epilogue else "") + (
             ", combine fused by Inductor in compiled graphs" if self.combine_in_graph else "")
@@ -182,7 +192,7 @@ def plan_experts(a: dict, *, layout: str = "auto", caps: Capabilities | None = N
     problem = experts_problem(a, _regime(a))
     top_k = int(a["topk_ids"].shape[1])
     plan = decide_experts_plan(problem, top_k, a["kernel_choice"], layout=layout, caps=caps)
-    return replace(plan, tokens=_static(a["topk_ids"].shape[0])).raise_if_unrunnable("experts")
+    return replace(plan, tokens=_static(a["topk_ids"].shape[0]), top_k=top_k).raise_if_unrunnable("experts")
 
 
 def _static(n: object) -> int | None:
@@ -195,7 +205,7 @@ def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
 
     Shapes and semantics as in :mod:`moe_fx.ops.experts`; returns ``[T, H]`` in ``hidden.dtype``.
     """
-    from moe_fx.lowering.triton.grouped_gemm import SlotRows
+    from moe_fx.lowering.triton.grouped_gemm import SlotRows, slot_down_combine
     from moe_fx.lowering.triton.permute import masked_rows_needed, permute_to_masked, unpermute_from_masked
     from moe_fx.lowering.triton.sort import sort_and_quantize, sort_by_expert
 
@@ -229,6 +239,12 @@ def run_experts(a: dict, plan: ExpertsPlan) -> torch.Tensor:
             y, slot_pos = run_contiguous_experts(hidden, sorted_rows, topk_ids, weights, spec, gemms,
                                                  route_weights=route_weights)
         else:
+            if plan.down_combined:  # one token: GEMM2 and the combine in one launch, no [K, H] rows between
+                a2 = run_sorted_experts(hidden, sorted_rows, weights, spec, gemms, hints, route_weights=route_weights,
+                                        down=False)
+                return slot_down_combine(a2, weights.w2, sorted_rows, topk_weights, bias=weights.w2_bias,
+                                         weights_on_output=not weights_on_input, hidden=hidden,
+                                         identity_experts=a["identity_experts"], out_dtype=hidden.dtype)
             y = run_sorted_experts(hidden, sorted_rows, weights, spec, gemms, hints, route_weights=route_weights,
                                    tokens=tokens)
             slot_pos = None if plan.slot_rows else sorted_rows.slot_pos
@@ -329,7 +345,7 @@ def explain_experts(a: dict, *, caps: Capabilities | None = None) -> ExpertsExpl
     traced = row_regime(rows) if rows is not None else len(ROW_REGIMES)
     plan = plans[traced]
     if masked_rows is None:  # a static token count (one token: rows in slot order)
-        plan = replace(plan, tokens=_static(a["topk_ids"].shape[0]))
+        plan = replace(plan, tokens=_static(a["topk_ids"].shape[0]), top_k=top_k)
     regimes = "" if plan.reference or plan.error is not None else _regime_summary(plans)
     return ExpertsExplanation(plan, regimes, dict(plan.experts.reasons), _untuned_tiles(a, plan, caps))
 

@@ -27,8 +27,9 @@ from moe_fx.ops import ExpertActivation
 from moe_fx.ops.masked_experts import dequantize_activations
 from moe_fx.ops.recipe import FP8_DTYPE
 
-__all__ = ["COMBINE_IN_GRAPH", "FUSE_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT", "SLOT_ROWS_MAX_TOKENS", "W8A16_MAX_ROWS",
-           "ExpertWeights", "GemmHints", "MaskedGemms", "combine_in_graph", "fuse_activation", "quantize_activations",
+__all__ = ["COMBINE_IN_GRAPH", "FUSE_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT", "SLOT_DOWN_COMBINE", "SLOT_ROWS_MAX_TOKENS",
+           "W8A16_MAX_ROWS", "ExpertWeights", "GemmHints", "MaskedGemms", "combine_in_graph", "fuse_activation",
+           "fuse_down_combine", "quantize_activations",
            "quantize_tokens_in_sort", "run_masked_experts", "run_sorted_experts", "slot_rows"]
 
 #: Whether the sorted layout may apply the activation in GEMM1's epilogue (where :func:`fuse_activation`
@@ -58,6 +59,12 @@ SLOT_ROWS_MAX_TOKENS = 1
 #: -1%, generate() 1.13x shipped / 1.10x with it, two runs whose host time drifted ~30%: no gain seen. The A/B in
 #: one set of alternating rounds is ``bash bench/gpu_recipes.sh gen_ab_combine``.
 COMBINE_IN_GRAPH = False
+#: Whether a call whose rows stay in slot order (:func:`slot_rows`) runs GEMM2 and the combine as one launch
+#: (:func:`fuse_down_combine`, ``grouped_gemm.slot_down_combine``): one launch and the ``[T * K, H]`` rows fewer
+#: a decode step (Qwen3-30B-A3B at T=1 spent 2.7 µs in its combine and ~2.5 µs in the gap before it,
+#: bench/results/kernel_breakdown_2026-12-03.md). Off until timed on a GPU: its tile is a first choice, not tuned.
+#: Read when a call runs; bench/fused_activation.py ``--switch slot_down`` times both sides in one process.
+SLOT_DOWN_COMBINE = False
 
 
 @dataclass(frozen=True)
@@ -236,6 +243,15 @@ def slot_rows(fp8: bool, tokens: object) -> bool:
             and 1 <= tokens <= SLOT_ROWS_MAX_TOKENS)
 
 
+def fuse_down_combine(rows_in_slot_order: bool, top_k: int, in_graph: bool) -> bool:
+    """Whether a call runs GEMM2 and the combine as one launch (:data:`SLOT_DOWN_COMBINE`): rows in slot order
+    (:func:`slot_rows`), at most ``grouped_gemm.SLOT_DOWN_MAX_TOPK`` slots a token, and a combine that is not left to
+    Inductor (``in_graph``, :func:`combine_in_graph`)."""
+    from moe_fx.lowering.triton.grouped_gemm import SLOT_DOWN_MAX_TOPK
+
+    return SLOT_DOWN_COMBINE and rows_in_slot_order and top_k <= SLOT_DOWN_MAX_TOPK and not in_graph
+
+
 def combine_in_graph(regime: int | None) -> bool:
     """Whether a call's combine traces as torch ops (:func:`~moe_fx.lowering.triton.permute.combine_rows`) rather
     than as ``unpermute_kernel`` when Inductor compiles the graph: in the decode regime (at most 4 rows per expert)
@@ -284,6 +300,7 @@ def run_sorted_experts(
     *,
     route_weights: torch.Tensor | None = None,
     tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
+    down: bool = True,
 ) -> torch.Tensor:
     """Every slot's expert MLP on the contiguous layout: ``y[row] = expert_e(x_t)`` for each sorted row.
 
@@ -297,6 +314,8 @@ def run_sorted_experts(
             GEMM1 multiplies its rows by them before the bias (``(w x) W^T = w (x W^T)``).
         tokens: ``hidden``'s fp8 codes and 1x128 scales where the sort quantised them already
             (:func:`quantize_tokens_in_sort`); else quantised here when :func:`quantize_activations` says so.
+        down: False stops before GEMM2 and returns the activation rows ``[1, T * K, I]`` (bf16/fp16/fp32 weights;
+            for ``grouped_gemm.slot_down_combine``, GEMM2 and the combine in one launch).
 
     Returns:
         ``[1, T * K, H]`` in sorted row order (slot order for SlotRows; bf16 with fp8 weights, else the weights'
@@ -333,6 +352,10 @@ def run_sorted_experts(
             total, offset = rows.scratch, rows.num_experts
         a2, a2_scale = expert_activation(gate_up, total, spec, quant_fp8=quantized, max_total_m=rows.num_rows,
                                          masked_m_offset=offset)
+    if not down:
+        if a2_scale is not None:
+            raise ValueError("run_sorted_experts: down=False returns unquantised activation rows, not fp8 ones")
+        return a2
     return gemms.sorted_gemm(a2, a2_scale, weights.w2, weights.w2_scale, rows, bias=weights.w2_bias, hints=hints,
                              gather=False, route_weights=None)
 

@@ -896,6 +896,98 @@ def unpermute_kernel(
     tl.store(out_ptr + t64 * s_ot + offs_h * s_oh, acc.to(out_ptr.dtype.element_ty), mask=hmask)
 
 
+@triton.jit
+def slot_down_combine_kernel(
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    ids_ptr,
+    w_ptr,
+    h_ptr,
+    bias_ptr,
+    N,
+    K,
+    E,
+    E_IDENTITY,
+    s_am,
+    s_ak,
+    s_bg,
+    s_bn,
+    s_bk,
+    s_ot,
+    s_on,
+    s_it,
+    s_ik,
+    s_wt,
+    s_wk,
+    s_ht,
+    s_hh,
+    s_biasg,
+    TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IDENTITY: tl.constexpr,
+):
+    """GEMM2 and the combine of rows in slot order in one launch (grid ``(cdiv(N, BLOCK_N), T)``):
+    ``out[t, n] = sum_k w[t, k] * (a[t * TOPK + k] @ b[ids[t, k]][n]^T + bias[ids[t, k]][n])`` in fp32 over the slots
+    whose id lies in ``[0, E)``, plus ``w[t, k] * h[t, n]`` for identity experts (ids in ``[E, E + E_IDENTITY)``).
+    HAS_W false: the weights were applied to the experts' input, the rows are summed unweighted (identity experts
+    are scaled all the same, as in :func:`unpermute_kernel`). TOPK is at most 16.
+
+    A program walks its token's slots in one loop of (slot, k step): each step multiplies the slot's expert's
+    ``[BLOCK_N, BLOCK_K]`` weight tile by a ``[BLOCK_K, 16]`` tile whose column ``k`` holds slot ``k``'s row (the other
+    columns load as zeros), so column ``k`` of the accumulator ends as slot ``k``'s product, unrounded, and the
+    weighted sum over the columns is the combine. Tensor-core tiles, as the decode GEMMs': multiply-and-reduce
+    GEMVs did not keep the weight loads streaming (docs/triton.md, the decode path).
+    """
+    pid_n = tl.program_id(0)
+    t64 = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    col = tl.arange(0, 16)  # the MMA's 16 columns: column k is slot k of the token
+    ids = tl.load(ids_ptr + t64 * s_it + col * s_ik, mask=col < TOPK, other=-1)
+    has = (col < TOPK) & (ids >= 0) & (ids < E)
+    e64 = tl.where(has, ids, 0).to(tl.int64)
+    nk = (K + BLOCK_K - 1) // BLOCK_K
+    acc = tl.full((BLOCK_N, 16), 0.0, tl.float32)
+    for step in range(TOPK * nk):
+        k = step // nk
+        k0 = (step - k * nk) * BLOCK_K
+        # the slot's expert (a scalar picked from the ids in registers: no load the pipeline would wait on)
+        e = tl.reduce(tl.where(col == k, e64, 0), 0, _add)
+        on = tl.reduce(tl.where(col == k, has.to(tl.int32), 0), 0, _add)
+        a_ptrs = a_ptr + (t64 * TOPK + col[None, :]) * s_am + (k0 + offs_k)[:, None] * s_ak
+        b_ptrs = b_ptr + e * s_bg + offs_n[:, None] * s_bn + (k0 + offs_k)[None, :] * s_bk
+        # 2-D masks of the tiles' shapes (the slot's column; no columns or rows where the slot has no expert)
+        a_mask = (col[None, :] == k) & (offs_k[:, None] < (K - k0) * on)
+        b_mask = mask_n[:, None] & (offs_k[None, :] < (K - k0) * on)
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        if UPCAST:  # the CPU interpreter's dot mis-reads bf16 operands; fp32 is exact there
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = _mma(acc, b, a, False, IEEE or UPCAST)
+    if HAS_BIAS:  # each slot's expert bias, in its column
+        acc += tl.load(bias_ptr + e64[None, :] * s_biasg + offs_n[:, None], mask=mask_n[:, None] & has[None, :],
+                       other=0.0).to(tl.float32)
+    if HAS_W or IDENTITY:
+        w = tl.load(w_ptr + t64 * s_wt + col * s_wk, mask=col < TOPK, other=0.0).to(tl.float32)
+    if HAS_W:
+        acc = acc * w[None, :]
+    out = tl.reduce(tl.where(has[None, :], acc, 0.0), 1, _add)
+    if IDENTITY:
+        ident = (col < TOPK) & (ids >= E) & (ids < E + E_IDENTITY)
+        w_id = tl.reduce(tl.where(ident, w, 0.0), 0, _add)
+        x = tl.load(h_ptr + t64 * s_ht + offs_n * s_hh, mask=mask_n, other=0.0).to(tl.float32)
+        out += w_id * x
+    tl.store(out_ptr + t64 * s_ot + offs_n * s_on, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
 # --------------------------------------------------------------------------------------------------
 # The contiguous ("sorted") layout: rows grouped by expert, no [E, max_m, H] buffer
 # --------------------------------------------------------------------------------------------------

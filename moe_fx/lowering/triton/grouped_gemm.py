@@ -18,8 +18,8 @@ from moe_fx.lowering.triton.act_args import epilogue_args
 from moe_fx.ops import ExpertActivation
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["SlotRows", "SortedRows", "check_offsets", "masked_gemm", "masked_gemm_fp8", "num_programs", "sorted_gemm",
-           "tune_masked_gemm"]
+__all__ = ["SLOT_DOWN_MAX_TOPK", "SLOT_DOWN_TILE", "SlotRows", "SortedRows", "check_offsets", "masked_gemm",
+           "masked_gemm_fp8", "num_programs", "slot_down_combine", "sorted_gemm", "tune_masked_gemm"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 #: fp8 GEMMs load each k step's scales one step ahead (``masked_gemm_fp8_kernel``'s PREFETCH_SCALES); read at every
@@ -567,6 +567,78 @@ def sorted_gemm(
                  _tile_bound(groups, group_rows, tile_cols, cfg, num_rows), a_strides=a_strides, as_strides=as_strides,
                  c_strides=(0, *out.stride()[1:]), bias=bias, sorted_rows=rows, gather=gather,
                  route_weights=route_weights, epilogue=epilogue)
+    return out
+
+
+#: ``slot_down_combine``'s tile (not tuned: a first choice, see its docstring): 16 output columns a program (Qwen3's
+#: H = 2048 gives 128 programs for 132 SMs), 256-deep k steps (8 KB of bf16 weights a step, four in flight)
+SLOT_DOWN_TILE = {"block_n": 16, "block_k": 256, "num_warps": 4, "num_stages": 4}
+#: most slots a token may have in :func:`slot_down_combine` (the columns of its MMA tile)
+SLOT_DOWN_MAX_TOPK = 16
+
+
+def slot_down_combine(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    rows: SlotRows,
+    topk_weights: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    weights_on_output: bool = True,
+    hidden: torch.Tensor | None = None,
+    identity_experts: int = 0,
+    out_dtype: torch.dtype | None = None,
+    tile: dict | None = None,
+) -> torch.Tensor:
+    """GEMM2 and the combine of rows in slot order in one launch: ``[T, H]``.
+
+    ``out[t] = sum_k w[t, k] * (a[0, t * K + k] @ b[e]^T + bias[e])`` with ``e = topk_ids[t, k]`` over the slots whose
+    id names one of ``b``'s experts, in fp32, plus ``w[t, k] * hidden[t]`` for identity experts (ids in
+    ``[E, E + identity_experts)``): what :func:`sorted_gemm` (GEMM2) and
+    :func:`~moe_fx.lowering.triton.permute.unpermute_from_masked` (``slot_rows=True``) compute in two launches,
+    without the ``[T * K, H]`` rows between them (and without rounding them to ``a``'s dtype).
+
+    Args:
+        a: the activation rows ``[1, T * K, I]`` in slot order (bf16/fp16/fp32, unit last stride not required).
+        b: ``[E, H, I]`` expert weights of ``a``'s dtype, any strides.
+        rows: the call's :class:`SlotRows` (at most :data:`SLOT_DOWN_MAX_TOPK` slots a token).
+        topk_weights: ``[T, K]`` routing weights. weights_on_output: False when they were applied to the input
+            (the rows are then summed unweighted; identity experts are still scaled).
+        bias: float ``[E, H]``, contiguous along H. hidden: ``[T, H]``, for identity experts.
+        out_dtype: the result's dtype (default ``a``'s). tile: overrides of :data:`SLOT_DOWN_TILE`.
+    """
+    name = "slot_down_combine"
+    if not isinstance(rows, SlotRows):
+        raise TypeError(f"{name}: needs rows in slot order (SlotRows), got {type(rows).__name__}")
+    t, k = rows.topk_ids.shape
+    if k > SLOT_DOWN_MAX_TOPK:
+        raise ValueError(f"{name}: at most {SLOT_DOWN_MAX_TOPK} slots a token, got {k}")
+    _check_operands(name, a, b, False, 3, grouped=False)
+    e, h, inter = b.shape
+    if rows.num_experts != e or tuple(a.shape) != (1, rows.num_rows, inter):
+        raise ValueError(f"{name}: want a [1, {rows.num_rows}, {inter}] and b of {rows.num_experts} experts, got a "
+                         f"{list(a.shape)} and b {list(b.shape)}")
+    if tuple(topk_weights.shape) != (t, k) or topk_weights.device != a.device:
+        raise ValueError(f"{name}: topk_weights must be [{t}, {k}] on {a.device}, got {list(topk_weights.shape)}")
+    _check_bias(name, bias, e, h, a.device)
+    identity = identity_experts > 0
+    if identity and (hidden is None or tuple(hidden.shape) != (t, h)):
+        raise ValueError(f"{name}: identity experts need hidden [{t}, {h}]")
+    out = torch.empty(t, h, dtype=out_dtype or a.dtype, device=a.device)
+    if _known_empty(t, h):
+        return out
+    cfg = {**SLOT_DOWN_TILE, **(tile or {})}
+    ids = rows.topk_ids
+    hid_strides = hidden.stride() if identity else (0, 0)
+    launch(
+        "slot_down_combine_kernel", a.device, (cdiv(h, cfg["block_n"]), t),
+        a, b, out, ids, topk_weights, hidden if identity else None, bias,
+        h, inter, e, identity_experts,
+        a.stride(1), a.stride(2), *b.stride(), *out.stride(), *ids.stride(), *topk_weights.stride(), *hid_strides,
+        bias.stride(0) if bias is not None else 0,
+        TOPK=k, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], UPCAST=a.device.type == "cpu", IEEE=a.dtype == torch.float32, HAS_W=weights_on_output,
+        HAS_BIAS=bias is not None, IDENTITY=identity, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
     return out
 
 
