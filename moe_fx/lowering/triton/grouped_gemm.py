@@ -599,7 +599,7 @@ def slot_down_combine(
     without the ``[T * K, H]`` rows between them (and without rounding them to ``a``'s dtype).
 
     Args:
-        a: the activation rows ``[1, T * K, I]`` in slot order (bf16/fp16/fp32, unit last stride not required).
+        a: the activation rows ``[1, T * K, I]`` in slot order (bf16/fp16/fp32, any strides).
         b: ``[E, H, I]`` expert weights of ``a``'s dtype, any strides.
         rows: the call's :class:`SlotRows` (at most :data:`SLOT_DOWN_MAX_TOPK` slots a token).
         topk_weights: ``[T, K]`` routing weights. weights_on_output: False when they were applied to the input
@@ -636,8 +636,9 @@ def slot_down_combine(
         h, inter, e, identity_experts,
         a.stride(1), a.stride(2), *b.stride(), *out.stride(), *ids.stride(), *topk_weights.stride(), *hid_strides,
         bias.stride(0) if bias is not None else 0,
-        TOPK=k, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], UPCAST=a.device.type == "cpu", IEEE=a.dtype == torch.float32, HAS_W=weights_on_output,
-        HAS_BIAS=bias is not None, IDENTITY=identity, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        TOPK=k, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], UPCAST=a.device.type == "cpu",
+        IEEE=a.dtype == torch.float32, HAS_W=weights_on_output, HAS_BIAS=bias is not None, IDENTITY=identity,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
 
