@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_layer import (
     GPT_OSS_ACT,
     SHAPES,
+    apply_settings,
     bench_meta,
     capture_graphs,
     replay_us,
@@ -178,6 +179,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny qwen3/gpt_oss forms")
     ap.add_argument("--on", default=None, metavar="VALUE",
                     help="the switch's value on the 'on' side (a Python literal; e.g. --switch slot_rows --on 4)")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                    help="a lowering constant for both sides and the whole run, e.g. "
+                         "\"triton.grouped_gemm.SLOT_DOWN_TILE={'block_n': 32}\" (repeatable)")
     return ap.parse_args(argv)
 
 
@@ -201,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     meta["switch"] = args.switch
     on_value = SWITCHES[args.switch][1] if args.on is None else ast.literal_eval(args.on)
     meta["on_value"] = on_value
+    meta["settings"] = apply_settings(args.set)
     print("meta", json.dumps(meta), flush=True)
     rows: list[dict] = []
     fp8 = SWITCHES[args.switch][3]
@@ -255,7 +260,8 @@ def write(out: str, stem: str, meta: dict, rows: list[dict]) -> None:
         "",
         (f"Switch: `moe_fx.lowering.{SWITCHES[meta.get('switch', 'epilogue')][0]}` = "
          f"{meta.get('on_value', SWITCHES[meta.get('switch', 'epilogue')][1])!r} (on) / "
-         f"{SWITCHES[meta.get('switch', 'epilogue')][2]!r} (off)."),
+         f"{SWITCHES[meta.get('switch', 'epilogue')][2]!r} (off)."
+         + "".join(f" Both sides: `{name}` = {value!r}." for name, value in meta.get("settings", {}).items())),
         "",
         ("CUDA-graph replays of `torch.ops.moe_fx.experts(kernel_choice='triton')` (sorted layout), the two variants "
          "timed alternately; µs, lower is better. Speed-up = off / on. Floor = max(bytes / copy rate, "

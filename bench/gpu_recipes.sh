@@ -37,7 +37,8 @@
 #   fwd_flat       whole 2-layer models (Qwen3, Mixtral, OLMoE, GPT-OSS, DeepSeek-V3; weights shared by the sides),
 #                  T = 1 / 16 / 1024 / 4096 forwards, Triton only, moe_fx against plain with the GPU ceiling column
 #   slot_down      one token's GEMM2 and combine in one launch (masked_experts.pipeline.SLOT_DOWN_COMBINE, off until
-#                  timed) against the two launches, Qwen3, Mixtral, GPT-OSS at T=1, CUDA-graph replays alternating
+#                  timed) against the two launches, Qwen3, Mixtral, GPT-OSS at T=1, CUDA-graph replays alternating; one
+#                  run with the shipped tile (grouped_gemm.SLOT_DOWN_TILE), then one for each of three other tiles
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
@@ -177,8 +178,14 @@ for name in "$@"; do
       timeout 590 python3 $E2E_FLAT --tag flat > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral|olmoe|gpt_oss|deepseek_v3)" "$OUT"/*flat.md 2>/dev/null | cut -c1-260 ;;
     slot_down)
-      timeout 400 python3 $SLOT_DOWN --tag gpu > "$OUT/log_$name.txt" 2>&1
-      grep -h -E "^\| (qwen3|mixtral|gpt_oss)" "$OUT"/slot_down_*.md 2>/dev/null | cut -c1-220 ;;
+      n=0
+      for tile in shipped "{'block_n':16,'block_k':128,'num_warps':4,'num_stages':6}" \
+          "{'block_n':32,'block_k':256,'num_warps':4,'num_stages':4}" "{'block_n':16,'block_k':512,'num_warps':8,'num_stages':3}"; do
+        n=$((n + 1))
+        set_tile=$([ "$tile" = shipped ] || echo "--set triton.grouped_gemm.SLOT_DOWN_TILE=$tile")
+        timeout 140 python3 $SLOT_DOWN $set_tile --tag tile$n > "$OUT/log_${name}_$n.txt" 2>&1
+        echo "tile$n $tile"; grep -h -E "^\| (qwen3|mixtral|gpt_oss)" "$OUT"/slot_down_*tile$n.md 2>/dev/null | cut -c1-220
+      done ;;
     peer_vllm)
       peer_run "$name" qwen3,mixtral ;;
     peer_vllm_more)

@@ -52,3 +52,24 @@ def test_every_switch_names_constants_the_lowering_has():
         module, attr = path.rsplit(".", 1)
         current = getattr(importlib.import_module(f"moe_fx.lowering.{module}"), attr)
         assert type(current) is type(value), (name, path, current, value)
+
+
+def test_settings_apply_to_both_sides_and_are_written(tmp_path, monkeypatch):
+    """``--set`` (what the slot_down recipe sweeps tiles with): the constant holds for the run, both sides still
+    match the reference, and the results say what was set."""
+    from moe_fx.lowering.triton import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "SLOT_DOWN_TILE", grouped_gemm.SLOT_DOWN_TILE)  # restored after the test
+    tile = {"block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2}
+    mod = load_bench("fused_activation")
+    mod.main(["--smoke", "--switch", "slot_down", "--tokens", "1", "--out", str(tmp_path), "--tag", "s",
+              "--set", f"triton.grouped_gemm.SLOT_DOWN_TILE={tile!r}"])
+    assert grouped_gemm.SLOT_DOWN_TILE == tile
+    (json_path,) = tmp_path.glob("slot_down_*_s.json")
+    data = json.loads(json_path.read_text())
+    assert data["meta"]["settings"] == {"triton.grouped_gemm.SLOT_DOWN_TILE": tile}
+    assert all(r["ref_err_on"] < 3e-2 and r["on_vs_off_err"] < 3e-2 for r in data["rows"]), data["rows"]
+    assert "Both sides: `triton.grouped_gemm.SLOT_DOWN_TILE`" in json_path.with_suffix(".md").read_text()
+    with pytest.raises(AttributeError, match="SLOT_DOWN_TILES"):
+        mod.main(["--smoke", "--switch", "slot_down", "--out", str(tmp_path), "--set",
+                  "triton.grouped_gemm.SLOT_DOWN_TILES={}"])
