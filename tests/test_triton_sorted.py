@@ -451,6 +451,19 @@ def test_decode_sort_gives_a_stable_sorts_rows(t, k, e, bitonic, device, monkeyp
     assert torch.equal(got.sorted_slots[:total].cpu().long(), order[:total])
 
 
+def _slot_order_call(form: str, t: int, seed: int, device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The bound arguments of a ``triton`` experts call of ``form`` with ``t`` tokens of 3 slots over 4 experts, the
+    first token naming one expert twice and the last slot no expert (-1)."""
+    spec, hidden, ids, w, w13, w2, b13, b2, on_input, identity = _layer(form, t, 3, 4, 136, 72,
+                                                                        torch.Generator().manual_seed(seed), dtype)
+    ids[0, 1] = ids[0, 0].clamp(min=0)  # a token naming one expert twice
+    ids[-1, -1] = -1
+    args = [x if x is None else x.to(device) for x in (hidden, ids, w, w13, w2, b13, b2)]
+    return bind_experts(*args[:5], spec.name, on_input, kernel_choice="triton", w13_bias=args[5], w2_bias=args[6],
+                        gated=spec.gated, gate_up_layout=spec.gate_up_layout, alpha=spec.alpha, limit=spec.limit,
+                        up_offset=spec.up_offset, identity_experts=identity)
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("t,max_tokens", [(1, 1), (3, 4)])
@@ -461,15 +474,7 @@ def test_rows_in_slot_order_give_the_sorted_layouts_output(form, t, max_tokens, 
     from moe_fx.lowering.masked_experts import pipeline
 
     monkeypatch.setattr(pipeline, "SLOT_ROWS_MAX_TOKENS", max_tokens)
-    gen = torch.Generator().manual_seed(t * 31 + len(form))
-    k, e, h, i = 3, 4, 136, 72
-    spec, hidden, ids, w, w13, w2, b13, b2, on_input, identity = _layer(form, t, k, e, h, i, gen)
-    ids[0, 1] = ids[0, 0].clamp(min=0)  # a token naming one expert twice
-    ids[-1, -1] = -1
-    args = [x if x is None else x.to(device) for x in (hidden, ids, w, w13, w2, b13, b2)]
-    a = bind_experts(*args[:5], spec.name, on_input, kernel_choice="triton", w13_bias=args[5], w2_bias=args[6],
-                     gated=spec.gated, gate_up_layout=spec.gate_up_layout, alpha=spec.alpha, limit=spec.limit,
-                     up_offset=spec.up_offset, identity_experts=identity)
+    a = _slot_order_call(form, t, t * 31 + len(form), device)
     plan = plan_experts(a)
     assert plan.layout == "sorted" and plan.slot_rows and "rows in slot order" in plan.summary()
     slots = run_experts(a, plan)
@@ -492,21 +497,13 @@ def test_down_and_combine_in_one_launch_match_the_two_launches(form, t, dtype, d
     from moe_fx.lowering.masked_experts import pipeline
 
     monkeypatch.setattr(pipeline, "SLOT_ROWS_MAX_TOKENS", 4)
-    gen = torch.Generator().manual_seed(t * 17 + len(form) + (dtype == torch.float32))
-    k, e, h, i = 3, 4, 136, 72
-    spec, hidden, ids, w, w13, w2, b13, b2, on_input, identity = _layer(form, t, k, e, h, i, gen, dtype)
-    ids[0, 1] = ids[0, 0].clamp(min=0)  # a token naming one expert twice
-    ids[-1, -1] = -1
-    args = [x if x is None else x.to(device) for x in (hidden, ids, w, w13, w2, b13, b2)]
-    a = bind_experts(*args[:5], spec.name, on_input, kernel_choice="triton", w13_bias=args[5], w2_bias=args[6],
-                     gated=spec.gated, gate_up_layout=spec.gate_up_layout, alpha=spec.alpha, limit=spec.limit,
-                     up_offset=spec.up_offset, identity_experts=identity)
+    a = _slot_order_call(form, t, t * 17 + len(form) + (dtype == torch.float32), device, dtype)
     two = run_experts(a, plan_experts(a))
     monkeypatch.setattr(pipeline, "SLOT_DOWN_COMBINE", True)
     plan = plan_experts(a)
     assert plan.slot_rows and plan.down_combined and "GEMM2 and the combine in one launch" in plan.summary()
     one = run_experts(a, plan)
-    assert one.shape == two.shape == hidden.shape and one.dtype == hidden.dtype
+    assert one.shape == two.shape == a["hidden"].shape and one.dtype == a["hidden"].dtype
     if dtype == torch.float32:
         assert rel_err(one, two) < 1e-5, rel_err(one, two)
     else:
