@@ -38,7 +38,8 @@
 #                  T = 1 / 16 / 1024 / 4096 forwards, Triton only, moe_fx against plain with the GPU ceiling column
 #   slot_down      one token's GEMM2 and combine in one launch (masked_experts.pipeline.SLOT_DOWN_COMBINE, off until
 #                  timed) against the two launches, Qwen3, Mixtral, GPT-OSS at T=1, CUDA-graph replays alternating; one
-#                  run with the shipped tile (grouped_gemm.SLOT_DOWN_TILE), then one for each of three other tiles
+#                  run with the shipped tile (grouped_gemm.SLOT_DOWN_TILE), then one for each of three other tiles;
+#                  its GPU tests first
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
@@ -178,6 +179,9 @@ for name in "$@"; do
       timeout 590 python3 $E2E_FLAT --tag flat > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral|olmoe|gpt_oss|deepseek_v3)" "$OUT"/*flat.md 2>/dev/null | cut -c1-260 ;;
     slot_down)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_sorted.py -k one_launch \
+        > "$OUT/pytest_gpu_$name.log" 2>&1
+      grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -5
       n=0
       for tile in shipped "{'block_n':16,'block_k':128,'num_warps':4,'num_stages':6}" \
           "{'block_n':32,'block_k':256,'num_warps':4,'num_stages':4}" "{'block_n':16,'block_k':512,'num_warps':8,'num_stages':3}"; do
