@@ -29,8 +29,8 @@ from moe_fx.ops.recipe import FP8_DTYPE
 
 __all__ = ["COMBINE_IN_GRAPH", "FUSE_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT", "SLOT_DOWN_COMBINE", "SLOT_ROWS_MAX_TOKENS",
            "W8A16_MAX_ROWS", "ExpertWeights", "GemmHints", "MaskedGemms", "combine_in_graph", "fuse_activation",
-           "fuse_down_combine", "quantize_activations",
-           "quantize_tokens_in_sort", "run_masked_experts", "run_sorted_experts", "slot_rows"]
+           "fuse_down_combine", "quantize_activations", "quantize_tokens_in_sort", "run_masked_experts",
+           "run_sorted_experts", "slot_rows"]
 
 #: Whether the sorted layout may apply the activation in GEMM1's epilogue (where :func:`fuse_activation`
 #: says it wins). Read when a call runs (so when a graph is compiled, for compiled code); benchmarks set
