@@ -179,7 +179,8 @@ for name in "$@"; do
       timeout 590 python3 $E2E_FLAT --tag flat > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral|olmoe|gpt_oss|deepseek_v3)" "$OUT"/*flat.md 2>/dev/null | cut -c1-260 ;;
     slot_down)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_sorted.py -k one_launch \
+      # timeouts sized so the tests and four runs fit one call: 150 + 4 x 105 s
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_sorted.py -k one_launch \
         > "$OUT/pytest_gpu_$name.log" 2>&1
       grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -5
       n=0
@@ -187,7 +188,7 @@ for name in "$@"; do
           "{'block_n':32,'block_k':256,'num_warps':4,'num_stages':4}" "{'block_n':16,'block_k':512,'num_warps':8,'num_stages':3}"; do
         n=$((n + 1))
         set_tile=$([ "$tile" = shipped ] || echo "--set triton.grouped_gemm.SLOT_DOWN_TILE=$tile")
-        timeout 140 python3 $SLOT_DOWN $set_tile --tag tile$n > "$OUT/log_${name}_$n.txt" 2>&1
+        timeout 105 python3 $SLOT_DOWN $set_tile --tag tile$n > "$OUT/log_${name}_$n.txt" 2>&1
         echo "tile$n $tile"; grep -h -E "^\| (qwen3|mixtral|gpt_oss)" "$OUT"/slot_down_*tile$n.md 2>/dev/null | cut -c1-220
       done ;;
     peer_vllm)
