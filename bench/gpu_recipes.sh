@@ -40,6 +40,9 @@
 #                  timed) against the two launches, Qwen3, Mixtral, GPT-OSS at T=1, CUDA-graph replays alternating; one
 #                  run with the shipped tile (grouped_gemm.SLOT_DOWN_TILE), then one for each of three other tiles;
 #                  its GPU tests first
+#   breakdown_prefill  where one layer's time goes at prefill sizes (bench/kernel_breakdown.py): each kernel of a CUDA-graph
+#                  replay, bf16 Qwen3 / Mixtral / GPT-OSS at T = 1024 and 4096 (Qwen3 T=4096 ran at 49% of its floor
+#                  on an H100 where T=1024 ran at 79%), then Qwen3 with fp8 weights
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
@@ -65,6 +68,7 @@ E2E_FLAT="bench/e2e_model.py --models qwen3,mixtral,olmoe,gpt_oss,deepseek_v3 --
   --no-deepgemm --rounds 4 --no-generate --no-layer-host --share-weights --budget-s 480 --no-plot --out $OUT"
 LAYER="bench/moe_layer.py --shapes qwen3,mixtral,dsv3 --tokens 1,16,64,256,1024,4096,16384
   --impls moe_fx_bf16,moe_fx_fp8,hf_grouped_mm --budget-s 450 --out $OUT"
+BREAKDOWN="bench/kernel_breakdown.py --shapes qwen3,mixtral,gpt_oss --tokens 1024,4096 --out $OUT"
 SLOT_DOWN="bench/fused_activation.py --switch slot_down --shapes qwen3,mixtral,gpt_oss --tokens 1 --rounds 5 --out $OUT"
 PASS_TIME="bench/pass_time.py --real gpt_oss,mixtral --layers 4 --repeats 2 --out $OUT"
 TUNE_FP8="bench/tune_tiles.py --sorted --kinds fp8 --warm 8 --budget-s 240 --ship --out $OUT"
@@ -191,6 +195,10 @@ for name in "$@"; do
         timeout 105 python3 $SLOT_DOWN $set_tile --tag tile$n > "$OUT/log_${name}_$n.txt" 2>&1
         echo "tile$n $tile"; grep -h -E "^\| (qwen3|mixtral|gpt_oss)" "$OUT"/slot_down_*tile$n.md 2>/dev/null | cut -c1-220
       done ;;
+    breakdown_prefill)
+      timeout 280 python3 $BREAKDOWN --tag prefill > "$OUT/log_$name.txt" 2>&1
+      timeout 200 python3 $BREAKDOWN --shapes qwen3 --fp8 --tag prefill_fp8 >> "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral|gpt_oss)" "$OUT"/kernel_breakdown_*prefill*.md 2>/dev/null | cut -c1-400 ;;
     peer_vllm)
       peer_run "$name" qwen3,mixtral ;;
     peer_vllm_more)

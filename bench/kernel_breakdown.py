@@ -126,7 +126,8 @@ def sort_ab(run, sets, rounds: int = 6) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``) as parsed arguments."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="qwen3,gpt_oss,mixtral")
     ap.add_argument("--tokens", default="1,4,16")
@@ -140,7 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
                     help="a lowering constant for the whole run, e.g. masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS=4 "
                          "(repeatable)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     import moe_fx  # noqa: F401
 
     settings = apply_settings(args.set)

@@ -31,7 +31,7 @@ def test_every_benchmark_command_parses():
     text = SCRIPT.read_text()
     commands = _variables(text)
     assert set(commands) == {"E2E_GEN", "E2E_AB", "E2E_COMPILE", "E2E_FP8", "E2E_FLAT", "LAYER", "PASS_TIME",
-                             "TUNE_FP8", "L2", "CG", "CG_QWEN3", "SLOT_DOWN"}
+                             "TUNE_FP8", "L2", "CG", "CG_QWEN3", "SLOT_DOWN", "BREAKDOWN"}
     e2e, cudagraphs = load_bench("e2e_model"), load_bench("generate_cudagraphs")
     for name in ("E2E_GEN", "E2E_AB", "E2E_COMPILE", "L2"):
         args = e2e.parse_args(commands[name][1:])
@@ -45,6 +45,10 @@ def test_every_benchmark_command_parses():
     assert {"moe_fx_bf16", "moe_fx_fp8", "hf_grouped_mm"} == set(layer.impls.split(","))
     slot_down = load_bench("fused_activation").parse_args(commands["SLOT_DOWN"][1:])
     assert slot_down.switch == "slot_down" and slot_down.tokens == "1" and slot_down.out == "/tmp/out"
+    breakdown = load_bench("kernel_breakdown")
+    bd = breakdown.parse_args(commands["BREAKDOWN"][1:] + ["--fp8"])
+    assert set(bd.shapes.split(",")) <= set(breakdown.SHAPES) and bd.fp8 and bd.out == "/tmp/out"
+    assert all(int(t) >= 1024 for t in bd.tokens.split(","))  # prefill sizes only
     pass_time = load_bench("pass_time").parse_args(commands["PASS_TIME"][1:])
     assert pass_time.real and set(pass_time.real.split(",")) <= set(e2e.MODELS) and str(pass_time.out) == "/tmp/out"
     tune = load_bench("tune_tiles").parse_args(commands["TUNE_FP8"][1:])
