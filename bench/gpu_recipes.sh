@@ -43,6 +43,10 @@
 #   breakdown_prefill  where one layer's time goes at prefill sizes (bench/kernel_breakdown.py): each kernel of a CUDA-graph
 #                  replay, bf16 Qwen3 / Mixtral / GPT-OSS at T = 1024 and 4096 (Qwen3 T=4096 ran at 49% of its floor
 #                  on an H100 where T=1024 ran at 79%), then Qwen3 with fp8 weights
+#   epilogue_prefill  gate/up halves' activation in GEMM1's epilogue against the separate activation kernel at prefill
+#                  sizes (Qwen3, Mixtral; T = 1024, 4096, 16384; masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None on both
+#                  sides so the "on" side fuses at every size): the 64-row bound is a measurement made before gate and up
+#                  rows shared one tile (pipeline.fuse_activation); Qwen3 T=4096 runs at 49% of its floor on an H100
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
@@ -69,6 +73,8 @@ E2E_FLAT="bench/e2e_model.py --models qwen3,mixtral,olmoe,gpt_oss,deepseek_v3 --
 LAYER="bench/moe_layer.py --shapes qwen3,mixtral,dsv3 --tokens 1,16,64,256,1024,4096,16384
   --impls moe_fx_bf16,moe_fx_fp8,hf_grouped_mm --budget-s 450 --out $OUT"
 BREAKDOWN="bench/kernel_breakdown.py --shapes qwen3,mixtral,gpt_oss --tokens 1024,4096 --out $OUT"
+EPILOGUE="bench/fused_activation.py --switch epilogue --shapes qwen3,mixtral --tokens 1024,4096,16384 --rounds 3
+  --set masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None --out $OUT"
 SLOT_DOWN="bench/fused_activation.py --switch slot_down --shapes qwen3,mixtral,gpt_oss --tokens 1 --rounds 5 --out $OUT"
 PASS_TIME="bench/pass_time.py --real gpt_oss,mixtral --layers 4 --repeats 2 --out $OUT"
 TUNE_FP8="bench/tune_tiles.py --sorted --kinds fp8 --warm 8 --budget-s 240 --ship --out $OUT"
@@ -199,6 +205,9 @@ for name in "$@"; do
       timeout 280 python3 $BREAKDOWN --tag prefill > "$OUT/log_$name.txt" 2>&1
       timeout 200 python3 $BREAKDOWN --shapes qwen3 --fp8 --tag prefill_fp8 >> "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral|gpt_oss)" "$OUT"/kernel_breakdown_*prefill*.md 2>/dev/null | cut -c1-400 ;;
+    epilogue_prefill)
+      timeout 560 python3 $EPILOGUE --tag prefill > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral)" "$OUT"/fused_activation_*prefill.md 2>/dev/null | cut -c1-220 ;;
     peer_vllm)
       peer_run "$name" qwen3,mixtral ;;
     peer_vllm_more)

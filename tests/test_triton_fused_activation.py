@@ -122,6 +122,9 @@ def test_fuse_activation_is_the_measured_choice(monkeypatch):
     monkeypatch.setattr(pipeline, "W8A16_MAX_ROWS", 16)
     assert all(fuse_activation(s, fp8, r) for s in (interleaved, SPECS["relu2_not_gated"]) for r in (0, 1))
     assert not any(fuse_activation(s, fp8, r) for s in SPECS.values() for r in (2, 3, 4, None))
+    monkeypatch.setattr(pipeline, "FUSE_HALVES_MAX_ROWS", None)  # the epilogue at every known size (a bench's A/B)
+    assert all(fuse_activation(halves, bf16, r) for r in range(len(ROW_REGIMES) + 1))
+    assert not fuse_activation(halves, bf16, None) and not fuse_activation(halves, fp8, 4)
     monkeypatch.setattr(pipeline, "FUSE_ACTIVATION", False)
     assert not fuse_activation(interleaved, bf16, 0)
 

@@ -36,8 +36,9 @@ __all__ = ["COMBINE_IN_GRAPH", "FUSE_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT", "SL
 #: says it wins). Read when a call runs (so when a graph is compiled, for compiled code); benchmarks set
 #: it False to time the separate activation kernel beside it (bench/fused_activation.py).
 FUSE_ACTIVATION = True
-#: Rows per expert up to which a gate/up-halves GEMM1 takes the epilogue (see :func:`fuse_activation`).
-FUSE_HALVES_MAX_ROWS = 64
+#: Rows per expert up to which a gate/up-halves GEMM1 takes the epilogue (see :func:`fuse_activation`); None: at
+#: every known size (what ``bash bench/gpu_recipes.sh epilogue_prefill`` sets to time the epilogue at prefill sizes).
+FUSE_HALVES_MAX_ROWS: int | None = 64
 #: Rows per expert up to which fp8 weights meet unquantised bf16 activations on the sorted layout (W8A16,
 #: see :func:`quantize_activations`). 0: activations are quantised at every size, the measured choice
 #: (W8A16 decode ran 1.3-1.8x slower on the H200, bench/results/w8a16_2026-12-04.md); benchmarks and
@@ -287,7 +288,7 @@ def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bo
     if regime is None:
         return False
     hi = regime_bounds(regime)[1]
-    return hi is not None and hi <= FUSE_HALVES_MAX_ROWS
+    return FUSE_HALVES_MAX_ROWS is None or (hi is not None and hi <= FUSE_HALVES_MAX_ROWS)
 
 
 def run_sorted_experts(
