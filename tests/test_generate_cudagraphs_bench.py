@@ -21,7 +21,9 @@ def test_per_step_cuts_long_names():
 
 
 def test_step_profile_counts_the_work_each_extra_token_adds():
-    a = torch.randn(64, 64)
+    # a unit of work of ~1 ms on CPU: the per-step difference it makes must stand well clear of a loaded machine's
+    # noise (a 64x64 product, ~10 µs, read 2.5-52 µs a step in three runs and -8.8 once during a fresh-clone run)
+    a = torch.randn(384, 384)
 
     def one_token_of_work() -> None:
         a @ a
