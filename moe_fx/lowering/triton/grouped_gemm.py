@@ -588,7 +588,6 @@ def slot_down_combine(
     hidden: torch.Tensor | None = None,
     identity_experts: int = 0,
     out_dtype: torch.dtype | None = None,
-    tile: dict | None = None,
 ) -> torch.Tensor:
     """GEMM2 and the combine of rows in slot order in one launch: ``[T, H]``.
 
@@ -605,7 +604,7 @@ def slot_down_combine(
         topk_weights: ``[T, K]`` routing weights. weights_on_output: False when they were applied to the input
             (the rows are then summed unweighted; identity experts are still scaled).
         bias: float ``[E, H]``, contiguous along H. hidden: ``[T, H]``, for identity experts.
-        out_dtype: the result's dtype (default ``a``'s). tile: overrides of :data:`SLOT_DOWN_TILE`.
+        out_dtype: the result's dtype (default ``a``'s). The tile is :data:`SLOT_DOWN_TILE`.
     """
     name = "slot_down_combine"
     if not isinstance(rows, SlotRows):
@@ -627,7 +626,7 @@ def slot_down_combine(
     out = torch.empty(t, h, dtype=out_dtype or a.dtype, device=a.device)
     if _known_empty(t, h):
         return out
-    cfg = {**SLOT_DOWN_TILE, **(tile or {})}
+    cfg = SLOT_DOWN_TILE
     ids = rows.topk_ids
     hid_strides = hidden.stride() if identity else (0, 0)
     launch(
