@@ -6,6 +6,9 @@ TORCH_VERSION ?= 2.13.0
 # One transformers for the demo and the tests (the expect-inline graph tests print its code): the
 # version the `test` extra pins in pyproject.toml.
 TRANSFORMERS_VERSION ?= 5.24.0
+# pytest-xdist workers: the suite is single-threaded Python (Dynamo tracing, the Triton interpreter), so
+# one worker per core of the 2-core CI machine halves its wall time.
+TEST_WORKERS ?= 2
 
 .PHONY: install install-test demo test
 
@@ -21,4 +24,4 @@ demo: install
 	$(PYTHON) -m moe_fx demo
 
 test: install-test
-	$(PYTHON) -m pytest -q -p no:cacheprovider tests
+	$(PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) tests
