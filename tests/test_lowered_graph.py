@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import moe_fx  # noqa: F401
+from moe_fx.lowering.masked_experts import pipeline
 from moe_fx.lowering.problem import Capabilities, assume_capabilities
 
 triton = pytest.importorskip("triton")
@@ -408,12 +409,17 @@ def test_persistent_grids_are_sized_for_the_programs_that_fit(sm90, monkeypatch,
     assert grids == [(True, 264 if pair else 132), (False, 264)], grids
 
 
-def test_activation_epilogue_where_it_measured_faster(sm90):
-    """Gate/up halves take GEMM1's activation epilogue up to 64 rows per expert and the separate kernel at
-    prefill sizes (where the split tile measured slower); interleaved gate/up (GPT-OSS) take it at every size."""
+def test_activation_epilogue_where_it_measured_faster(sm90, monkeypatch):
+    """Gate/up halves take GEMM1's activation epilogue at every size (it measured faster at prefill sizes too,
+    2026-12-06), so no activation kernel is launched; under a rows bound (``FUSE_HALVES_MAX_ROWS``, what a bench A/B
+    sets) they take the separate kernel above it. Interleaved gate/up (GPT-OSS) take it at every size."""
     prefill = ("expert_counts_kernel", "sort_slots_kernel", "masked_gemm_kernel", "activation_kernel",
                "masked_gemm_kernel", "unpermute_kernel")
     # T=2048, K=2, E=8: 512 rows per expert (the last regime)
+    gm = _trace(_experts, _inputs(FakeTensorMode(), t=2048))
+    assert tuple(_kernel_name(n) for n in _launches(gm)) == KERNELS
+    assert _launches(gm)[2].kwargs["kwargs"]["ACT_FUSED"]
+    monkeypatch.setattr(pipeline, "FUSE_HALVES_MAX_ROWS", 64)
     gm = _trace(_experts, _inputs(FakeTensorMode(), t=2048))
     assert tuple(_kernel_name(n) for n in _launches(gm)) == prefill
 
@@ -444,13 +450,12 @@ def _allocated(gm) -> dict[str, int]:
 def test_transient_memory_is_the_contiguous_layouts_bound(sm90, t):
     """One Qwen3-30B-A3B layer (E=128, K=8, H=2048, I=768): the sorted layout allocates T*K rows of
     GEMM1's product, the activation and GEMM2's output, no more (the contiguous layout's bound, issue 16);
-    with the activation in GEMM1's epilogue (64 rows per expert at T=1024) GEMM1's product is not stored."""
+    with the activation in GEMM1's epilogue (the shipped choice at every size) GEMM1's product is not stored."""
     e, k, h, i = 128, 8, 2048, 768
     gm = _trace(_experts, _inputs(FakeTensorMode(), t=t, h=h, i=i, e=e, k=k))
     slots = t * k
-    epilogue = t * k // e <= 64
     got = _allocated(gm)
-    assert got["rows"] == slots * ((0 if epilogue else 2 * i) + i + h) * 2, got
+    assert got["rows"] == slots * (i + h) * 2, got
     assert got["index"] == slots * (4 + 8) + (2 * e + 1) * 4 and got["out"] == t * h * 2, got
 
 

@@ -306,16 +306,17 @@ def test_tuning_times_gemm1_as_the_pipeline_runs_it(family, monkeypatch):
     loads two weight tiles per k step): the cell's output is the activation of the product, on CPU here."""
     from helpers import load_bench
 
-    from moe_fx.lowering.masked_experts.pipeline import FUSE_HALVES_MAX_ROWS
+    from moe_fx.lowering.masked_experts import pipeline
     from moe_fx.lowering.problem import row_regime
 
     tune = load_bench("tune_tiles")
+    monkeypatch.setattr(pipeline, "FUSE_HALVES_MAX_ROWS", 64)  # a bound, so that halves have an unfused regime
     monkeypatch.setattr(tune, "DEVICE", "cpu")
     monkeypatch.setitem(tune.SHAPES, "tiny", (family, 4, 2, 128, 64))
     halves = family == "custom"
     assert tune.epilogue_activation("tiny", "fp8", 0) is None  # fp8: the activation kernel quantises for GEMM2
-    top = row_regime(FUSE_HALVES_MAX_ROWS + 1)
-    assert (tune.epilogue_activation("tiny", "bf16", top) is None) == halves  # halves: unfused at prefill sizes
+    top = row_regime(pipeline.FUSE_HALVES_MAX_ROWS + 1)
+    assert (tune.epilogue_activation("tiny", "bf16", top) is None) == halves  # halves: unfused above the bound
     spec = tune.epilogue_activation("tiny", "bf16", 0)
     assert spec is not None and spec.gate_up_layout == ("halves" if halves else "interleaved")
     cache: dict = {}

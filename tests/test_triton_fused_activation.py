@@ -112,21 +112,25 @@ def test_fuse_activation_is_the_measured_choice(monkeypatch):
 
     bf16, fp8 = False, True
     halves, interleaved = SPECS["silu"], SPECS["gpt_oss"]
-    assert [fuse_activation(halves, bf16, r) for r in range(len(ROW_REGIMES) + 1)] == [True, True, True, False, False]
-    assert fuse_activation(halves, bf16, row_regime(64)) and not fuse_activation(halves, bf16, row_regime(65))
-    assert not fuse_activation(halves, bf16, None)  # unknown size: the separate kernel
-    assert all(fuse_activation(s, bf16, r) for s in (interleaved, SPECS["relu2_not_gated"]) for r in (0, 4, None))
+    # shipped: the epilogue at every size, an unknown one included (it won at prefill too, 2026-12-06)
+    assert pipeline.FUSE_HALVES_MAX_ROWS is None
+    assert all(fuse_activation(s, bf16, r) for s in (halves, interleaved, SPECS["relu2_not_gated"])
+               for r in (*range(len(ROW_REGIMES) + 1), None))
     # fp8 weights: never where GEMM2 needs its input quantised (the activation kernel's job: the shipped choice
     # at every size); where the activations stay bf16 (W8A16 at decode sizes, on request), as bf16 weights
     assert not any(fuse_activation(s, fp8, r) for s in SPECS.values() for r in (0, 1, 2, 3, 4, None))
     monkeypatch.setattr(pipeline, "W8A16_MAX_ROWS", 16)
     assert all(fuse_activation(s, fp8, r) for s in (interleaved, SPECS["relu2_not_gated"]) for r in (0, 1))
     assert not any(fuse_activation(s, fp8, r) for s in SPECS.values() for r in (2, 3, 4, None))
-    monkeypatch.setattr(pipeline, "FUSE_HALVES_MAX_ROWS", None)  # the epilogue at every known size (a bench's A/B)
-    assert all(fuse_activation(halves, bf16, r) for r in range(len(ROW_REGIMES) + 1))
+    # a bound (the old choice, what a bench A/B may set): halves fuse up to it, not above it nor at an unknown size;
+    # interleaved and ungated forms fuse at every size whatever the bound
+    monkeypatch.setattr(pipeline, "FUSE_HALVES_MAX_ROWS", 64)
+    assert [fuse_activation(halves, bf16, r) for r in range(len(ROW_REGIMES) + 1)] == [True, True, True, False, False]
+    assert fuse_activation(halves, bf16, row_regime(64)) and not fuse_activation(halves, bf16, row_regime(65))
     assert not fuse_activation(halves, bf16, None) and not fuse_activation(halves, fp8, 4)
+    assert all(fuse_activation(s, bf16, r) for s in (interleaved, SPECS["relu2_not_gated"]) for r in (0, 4, None))
     monkeypatch.setattr(pipeline, "FUSE_ACTIVATION", False)
-    assert not fuse_activation(interleaved, bf16, 0)
+    assert not any(fuse_activation(s, bf16, 0) for s in (halves, interleaved))
 
 
 def test_interleaved_epilogue_grid_covers_the_weight_rows(monkeypatch):

@@ -36,9 +36,9 @@ __all__ = ["COMBINE_IN_GRAPH", "FUSE_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT", "SL
 #: says it wins). Read when a call runs (so when a graph is compiled, for compiled code); benchmarks set
 #: it False to time the separate activation kernel beside it (bench/fused_activation.py).
 FUSE_ACTIVATION = True
-#: Rows per expert up to which a gate/up-halves GEMM1 takes the epilogue (see :func:`fuse_activation`); None: at
-#: every known size (what ``bash bench/gpu_recipes.sh epilogue_prefill`` sets to time the epilogue at prefill sizes).
-FUSE_HALVES_MAX_ROWS: int | None = 64
+#: Rows per expert up to which a gate/up-halves GEMM1 takes the epilogue (see :func:`fuse_activation`); None, the
+#: measured choice since 2026-12-06: at every size (``bash bench/gpu_recipes.sh epilogue_prefill`` times it).
+FUSE_HALVES_MAX_ROWS: int | None = None
 #: Rows per expert up to which fp8 weights meet unquantised bf16 activations on the sorted layout (W8A16,
 #: see :func:`quantize_activations`). 0: activations are quantised at every size, the measured choice
 #: (W8A16 decode ran 1.3-1.8x slower on the H200, bench/results/w8a16_2026-12-04.md); benchmarks and
@@ -63,8 +63,9 @@ COMBINE_IN_GRAPH = False
 #: Whether a call whose rows stay in slot order (:func:`slot_rows`) runs GEMM2 and the combine as one launch
 #: (:func:`fuse_down_combine`, ``grouped_gemm.slot_down_combine``): one launch and the ``[T * K, H]`` rows fewer
 #: a decode step (Qwen3-30B-A3B at T=1 spent 2.7 µs in its combine and ~2.5 µs in the gap before it,
-#: bench/results/kernel_breakdown_2026-12-03.md). Off until timed on a GPU: its tile is a first choice, not tuned.
-#: Read when a call runs; bench/fused_activation.py ``--switch slot_down`` times both sides in one process.
+#: bench/results/kernel_breakdown_2026-12-03.md). Off, as measured: 0.87-0.99x at T=1 for Qwen3, Mixtral and
+#: GPT-OSS with each of four tiles (one H100, bench/results/slot_down_2026-12-06_tiles_h100.md). Read when a call
+#: runs; bench/fused_activation.py ``--switch slot_down`` times both sides in one process.
 SLOT_DOWN_COMBINE = False
 
 
@@ -270,25 +271,27 @@ def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bo
     Interleaved gate/up (GPT-OSS) split the unfused tile's accumulator: 1.02-1.16x faster at every T.
     Halves (Qwen3, Mixtral) kept two accumulators of half the tuned tile then: 1.01-1.06x up to 64 rows per
     expert, 0.95-0.98x at prefill sizes (Mixtral T >= 1024, Qwen3 T = 4096), where the separate kernel
-    stays. Not gated: the unfused tile and one accumulator, only the store and a launch saved. fp8
+    stayed. Not gated: the unfused tile and one accumulator, only the store and a launch saved. fp8
     weights with quantised activations (:func:`quantize_activations`) never: GEMM2 needs the activation
     quantised per 1x128 group, the activation kernel's job; with bf16 activations (W8A16) as bf16 weights.
     Halves now run one tile of gate and up rows by default (``grouped_gemm.PAIR_GATE_UP``, the unfused tile's MMA
-    shape; 1.00-1.02x up to 256 tokens, bench/results/pair_halves_2026-12-05.md); the prefill bound is the old
-    measurement until ``--switch epilogue`` runs again after the 2026-12-05 retune.
-    ``fp8``: fp8 weights. ``regime``: the call's rows-per-expert regime (None, unknown: halves keep the
-    separate kernel). The plan explain reports asks the same function (``ExpertsPlan.activation_epilogue``).
+    shape; 1.00-1.02x up to 256 tokens, bench/results/pair_halves_2026-12-05.md), and with it the epilogue wins at
+    prefill sizes too: 1.04-1.11x at T = 1024, 4096, 16384 for Qwen3 and Mixtral (one H100, 2026-12-06,
+    bench/results/fused_activation_2026-12-06_prefill_h100.md), so :data:`FUSE_HALVES_MAX_ROWS` is None and halves
+    fuse at every size, an unknown regime included.
+    ``fp8``: fp8 weights. ``regime``: the call's rows-per-expert regime (None, unknown: halves fuse only
+    while the bound is None). The plan explain reports asks the same function (``ExpertsPlan.activation_epilogue``).
     """
     from moe_fx.lowering.problem import regime_bounds
 
     if not FUSE_ACTIVATION or quantize_activations(fp8, regime):
         return False
-    if not spec.gated or spec.gate_up_layout == "interleaved":
+    if not spec.gated or spec.gate_up_layout == "interleaved" or FUSE_HALVES_MAX_ROWS is None:
         return True
     if regime is None:
         return False
     hi = regime_bounds(regime)[1]
-    return FUSE_HALVES_MAX_ROWS is None or (hi is not None and hi <= FUSE_HALVES_MAX_ROWS)
+    return hi is not None and hi <= FUSE_HALVES_MAX_ROWS
 
 
 def run_sorted_experts(
