@@ -36,8 +36,8 @@
 #                  moe_fx bf16 and fp8 beside transformers' grouped_mm experts under plain torch.compile
 #   fwd_flat       whole 2-layer models (Qwen3, Mixtral, OLMoE, GPT-OSS, DeepSeek-V3; weights shared by the sides),
 #                  T = 1 / 16 / 1024 / 4096 forwards, Triton only, moe_fx against plain with the GPU ceiling column
-#   slot_down      one token's GEMM2 and combine in one launch (masked_experts.pipeline.SLOT_DOWN_COMBINE, off until
-#                  timed) against the two launches, Qwen3, Mixtral, GPT-OSS at T=1, CUDA-graph replays alternating; one
+#   slot_down      one token's GEMM2 and combine in one launch (masked_experts.pipeline.SLOT_DOWN_COMBINE, off: it
+#                  lost with each tile on an H100, slot_down_2026-12-06_tiles_h100.md) against the two launches, Qwen3, Mixtral, GPT-OSS at T=1, CUDA-graph replays alternating; one
 #                  run with the shipped tile (grouped_gemm.SLOT_DOWN_TILE), then one for each of three other tiles;
 #                  its GPU tests first
 #   breakdown_prefill  where one layer's time goes at prefill sizes (bench/kernel_breakdown.py): each kernel of a CUDA-graph
@@ -45,8 +45,8 @@
 #                  on an H100 where T=1024 ran at 79%), then Qwen3 with fp8 weights
 #   epilogue_prefill  gate/up halves' activation in GEMM1's epilogue against the separate activation kernel at prefill
 #                  sizes (Qwen3, Mixtral; T = 1024, 4096, 16384; masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None on both
-#                  sides so the "on" side fuses at every size): the 64-row bound is a measurement made before gate and up
-#                  rows shared one tile (pipeline.fuse_activation); Qwen3 T=4096 runs at 49% of its floor on an H100
+#                  sides so the "on" side fuses at every size, the shipped choice since it won 1.04-1.11x on an H100,
+#                  fused_activation_2026-12-06_prefill_h100.md)
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS

@@ -181,6 +181,8 @@ def _sorted_cell(shape: str, t: int, kind: str, gemm: int, cache: dict):
         w13 = torch.randn(e, 2 * i, h, device=DEVICE, generator=g, dtype=torch.bfloat16) / h**0.5
         w2 = torch.randn(e, h, i, device=DEVICE, generator=g, dtype=torch.bfloat16) / i**0.5
         cache["bf16"] = (w13, None, w2, None)
+    if kind == "fp8" and "fp8" not in cache:  # only when asked: eight warm-up workers quantising Mixtral's weights
+        w13, _, w2, _ = cache["bf16"]  # for a bf16 run ran an 80 GB H100 out of memory (2026-12-06)
         q13, s13 = quantize_fp8_blockwise(w13)
         q2, s2 = quantize_fp8_blockwise(w2)
         cache["fp8"] = (q13, s13, q2, s2)

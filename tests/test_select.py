@@ -256,10 +256,18 @@ def test_explain_says_layout_and_kernel_per_regime():
             "reads no sorted layout; local_permute: local_contiguous preferred)") in why.regimes
     no_dg = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "x", 132, "NVIDIA H200")
     why = _explain(2048, 768, e=128, caps=no_dg)
-    # gate/up halves: the activation epilogue up to 64 rows per expert (where it measured faster)
-    assert why.regimes == ("rows per expert 1..64: triton, sorted layout, activation in GEMM1's epilogue "
-                           "(local_permute: local_sorted preferred); rows per expert 65..: triton, sorted layout "
+    # gate/up halves: the activation epilogue at every size (where it measured faster), one regime line
+    assert why.regimes == ("rows per expert 1..: triton, sorted layout, activation in GEMM1's epilogue "
                            "(local_permute: local_sorted preferred)"), why.regimes
+    # under a rows bound (an A/B's setting) the line splits where the plan changes
+    with pytest.MonkeyPatch.context() as mp:
+        from moe_fx.lowering.masked_experts import pipeline
+
+        mp.setattr(pipeline, "FUSE_HALVES_MAX_ROWS", 64)
+        bounded = _explain(2048, 768, e=128, caps=no_dg)
+    assert bounded.regimes == ("rows per expert 1..64: triton, sorted layout, activation in GEMM1's epilogue "
+                               "(local_permute: local_sorted preferred); rows per expert 65..: triton, sorted layout "
+                               "(local_permute: local_sorted preferred)"), bounded.regimes
     fp8 = _explain(2048, 768, e=128, caps=no_dg, fp8=True)
     assert fp8.regimes == "rows per expert 1..: triton, sorted layout (local_permute: local_sorted preferred)"
     # W8A16 on request: bf16 activations (no quantisation, the activation epilogue) up to 16 rows per expert
@@ -279,7 +287,7 @@ def test_explain_says_layout_and_kernel_per_regime():
         why = _explain(2048, 768, e=128, caps=no_dg)
     assert why.regimes.startswith("rows per expert 1..4: triton, sorted layout, activation in GEMM1's epilogue, "
                                   "combine fused by Inductor in compiled graphs (local_permute: local_sorted "
-                                  "preferred); rows per expert 5..64: triton, sorted layout, activation in GEMM1's "
+                                  "preferred); rows per expert 5..: triton, sorted layout, activation in GEMM1's "
                                   "epilogue (local_permute"), why.regimes
 
 

@@ -162,12 +162,24 @@ def test_regime_candidates_fit_and_cover_uneven_loads():
             assert len(set(cands)) == len(cands) >= 2
             assert all(c.smem_bytes(1 if kind == "fp8" else 2) <= configs.SMEM_BUDGET for c in cands)
             # the programs of a persistent grid are resident side by side
-            assert all(c.smem_bytes(1 if kind == "fp8" else 2) * c.programs_per_sm <= configs.SM_SMEM_BUDGET
+            assert all(configs.programs_that_fit(c.smem_bytes(1 if kind == "fp8" else 2)) >= c.programs_per_sm
                        for c in cands), (kind, regime)
             if kind == "fp8":
                 assert all(128 % c.block_k == 0 for c in cands)
         # a regime of up to 16 expected rows also tries 32-row tiles (real loads exceed the mean)
         assert any(c.block_m >= 32 for c in configs.regime_candidates(kind, 1))
+
+
+def test_programs_that_fit_are_the_hoppers_shared_memory():
+    """One SM's 228 KB less CUDA's 1 KB a block and Triton's barriers: the 4-stage flattened 128x256x64 bf16 tile
+    (229408 bytes compiled, the H100's fastest prefill tile) fits alone and is kept whole by fit_smem; two 112 KB
+    programs fit, two 113 KB ones do not."""
+    flat4 = TileConfig(128, 256, 64, 8, 8, 4, 1, tma=True, flatten=True)
+    assert flat4.smem_bytes(2) == 229376 and configs.programs_that_fit(flat4.smem_bytes(2)) == 1
+    assert configs.fit_smem(flat4, 2) == flat4
+    assert configs.programs_that_fit(227 * 1024) == 0 and configs.fit_smem(flat4, 4).num_stages < 4
+    assert configs.programs_that_fit(112 * 1024) == 2 and configs.programs_that_fit(113 * 1024) == 1
+    assert configs.resident_programs(TileConfig(128, 256, 64, 8, 8, 4, 2, tma=True), 2) == 1
 
 
 def test_resident_programs_count_the_launched_tiles():
@@ -322,6 +334,7 @@ def test_tuning_times_gemm1_as_the_pipeline_runs_it(family, monkeypatch):
     cache: dict = {}
     run, n, k, regime, _ = tune._sorted_cell("tiny", 5, "bf16", 1, cache)
     assert (n, k, regime) == (128, 128, 0)
+    assert "fp8" not in cache  # fp8 weights only when a cell asks for them (a worker's memory)
     out = run(TileConfig(16, 64, 64, 1, 4, 1, 1)).float()
     assert out.shape == (1, 10, 64)
     rows, x, (w13, *_) = cache["rows"], cache["x"].float(), cache["bf16"]

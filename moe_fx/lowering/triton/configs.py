@@ -36,6 +36,7 @@ __all__ = [
     "m_bucket",
     "nearest_regime_entry",
     "pick_regime_config",
+    "programs_that_fit",
     "regime_bucket",
     "regime_candidates",
     "regime_key",
@@ -95,17 +96,28 @@ FLATTEN_EPILOGUE_SMEM = 32 * 1024
 
 def resident_programs(cfg: TileConfig, elem_bytes: int, b_tiles: int = 1) -> int:
     """Programs of ``cfg`` per SM a persistent grid is sized for: its ``programs_per_sm``, fewer where the launch's
-    tiles do not fit side by side in :data:`SM_SMEM_BUDGET` (a swapped tile with gate/up halves in its epilogue
+    tiles do not fit side by side (:func:`programs_that_fit`; a swapped tile with gate/up halves in its epilogue
     loads ``b_tiles = 2`` weight tiles per k step: the unfused GEMM's 2 x 80 KB become 2 x 147 KB for
     16x64x128, 4 stages). A grid sized for more programs than fit runs the rest as a second wave."""
-    return max(1, min(cfg.programs_per_sm, SM_SMEM_BUDGET // max(1, cfg.smem_bytes(elem_bytes, b_tiles))))
+    return max(1, min(cfg.programs_per_sm, programs_that_fit(cfg.smem_bytes(elem_bytes, b_tiles))))
 
 
-#: shared memory a program's pipelined tiles may take (Hopper has 227 KB per SM; Triton adds a little)
-SMEM_BUDGET = 200 * 1024
-#: what the programs resident on one SM may take together (``programs_per_sm`` of them): a persistent
-#: grid whose programs do not fit side by side runs its last ones as a second wave
-SM_SMEM_BUDGET = 200 * 1024
+#: shared memory of one Hopper SM (sm_90: 228 KB), of which every program resident on it reserves
+#: :data:`BLOCK_RESERVED_SMEM` (CUDA's per-block reservation) besides what it asks for
+SM_SMEM = 228 * 1024
+BLOCK_RESERVED_SMEM = 1024
+#: what Triton adds to :meth:`TileConfig.smem_bytes` (its barriers: 32 bytes in every tile compiled so far), with room
+SMEM_MARGIN = 1024
+#: shared memory one program's pipelined tiles may take: sm_90's 227 KB a block less :data:`SMEM_MARGIN`. The
+#: 128x256x64 bf16 tile at 4 stages with a flattened loop asks for 229408 bytes (triton 3.6 and 3.9), and it was
+#: the fastest prefill tile on an H100 (2026-12-06), so the budget is the hardware's, not a rounder number below it
+SMEM_BUDGET = SM_SMEM - BLOCK_RESERVED_SMEM - SMEM_MARGIN
+
+
+def programs_that_fit(smem_bytes: int) -> int:
+    """Programs asking for ``smem_bytes`` each (:meth:`TileConfig.smem_bytes`) that one SM holds side by side: a
+    persistent grid sized for more runs its last programs as a second wave. 0 where one does not fit."""
+    return SM_SMEM // (smem_bytes + BLOCK_RESERVED_SMEM + SMEM_MARGIN)
 
 
 def fit_smem(cfg: TileConfig, elem_bytes: int) -> TileConfig:
@@ -166,11 +178,11 @@ def candidates(kind: str, bucket: int) -> list[TileConfig]:
         for bn in (32, 64, 128):
             for ppsm in (2, 4) if bn == 32 else (1, 2):
                 cfg = TileConfig(bm, bn, 128, 1, 4, 5 if fp8 else 4, ppsm)
-                if cfg.smem_bytes(1 if fp8 else 2) * ppsm <= SMEM_BUDGET:
+                if programs_that_fit(cfg.smem_bytes(1 if fp8 else 2)) >= ppsm:
                     out.append(cfg)
         if not fp8:  # fp8 steps are one 128-wide scale group; bf16 can take longer k steps
             for cfg in (TileConfig(bm, 32, 256, 1, 4, 4, 2), TileConfig(bm, 64, 256, 1, 4, 3, 1)):
-                if cfg.smem_bytes(2) * cfg.programs_per_sm <= SMEM_BUDGET:
+                if programs_that_fit(cfg.smem_bytes(2)) >= cfg.programs_per_sm:
                     out.append(cfg)
         return out
     if bucket <= 128:
@@ -268,12 +280,14 @@ def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
         cands = [T(64, 128, 64, 8, 4, 4, 2), T(128, 128, 64, 8, 8, 4, 1), T(128, 256, 64, 8, 8, 3, 1),
                  T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True),
                  T(128, 256, 64, 8, 8, 4, 1, tma=True)]
-        flat = [T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True)]
+        flat = [T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True),
+                T(128, 256, 64, 8, 8, 4, 1, tma=True)]
     else:
         cands = [T(128, 256, 64, 8, 8, 3, 1), T(128, 128, 64, 8, 8, 4, 1), T(128, 128, 64, 8, 4, 3, 2),
                  T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 4, 3, 2, tma=True),
                  T(128, 256, 64, 8, 8, 4, 1, tma=True)]
-        flat = [T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True)]
+        flat = [T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True),
+                T(128, 256, 64, 8, 8, 4, 1, tma=True)]
     # flattened twins of the tiles that won (or came close) in the 2026-12-04 tuning, at a stage count whose
     # epilogue staging still fits two programs per SM where the twin runs two. Programs per SM are what fits
     # side by side in registers too (tests/test_triton_compile.py compiles every candidate as launched): the
