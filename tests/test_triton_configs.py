@@ -174,6 +174,7 @@ def test_programs_that_fit_are_the_hoppers_shared_memory():
     """One SM's 228 KB less CUDA's 1 KB a block and Triton's barriers: the 4-stage flattened 128x256x64 bf16 tile
     (229408 bytes compiled, the H100's fastest prefill tile) fits alone and is kept whole by fit_smem; two 112 KB
     programs fit, two 113 KB ones do not."""
+    assert configs.SMEM_BUDGET == configs.SM_SMEM - configs.BLOCK_RESERVED_SMEM - configs.SMEM_MARGIN
     flat4 = TileConfig(128, 256, 64, 8, 8, 4, 1, tma=True, flatten=True)
     assert flat4.smem_bytes(2) == 229376 and configs.programs_that_fit(flat4.smem_bytes(2)) == 1
     assert configs.fit_smem(flat4, 2) == flat4
