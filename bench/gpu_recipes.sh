@@ -37,7 +37,8 @@
 #   fwd_flat       whole 2-layer models (Qwen3, Mixtral, OLMoE, GPT-OSS, DeepSeek-V3; weights shared by the sides),
 #                  T = 1 / 16 / 1024 / 4096 forwards, Triton only, moe_fx against plain with the GPU ceiling column
 #   slot_down      one token's GEMM2 and combine in one launch (masked_experts.pipeline.SLOT_DOWN_COMBINE, off: it
-#                  lost with each tile on an H100, slot_down_2026-12-06_tiles_h100.md) against the two launches, Qwen3, Mixtral, GPT-OSS at T=1, CUDA-graph replays alternating; one
+#                  lost with each tile on an H100, slot_down_2026-12-06_tiles_h100.md) against the two launches,
+#                  Qwen3, Mixtral, GPT-OSS at T=1, CUDA-graph replays alternating; one
 #                  run with the shipped tile (grouped_gemm.SLOT_DOWN_TILE), then one for each of three other tiles;
 #                  its GPU tests first
 #   breakdown_prefill  where one layer's time goes at prefill sizes (bench/kernel_breakdown.py): each kernel of a CUDA-graph

@@ -18,7 +18,7 @@ import torch
 import moe_fx.lowering.problem as problem_mod
 import moe_fx.lowering.select as select
 from moe_fx.lowering.experts import explain_experts
-from moe_fx.lowering.masked_experts import deepgemm
+from moe_fx.lowering.masked_experts import deepgemm, pipeline
 from moe_fx.lowering.prepare_finalize import deepep_ll
 from moe_fx.lowering.problem import (
     ROW_REGIMES,
@@ -261,8 +261,6 @@ def test_explain_says_layout_and_kernel_per_regime():
                            "(local_permute: local_sorted preferred)"), why.regimes
     # under a rows bound (an A/B's setting) the line splits where the plan changes
     with pytest.MonkeyPatch.context() as mp:
-        from moe_fx.lowering.masked_experts import pipeline
-
         mp.setattr(pipeline, "FUSE_HALVES_MAX_ROWS", 64)
         bounded = _explain(2048, 768, e=128, caps=no_dg)
     assert bounded.regimes == ("rows per expert 1..64: triton, sorted layout, activation in GEMM1's epilogue "
@@ -272,8 +270,6 @@ def test_explain_says_layout_and_kernel_per_regime():
     assert fp8.regimes == "rows per expert 1..: triton, sorted layout (local_permute: local_sorted preferred)"
     # W8A16 on request: bf16 activations (no quantisation, the activation epilogue) up to 16 rows per expert
     with pytest.MonkeyPatch.context() as mp:
-        from moe_fx.lowering.masked_experts import pipeline
-
         mp.setattr(pipeline, "W8A16_MAX_ROWS", 16)
         fp8 = _explain(2048, 768, e=128, caps=no_dg, fp8=True)
     assert fp8.regimes == ("rows per expert 1..16: triton, sorted layout, bf16 activations x fp8 weights, activation "
@@ -281,8 +277,6 @@ def test_explain_says_layout_and_kernel_per_regime():
                            "sorted layout (local_permute: local_sorted preferred)"), fp8.regimes
     # the decode combine left to Inductor on request: said for the decode regime (1..4 rows per expert) only
     with pytest.MonkeyPatch.context() as mp:
-        from moe_fx.lowering.masked_experts import pipeline
-
         mp.setattr(pipeline, "COMBINE_IN_GRAPH", True)
         why = _explain(2048, 768, e=128, caps=no_dg)
     assert why.regimes.startswith("rows per expert 1..4: triton, sorted layout, activation in GEMM1's epilogue, "

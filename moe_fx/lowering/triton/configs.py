@@ -232,6 +232,10 @@ def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
     fp8 = kind == "fp8"
     _, hi = regime_bounds(regime)
     T = TileConfig
+    # both bf16 prefill regimes (65-256 rows per expert and above): the 4-stage 128x256x64 twin came first in a
+    # trial on an H100 (2026-12-06, bench/results/tune_tiles_sorted_2026-12-06_bf16_prefill_flat4_h100.md)
+    bf16_prefill_flat = [T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True),
+                         T(128, 256, 64, 8, 8, 4, 1, tma=True)]
     if hi is not None and hi <= 4:  # decode: the weights stream; bytes in flight per SM decide
         if fp8:
             # 3-4 resident programs of 16x64 / 16x128 tiles: vLLM's H200 decode tiles (16x128x128, 3 stages)
@@ -280,14 +284,12 @@ def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
         cands = [T(64, 128, 64, 8, 4, 4, 2), T(128, 128, 64, 8, 8, 4, 1), T(128, 256, 64, 8, 8, 3, 1),
                  T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True),
                  T(128, 256, 64, 8, 8, 4, 1, tma=True)]
-        flat = [T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True),
-                T(128, 256, 64, 8, 8, 4, 1, tma=True)]
+        flat = bf16_prefill_flat
     else:
         cands = [T(128, 256, 64, 8, 8, 3, 1), T(128, 128, 64, 8, 8, 4, 1), T(128, 128, 64, 8, 4, 3, 2),
                  T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 4, 3, 2, tma=True),
                  T(128, 256, 64, 8, 8, 4, 1, tma=True)]
-        flat = [T(128, 256, 64, 8, 8, 3, 1, tma=True), T(128, 128, 64, 8, 8, 4, 1, tma=True),
-                T(128, 256, 64, 8, 8, 4, 1, tma=True)]
+        flat = bf16_prefill_flat
     # flattened twins of the tiles that won (or came close) in the 2026-12-04 tuning, at a stage count whose
     # epilogue staging still fits two programs per SM where the twin runs two. Programs per SM are what fits
     # side by side in registers too (tests/test_triton_compile.py compiles every candidate as launched): the
