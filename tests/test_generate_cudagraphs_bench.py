@@ -21,10 +21,10 @@ def test_per_step_cuts_long_names():
 
 
 def test_step_profile_counts_the_work_each_extra_token_adds():
-    # a unit of work of ~1 ms on CPU: the per-step difference it makes must stand well clear of a loaded machine's
-    # noise (a 64x64 product, ~10 µs, read 2.5-52 µs a step in three runs and -8.8 once during a fresh-clone run),
-    # and the least of three calls of each size (one call of 1 token read 5 ms slow beside another pytest worker)
-    a = torch.randn(384, 384)
+    # a unit of work of ~20 ms on CPU, and the least of three calls of each size: the per-step difference must stand
+    # clear of a loaded machine's noise (beside another pytest worker one 384x384 add read 0.1-9 ms, so a ~1 ms unit
+    # read -1334 µs a step once; a 64x64 product, ~10 µs, read -8.8 µs once before that)
+    a = torch.randn(1024, 1024)
 
     def one_token_of_work() -> None:
         a @ a
