@@ -1109,7 +1109,7 @@ def make_settings(args: argparse.Namespace) -> Settings:
         gen_batch=2 if smoke else args.gen_batch,
         gen_prompt=4 if smoke else args.gen_prompt,
         gen_new=3 if smoke else args.gen_new,
-        gen_rounds=1 if smoke else args.gen_rounds,
+        gen_rounds=args.gen_rounds or (1 if smoke else 3),
         weights=args.weights,
         share_weights=args.share_weights or args.layers == "full",
         ab_set=tuple(args.ab_set),
@@ -1524,7 +1524,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gen-batch", type=int, default=4)
     ap.add_argument("--gen-prompt", type=int, default=32)
     ap.add_argument("--gen-new", type=int, default=64)
-    ap.add_argument("--gen-rounds", type=int, default=3)
+    ap.add_argument("--gen-rounds", type=int, default=0, help="generate() calls of each size per side (default 3; smoke 1)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new cell after this many seconds")
     ap.add_argument("--out", default=None, help="results folder (default bench/results; smoke: a temp folder)")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
