@@ -32,6 +32,11 @@
 #   tune_fp8_prefill  retune the fp8 GEMM tiles of the regimes above 16 rows per expert for Qwen3, Mixtral and the
 #                  DeepSeek-V3 shard on this GPU (the H100's were shipped from it, 2026-12-05); the report gives each T's
 #                  old (shipped) tile beside the new choice, and the merged table comes back as tuned_tiles_fp8_prefill.json
+#   tune_bf16_prefill  retune the bf16 GEMM tiles of the two prefill regimes (more than 64 rows per expert) for every
+#                  bench shape on this GPU with the current candidates (the 4-stage flattened tile joined them on
+#                  2026-12-06, after the H200's table was tuned); the new table stays in the working tree, so a
+#                  recipe after this one in the same call (layer, peer_vllm) runs it, and comes back as
+#                  tuned_tiles_bf16_prefill.json beside the shipped one
 #   layer          bench/moe_layer.py with its roofline column: Qwen3, Mixtral and the DeepSeek-V3 shard, T = 1 ... 16384,
 #                  moe_fx bf16 and fp8 beside transformers' grouped_mm experts under plain torch.compile
 #   fwd_flat       whole 2-layer models (Qwen3, Mixtral, OLMoE, GPT-OSS, DeepSeek-V3; weights shared by the sides),
@@ -78,6 +83,7 @@ EPILOGUE="bench/fused_activation.py --switch epilogue --shapes qwen3,mixtral --t
   --set masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None --out $OUT"
 SLOT_DOWN="bench/fused_activation.py --switch slot_down --shapes qwen3,mixtral,gpt_oss --tokens 1 --rounds 5 --out $OUT"
 PASS_TIME="bench/pass_time.py --real gpt_oss,mixtral --layers 4 --repeats 2 --out $OUT"
+TUNE_BF16="bench/tune_tiles.py --sorted --kinds bf16 --warm 8 --force --ship --out $OUT"
 TUNE_FP8="bench/tune_tiles.py --sorted --kinds fp8 --warm 8 --budget-s 240 --ship --out $OUT"
 CG="bench/generate_cudagraphs.py --model gpt_oss --layers 24 --batch 1 --new 32 --rounds 3 --timeout-s 560 --out $OUT"
 CG_QWEN3="bench/generate_cudagraphs.py --model qwen3 --layers 48 --batch 1 --new 32 --rounds 3 --timeout-s 285
@@ -183,6 +189,20 @@ for name in "$@"; do
       cp $table "$OUT/tuned_tiles_fp8_prefill.json"
       cp "$OUT/tuned_tiles_shipped.json" $table
       grep -h "worst chosen\|shipped" "$OUT"/log_${name}_*.txt ;;
+    tune_bf16_prefill)
+      # regimes 3 and 4 of each shape: Qwen3 T > 1024; Mixtral and the DeepSeek-V3 shard T > 256; GPT-OSS and OLMoE T > 512
+      table=moe_fx/lowering/triton/tuned_tiles.json
+      cp $table "$OUT/tuned_tiles_shipped.json"
+      export MOE_FX_CACHE_DIR=$(mktemp -d)
+      timeout 175 python3 $TUNE_BF16 --budget-s 120 --shapes qwen3 --tokens 2048,3072,4096,8192,16384 \
+        --tag bf16_prefill_qwen3 > "$OUT/log_${name}_qwen3.txt" 2>&1
+      timeout 175 python3 $TUNE_BF16 --budget-s 120 --shapes mixtral,dsv3 --tokens 384,512,768,1024,2048,4096,8192,16384 \
+        --tag bf16_prefill_mixtral_dsv3 > "$OUT/log_${name}_mixtral_dsv3.txt" 2>&1
+      timeout 175 python3 $TUNE_BF16 --budget-s 120 --shapes gpt_oss,olmoe --tokens 768,1024,2048,4096,8192,16384 \
+        --tag bf16_prefill_gpt_oss_olmoe > "$OUT/log_${name}_gpt_oss_olmoe.txt" 2>&1
+      unset MOE_FX_CACHE_DIR
+      cp $table "$OUT/tuned_tiles_bf16_prefill.json"
+      grep -h "worst chosen\|shipped\|budget spent\|Error" "$OUT"/log_${name}_*.txt ;;
     layer)
       timeout 590 python3 $LAYER --tag layer > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/moe_layer_*layer.md 2>/dev/null | cut -c1-220 ;;

@@ -31,7 +31,7 @@ def test_every_benchmark_command_parses():
     text = SCRIPT.read_text()
     commands = _variables(text)
     assert set(commands) == {"E2E_GEN", "E2E_AB", "E2E_COMPILE", "E2E_FP8", "E2E_FLAT", "LAYER", "PASS_TIME",
-                             "TUNE_FP8", "L2", "CG", "CG_QWEN3", "SLOT_DOWN", "BREAKDOWN", "EPILOGUE"}
+                             "TUNE_FP8", "TUNE_BF16", "L2", "CG", "CG_QWEN3", "SLOT_DOWN", "BREAKDOWN", "EPILOGUE"}
     e2e, cudagraphs = load_bench("e2e_model"), load_bench("generate_cudagraphs")
     for name in ("E2E_GEN", "E2E_AB", "E2E_COMPILE", "L2"):
         args = e2e.parse_args(commands[name][1:])
@@ -65,6 +65,16 @@ def test_every_benchmark_command_parses():
         for shape in shapes.split(","):
             _, e, k, _, _ = layer_shapes[shape]
             assert all(row_regime(rows_per_expert(int(t), k, e)) >= 2 for t in tokens.split(",")), (shape, tokens)
+    bf16 = load_bench("tune_tiles").parse_args(commands["TUNE_BF16"][1:] + ["--budget-s", "1"])
+    assert bf16.sorted and bf16.kinds == "bf16" and bf16.ship and bf16.force and bf16.out == "/tmp/out"
+    # the bf16 retune covers the two prefill regimes (above 64 rows per expert) of every bench shape, nothing below
+    bf16_runs = re.findall(r"\$TUNE_BF16 --budget-s \d+ --shapes (\S+) --tokens (\S+)", text)
+    assert {s for shapes, _ in bf16_runs for s in shapes.split(",")} == set(layer_shapes)
+    for shapes, tokens in bf16_runs:
+        for shape in shapes.split(","):
+            _, e, k, _, _ = layer_shapes[shape]
+            regimes = {row_regime(rows_per_expert(int(t), k, e)) for t in tokens.split(",")}
+            assert regimes == {3, 4}, (shape, tokens, regimes)
     cg = cudagraphs.parse_args(commands["CG"][1:])
     assert cg.model == "gpt_oss" and cg.layers == 24
     cg_qwen3 = cudagraphs.parse_args(commands["CG_QWEN3"][1:])
