@@ -36,7 +36,7 @@
 #                  bench shape on this GPU with the current candidates (the 4-stage flattened tile joined them on
 #                  2026-12-06, after the H200's table was tuned); the new table stays in the working tree, so a
 #                  recipe after this one in the same call (layer, peer_vllm) runs it, and comes back as
-#                  tuned_tiles_bf16_prefill.json beside the shipped one
+#                  tuned_tiles_bf16_prefill.json, the reports and logs as tune_bf16_prefill.tgz
 #   layer          bench/moe_layer.py with its roofline column: Qwen3, Mixtral and the DeepSeek-V3 shard, T = 1 ... 16384,
 #                  moe_fx bf16 and fp8 beside transformers' grouped_mm experts under plain torch.compile
 #   fwd_flat       whole 2-layer models (Qwen3, Mixtral, OLMoE, GPT-OSS, DeepSeek-V3; weights shared by the sides),
@@ -192,7 +192,6 @@ for name in "$@"; do
     tune_bf16_prefill)
       # regimes 3 and 4 of each shape: Qwen3 T > 1024; Mixtral and the DeepSeek-V3 shard T > 256; GPT-OSS and OLMoE T > 512
       table=moe_fx/lowering/triton/tuned_tiles.json
-      cp $table "$OUT/tuned_tiles_shipped.json"
       export MOE_FX_CACHE_DIR=$(mktemp -d)
       timeout 175 python3 $TUNE_BF16 --budget-s 120 --shapes qwen3 --tokens 2048,3072,4096,8192,16384 \
         --tag bf16_prefill_qwen3 > "$OUT/log_${name}_qwen3.txt" 2>&1
@@ -202,7 +201,10 @@ for name in "$@"; do
         --tag bf16_prefill_gpt_oss_olmoe > "$OUT/log_${name}_gpt_oss_olmoe.txt" 2>&1
       unset MOE_FX_CACHE_DIR
       cp $table "$OUT/tuned_tiles_bf16_prefill.json"
-      grep -h "worst chosen\|shipped\|budget spent\|Error" "$OUT"/log_${name}_*.txt ;;
+      grep -h "worst chosen\|shipped\|budget spent\|Error" "$OUT"/log_${name}_*.txt
+      # one archive of the reports and logs: the device tool brings back at most 8 files a call
+      (cd "$OUT" && tar czf $name.tgz tune_tiles_sorted_*bf16_prefill* log_${name}_* \
+        && rm tune_tiles_sorted_*bf16_prefill* log_${name}_*) ;;
     layer)
       timeout 590 python3 $LAYER --tag layer > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/moe_layer_*layer.md 2>/dev/null | cut -c1-220 ;;
