@@ -116,6 +116,39 @@ def test_candidates_fit_shared_memory():
                     kind, cfg)
 
 
+def test_every_shipped_entry_is_a_tile_that_fits_under_a_well_formed_key():
+    """The shipped table (hand-merged at times from a device run's cache) holds only keys of :func:`configs.regime_key`'s
+    form or the masked layout's bucket keys, and tiles the kernels can launch: fields of a TileConfig, powers of two, fp8
+    k steps inside one 128-deep scale group, at least one program's tiles in an SM's shared memory."""
+    import re
+
+    shipped = configs._shipped()
+    assert len(shipped) > 100
+    sorted_key = re.compile(r"^[^|]+\|(bf16|fp8)\|N\d+\|K\d+\|sorted\|r[0-4](\|s\d+)?$")
+    bucket_key = re.compile(r"^[^|]+\|(bf16|fp8)\|N\d+\|K\d+\|m\d+(\|g\d+|\|ptr)?$")  # the masked layout's
+    seen_sorted = 0
+    for key, fields in shipped.items():
+        cfg = TileConfig(**fields)  # unknown or missing fields raise
+        kind = key.split("|")[1]
+        assert kind in ("bf16", "fp8"), key
+        for v in (cfg.block_m, cfg.block_n, cfg.block_k):
+            assert v >= 16 and v & (v - 1) == 0, key
+        assert cfg.num_warps in (4, 8) and 2 <= cfg.num_stages <= 6 and cfg.programs_per_sm >= 1, key
+        if kind == "fp8":
+            assert 128 % cfg.block_k == 0, key
+        assert configs.programs_that_fit(cfg.smem_bytes(1 if kind == "fp8" else 2)) >= 1, key
+        if "|sorted|" in key:
+            assert sorted_key.match(key), key
+            seen_sorted += 1
+        else:
+            assert bucket_key.match(key), key
+    assert seen_sorted > 100
+    # both tuned GPUs have prefill entries of Qwen3-30B-A3B's GEMM1 in both prefill regimes
+    for gpu in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+        for regime in (3, 4):
+            assert configs.regime_key(gpu, "bf16", 1536, 2048, "sorted", regime) in shipped
+
+
 def test_fit_smem_shrinks_fp32_tiles():
     """A bf16 table entry serving fp32 operands is cut to fit shared memory (fewer stages, then a shorter k step)."""
     big = TileConfig(128, 256, 64, 8, 8, 3, 1, tma=True)
