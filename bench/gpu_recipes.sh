@@ -3,6 +3,8 @@
 # Usage (on the GPU machine, repo root, through the device tool): bash bench/gpu_recipes.sh NAME [NAME ...]
 # Results and logs go to $OUT (the device tool's output folder; /tmp/out elsewhere); copy them to bench/results
 # with the machine in the name (_h100 for an H100). Nothing here builds or fetches code from outside the project.
+# PACK=1: after the last recipe, everything in $OUT goes into one archive, results.tgz (the device tool brings back at
+# most 8 files a call: several recipes in one call write more).
 #
 #   tests          every GPU test (pytest -m gpu tests, 8 workers, 4 on an 80 GB GPU, skip reasons listed; test_ep_gpu's multi-GPU ones
 #                  skip on one GPU; the modules that import expecttest hold no GPU test and are left out where it is
@@ -239,3 +241,7 @@ for name in "$@"; do
       echo "unknown recipe $name (see the head of $0)"; exit 2 ;;
   esac
 done
+if [ "${PACK:-0}" = 1 ]; then
+  (cd "$OUT" && tar czf /tmp/results.tgz . && find . -mindepth 1 -delete && mv /tmp/results.tgz results.tgz)
+  echo "packed $OUT/results.tgz"
+fi
