@@ -31,7 +31,8 @@ def test_every_benchmark_command_parses():
     text = SCRIPT.read_text()
     commands = _variables(text)
     assert set(commands) == {"E2E_GEN", "E2E_AB", "E2E_COMPILE", "E2E_FP8", "E2E_FLAT", "LAYER", "PASS_TIME",
-                             "TUNE_FP8", "TUNE_BF16", "L2", "CG", "CG_QWEN3", "SLOT_DOWN", "BREAKDOWN", "EPILOGUE"}
+                             "TUNE_FP8", "TUNE_BF16", "L2", "CG", "CG_QWEN3", "SLOT_DOWN", "BREAKDOWN", "EPILOGUE",
+                             "FP8_EPILOGUE"}
     e2e, cudagraphs = load_bench("e2e_model"), load_bench("generate_cudagraphs")
     for name in ("E2E_GEN", "E2E_AB", "E2E_COMPILE", "L2"):
         args = e2e.parse_args(commands[name][1:])
@@ -47,6 +48,9 @@ def test_every_benchmark_command_parses():
     assert slot_down.switch == "slot_down" and slot_down.tokens == "1" and slot_down.out == "/tmp/out"
     epilogue = load_bench("fused_activation").parse_args(commands["EPILOGUE"][1:])
     assert epilogue.switch == "epilogue" and epilogue.set == ["masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None"]
+    fp8_epilogue = load_bench("fused_activation").parse_args(commands["FP8_EPILOGUE"][1:])
+    assert fp8_epilogue.switch == "fp8_epilogue" and fp8_epilogue.out == "/tmp/out"
+    assert set(fp8_epilogue.shapes.split(",")) <= set(load_bench("moe_layer").SHAPES)
     breakdown = load_bench("kernel_breakdown")
     bd = breakdown.parse_args(commands["BREAKDOWN"][1:] + ["--fp8"])
     assert set(bd.shapes.split(",")) <= set(breakdown.SHAPES) and bd.fp8 and bd.out == "/tmp/out"
