@@ -448,18 +448,19 @@ def test_gemm_with_activation_epilogue_compiles_pipelined(form, bm, bn, bk, warp
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
 
 
-@pytest.mark.parametrize("stages,device_tma", [(4, True), (4, False), (3, True)])
-def test_fp8_gemm_with_activation_epilogue_compiles_pipelined(stages, device_tma):
+@pytest.mark.parametrize("stages,device_tma,flatten", [(4, True, False), (4, False, False), (3, True, False),
+                                                     (3, True, True)])
+def test_fp8_gemm_with_activation_epilogue_compiles_pipelined(stages, device_tma, flatten):
     """fp8 GEMM1 with the activation and GEMM2's quantisation in its epilogue, on its launch tile
     (``grouped_gemm.fp8_activation_tile``: 64 rows, 128 output columns, 8 warps): gate and up accumulators on
     wgmma, pipelined loads, no spills, the shared memory the tile's model counts."""
     from moe_fx.lowering.triton import configs
     from moe_fx.lowering.triton.grouped_gemm import fp8_activation_tile
 
-    tile = fp8_activation_tile(configs.TileConfig(128, 128, 128, 8, 8, stages, 1, tma=device_tma))
+    tile = fp8_activation_tile(configs.TileConfig(128, 128, 128, 8, 8, stages, 1, tma=device_tma, flatten=flatten))
     assert (tile.block_m, tile.block_n, tile.block_k, tile.num_warps) == (64, 128, 128, 8)
     fn, types, consts = _sorted_gemm(True, True, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
-    consts.update(TMA=device_tma, DEVICE_TMA=device_tma, ACT_QUANT=True, s_csn=1)
+    consts.update(TMA=device_tma, DEVICE_TMA=device_tma, ACT_QUANT=True, s_csn=1, FLATTEN=tile.flatten)
     del consts["cs_ptr"]
     types.update({"c_ptr": "*fp8e4nv", "cs_ptr": "*fp32"})
     compiled = _compile(fn, types, consts, tile.num_warps, tile.num_stages)
@@ -469,6 +470,8 @@ def test_fp8_gemm_with_activation_epilogue_compiles_pipelined(stages, device_tma
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
     assert compiled.metadata.shared <= configs.SMEM_BUDGET
     assert compiled.metadata.shared <= tile.smem_bytes(1, b_tiles=2) + 8 * 1024  # the model, barriers aside
+    if flatten:  # the tile loop and the k loop are one loop
+        assert "Depth=2" not in ptx, "the tile loop still holds a k loop"
 
 
 @pytest.mark.parametrize(
