@@ -22,9 +22,13 @@ def _variables(text: str) -> dict[str, list[str]]:
 
 def test_every_documented_recipe_has_a_branch_and_back():
     text = SCRIPT.read_text()
-    documented = set(re.findall(r"^#   ([a-z0-9_]+) ", text, flags=re.MULTILINE))
-    branches = set(re.findall(r"^    ([a-z0-9_]+)\)$", text, flags=re.MULTILINE))
+    # a line may document several recipes ("a, b  what they do"), a branch serve several ("a|b)")
+    documented = {name for group in re.findall(r"^#   ((?:[a-z0-9_]+, )*[a-z0-9_]+) ", text, flags=re.MULTILINE)
+                  for name in group.split(", ")}
+    branches = {name for group in re.findall(r"^    ([a-z0-9_|]+)\)$", text, flags=re.MULTILINE)
+                for name in group.split("|")}
     assert documented and documented == branches
+    assert {"fwd_flat", "fwd_flat_1", "fwd_flat_2", "tune_bf16_prefill", "fp8_epilogue"} <= branches
 
 
 def test_every_benchmark_command_parses():
@@ -41,6 +45,9 @@ def test_every_benchmark_command_parses():
     assert fp8.weights == "fp8_checkpoint" and set(fp8.models.split(",")) <= set(e2e.MODELS) - {"gpt_oss"}
     flat = e2e.parse_args(commands["E2E_FLAT"][1:])
     assert set(flat.models.split(",")) == set(e2e.MODELS) and flat.no_deepgemm and flat.share_weights
+    # fwd_flat_1 and fwd_flat_2 split the same models between two calls
+    (first, second), = re.findall(r"fwd_flat_1 \] && echo (\S+) \|\| echo (\S+)\)", text)
+    assert sorted(first.split(",") + second.split(",")) == sorted(e2e.MODELS)
     layer = load_bench("moe_layer").parse_args(commands["LAYER"][1:])
     assert set(layer.shapes.split(",")) <= set(load_bench("moe_layer").SHAPES) and layer.out == "/tmp/out"
     assert {"moe_fx_bf16", "moe_fx_fp8", "hf_grouped_mm"} == set(layer.impls.split(","))
