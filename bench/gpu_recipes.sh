@@ -246,10 +246,10 @@ for name in "$@"; do
       timeout 560 python3 $EPILOGUE --tag prefill > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral)" "$OUT"/fused_activation_*prefill.md 2>/dev/null | cut -c1-220 ;;
     fp8_epilogue)
-      timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_fused_activation.py -k fp8_epilogue \
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_fused_activation.py tests/test_compiled_gpu.py -k fp8_epilogue \
         > "$OUT/pytest_gpu_$name.log" 2>&1
       grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -5
-      timeout 470 python3 $FP8_EPILOGUE --tag prefill > "$OUT/log_$name.txt" 2>&1
+      timeout 420 python3 $FP8_EPILOGUE --tag prefill > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/fp8_epilogue_*prefill.md 2>/dev/null | cut -c1-220 ;;
     peer_vllm)
       peer_run "$name" qwen3,mixtral ;;
