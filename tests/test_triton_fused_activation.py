@@ -133,11 +133,14 @@ def test_fp8_epilogue_is_the_quantised_activation_of_the_product(form, tma, devi
     want = spec.apply(product[0, :total])
     scale = out_scale[0, :total]
     group_amax = want.abs().reshape(total, i // 128, 128).amax(-1)
-    torch.testing.assert_close(scale, group_amax.clamp_min(FP8_SCALE_FLOOR) / FP8_E4M3_MAX, rtol=1e-5, atol=0)
+    # a GPU's fp8 MMAs add each 128-deep step at less than fp32's precision (hence the per-step promotion): its sums
+    # differ from the fp32 product's by ~1e-4, the interpreter's (fp32 products) by rounding only
+    loose = 2e-3 if device == "cuda" else 1e-5
+    torch.testing.assert_close(scale, group_amax.clamp_min(FP8_SCALE_FLOOR) / FP8_E4M3_MAX, rtol=loose, atol=0)
     step = scale.repeat_interleave(128, -1)
     got = out[0, :total].float() * step
     # e4m3 keeps 3 mantissa bits: within half a step of its exponent (relative 1/16), subnormals 2^-9 of the scale
-    assert ((got - want).abs() <= want.abs() / 16 * 1.001 + step * 2**-9).all()
+    assert ((got - want).abs() <= want.abs() / 16 * (1 + 5 * loose) + step * 2**-9).all()
     assert torch.isnan(out[0, total:].float()).all() and torch.isnan(out_scale[0, total:]).all()
 
 
