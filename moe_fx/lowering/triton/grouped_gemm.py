@@ -673,11 +673,9 @@ def fp8_activation_tile(cfg: configs.TileConfig) -> configs.TileConfig:
     tuned tile: the lowering runs it only where :func:`~moe_fx.lowering.masked_experts.pipeline.fuse_activation` says
     so (:data:`~moe_fx.lowering.masked_experts.pipeline.FP8_EPILOGUE_MIN_REGIME`).
     """
-    fitted = replace(cfg, block_m=min(cfg.block_m, 64), block_n=FP8_BLOCK, block_k=FP8_BLOCK, num_warps=8,
-                     programs_per_sm=1, swap_ab=False)
-    while fitted.num_stages > 2 and fitted.smem_bytes(1, b_tiles=2) > configs.SMEM_BUDGET:
-        fitted = replace(fitted, num_stages=fitted.num_stages - 1)
-    return fitted
+    # two stages of these tiles (80 KB) always fit: fit_smem only takes stages off, never the 128-deep k step
+    return configs.fit_smem(replace(cfg, block_m=min(cfg.block_m, 64), block_n=FP8_BLOCK, block_k=FP8_BLOCK,
+                                    num_warps=8, programs_per_sm=1, swap_ab=False), 1, b_tiles=2)
 
 
 def _halves(epilogue: dict) -> bool:
