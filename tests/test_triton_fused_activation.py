@@ -139,8 +139,11 @@ def test_fp8_epilogue_is_the_quantised_activation_of_the_product(form, tma, devi
     torch.testing.assert_close(scale, group_amax.clamp_min(FP8_SCALE_FLOOR) / FP8_E4M3_MAX, rtol=loose, atol=0)
     step = scale.repeat_interleave(128, -1)
     got = out[0, :total].float() * step
-    # e4m3 keeps 3 mantissa bits: within half a step of its exponent (relative 1/16), subnormals 2^-9 of the scale
-    assert ((got - want).abs() <= want.abs() / 16 * (1 + 5 * loose) + step * 2**-9).all()
+    # e4m3 keeps 3 mantissa bits: within half a step of its exponent (relative 1/16), subnormals 2^-9 of the scale;
+    # the GPU's sums differ from the reference's by an amount relative to the group's magnitude, not the element's (a
+    # small element is a cancelling sum), so that difference is bounded by the group's amax, not the element
+    near = (want.abs() / 16 + loose * group_amax.repeat_interleave(128, -1) + step * 2**-9) * (1 + loose)
+    assert ((got - want).abs() <= near).all()
     assert torch.isnan(out[0, total:].float()).all() and torch.isnan(out_scale[0, total:]).all()
 
 
