@@ -316,7 +316,8 @@ def _launch_gemm(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, E_POW2=_pow2(groups),
         EVEN_K=k % (cfg.block_k * (2 if paired else 1)) == 0, UPCAST=a.device.type == "cpu", TMA=tma, **_bias_args(bias), **extra,
         SWAP_AB=cfg.swap_ab, DEVICE_TMA=device_tma, FLATTEN=cfg.flatten,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        # paired k steps: a pipeline stage holds two steps' tiles, so half the stages keep the tile's buffers
+        num_warps=cfg.num_warps, num_stages=(cfg.num_stages + 1) // 2 if paired else cfg.num_stages,
     )
     if kind == "fp8":
         # the activation epilogue (gate/up halves, quantised output: fp8_activation_tile): the kernel's arguments
