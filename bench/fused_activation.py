@@ -9,8 +9,6 @@
   (``pipeline.W8A16_MAX_ROWS`` 16 vs 0);
 * ``--switch fp8_scales``: fp8 weights, the GEMMs' scales loaded one k step ahead vs in the step that uses them
   (``moe_fx.lowering.triton.grouped_gemm.PREFETCH_FP8_SCALES``), at any T;
-* ``--switch fp8_overlap``: fp8 weights, two k steps a GEMM loop iteration with each MMA issued before the previous
-  step's promotion vs one step at a time (``moe_fx.lowering.triton.grouped_gemm.OVERLAP_FP8_PROMOTION``), at any T;
 * ``--switch pair_halves``: bf16 weights, gate/up halves in GEMM1's epilogue as one tile of gate and up rows vs
   two accumulators (``moe_fx.lowering.triton.grouped_gemm.PAIR_GATE_UP``);
 * ``--switch slot_rows``: bf16 weights, one token's rows in slot order without the sort vs sorted
@@ -31,7 +29,7 @@ kernels), over the same rotating routing sets, and the two are timed alternately
 matmul rate)`` with both limits measured in the same run, and the relative error of each variant against the
 fp32 reference (first routing set of the row), and of one variant against the other at every T.
 
-    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|fp8_overlap|fp8_epilogue|pair_halves|slot_rows|slot_down|bitonic_sort] [--shapes qwen3,mixtral,gpt_oss]
+    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|fp8_epilogue|pair_halves|slot_rows|slot_down|bitonic_sort] [--shapes qwen3,mixtral,gpt_oss]
                                      [--tokens 1,16,256,1024,4096] [--rounds 3]
     python bench/fused_activation.py --smoke   # CPU, Triton interpreter, tiny shapes: checks the script end to end
 
@@ -117,9 +115,6 @@ SWITCHES = {
     "fp8_epilogue": ("masked_experts.pipeline.FP8_EPILOGUE_MIN_REGIME", 0, None, True,
                      ("fp8 weights: GEMM1 with the activation and GEMM2's 1x128 quantisation in its epilogue (on, every "
                       "size; gate/up halves of a multiple of 128 rows) vs the activation kernel (off)")),
-    "fp8_overlap": ("triton.grouped_gemm.OVERLAP_FP8_PROMOTION", True, False, True,
-                    ("fp8 GEMMs: two k steps a loop iteration, each MMA issued before the previous step's promotion "
-                     "(on) vs one step, promoted after its MMA (off)")),
     "slot_down": ("masked_experts.pipeline.SLOT_DOWN_COMBINE", True, False, False,
                   ("one token: GEMM2 and the combine in one launch (on) vs GEMM2, then the combine kernel (off), bf16 "
                    "(T=1 rows only differ)")),

@@ -56,7 +56,7 @@ NO_ACT = {"ACT_FUSED": False, "ACT": 0, "GATED": False, "INTERLEAVED": False, "H
 #: Inductor types Python float arguments as fp64 (seen on torch 2.11): the kernels must compile with those
 ACT_FLOATS = {"alpha": "fp64", "limit": "fp64", "up_offset": "fp64"}
 #: masked_gemm_fp8_kernel's activation epilogue off (its constants beyond the GEMM's)
-NO_FP8_ACT = {"ACT_QUANT": False, "ACT": 0, "HAS_LIMIT": False, "cs_ptr": None, "PAIRED_STEPS": False}
+NO_FP8_ACT = {"ACT_QUANT": False, "ACT": 0, "HAS_LIMIT": False, "cs_ptr": None}
 
 
 @pytest.mark.parametrize(

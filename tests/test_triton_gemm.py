@@ -146,55 +146,6 @@ def test_fp8_scales_loaded_ahead_give_the_same_bits(device, block_n, block_k, sw
     torch.testing.assert_close(outs[0], outs[1], equal_nan=True, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("block_n,k,tma,sorted_rows", [(128, 264, False, False), (64, 384, True, False),
-                                                       (128, 256, False, True), (256, 392, True, True)])
-def test_fp8_paired_steps_give_the_same_bits(device, block_n, k, tma, sorted_rows, monkeypatch):
-    """Two k steps a loop iteration, each MMA issued before the previous step's promotion (``OVERLAP_FP8_PROMOTION``),
-    reorders when the promotions run, not their sums: each output equals the one step at a time path bit for bit,
-    for an odd number of steps (264: the second step of the last pair lies past K and reads zeros; its scales clamp),
-    a K tail inside a pair, TMA, the sorted layout with gathered rows, an empty group, and a 256-column tile at 4
-    warps, which keeps one step an iteration (more than 64 sums a thread)."""
-    from moe_fx.lowering.triton import grouped_gemm
-    from moe_fx.lowering.triton.grouped_gemm import sorted_gemm
-    from moe_fx.lowering.triton.sort import quantize_rows, sort_by_expert
-
-    gen = torch.Generator().manual_seed(13)
-    g, m, n = 3, 70, 200
-    cfg = TileConfig(64, block_n, 128, 1, 4, 3 if device == "cuda" else 1, 1, tma=tma)
-    assert grouped_gemm._paired_steps(cfg, False) is False  # off by default
-    monkeypatch.setattr(grouped_gemm, "OVERLAP_FP8_PROMOTION", True)
-    assert grouped_gemm._paired_steps(cfg, False) == (block_n <= 128)
-    if sorted_rows:
-        t, topk = 40, 2
-        ids = torch.randint(0, g, (t, topk), generator=gen)
-        ids[:, 0] = ids[:, 0].clamp(max=1)  # the last expert gets fewer rows
-        rows = sort_by_expert(ids.to(device), g)
-        xq, xs = quantize_rows(torch.randn(t, k, generator=gen).bfloat16().to(device))
-        _, _, b, b_s = _fp8_inputs(g, m, n, k, device, gen, False)
-        x32 = xq.float() * xs.repeat_interleave(128, -1)[:, :k]
-        ref = sorted_gemm(x32, dequantize_blockwise(b, b_s), rows, gather=True)
-        total = rows.total.item()
-    else:
-        a, a_s, b, b_s = _fp8_inputs(g, m, n, k, device, gen, False)
-        mm = torch.tensor([0, m, 33], dtype=torch.int32, device=device)
-        ref = torch.bmm(a.float() * a_s.repeat_interleave(128, -1)[..., :k],
-                        dequantize_blockwise(b, b_s).transpose(1, 2))
-    outs = []
-    for paired in (False, True):
-        monkeypatch.setattr(grouped_gemm, "OVERLAP_FP8_PROMOTION", paired)
-        if sorted_rows:
-            out = torch.full((1, t * topk, n), float("nan"), dtype=torch.bfloat16, device=device)
-            sorted_gemm(xq, b, rows, out, a_scale=xs, b_scale=b_s, gather=True, config=cfg)
-            torch.testing.assert_close(out[0, :total].float(), ref[0, :total].float(), rtol=2e-2, atol=2e-2)
-        else:
-            out = torch.full((g, m, n), float("nan"), dtype=torch.bfloat16, device=device)
-            masked_gemm_fp8(a, a_s, b, b_s, mm, out=out, config=cfg)
-            _check_rows(out, ref, mm.cpu(), 1e-2)
-        outs.append(out)
-    torch.testing.assert_close(outs[0], outs[1], equal_nan=True, rtol=0, atol=0)
-
-
 def test_tma_needs_aligned_operands():
     """A row stride that is not a multiple of 16 bytes cannot feed TMA: the pointer path runs instead."""
     from moe_fx.lowering.triton.grouped_gemm import _operands, _tma_ok

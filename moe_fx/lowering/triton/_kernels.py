@@ -450,7 +450,6 @@ def masked_gemm_fp8_kernel(
     cs_ptr=None,
     s_csm=0,
     s_csn=0,
-    PAIRED_STEPS: tl.constexpr = False,
 ):
     """fp8 x fp8 -> bf16 (+ bias[g]): a with 1x128 per-row group scales, b with 128x128 block scales.
 
@@ -471,14 +470,6 @@ def masked_gemm_fp8_kernel(
     codes in ``c`` and one fp32 scale per 1x128 group in ``cs[row, n // 128]`` (:func:`_quant_groups`, the
     activation kernel's quantisation), so the ``[M, 2N]`` product is never stored. BLOCK_N is 128 (one group a row).
     Not with SWAP_AB.
-
-    PAIRED_STEPS (not with SWAP_AB or ACT_QUANT): each loop iteration runs two k steps, and each step's MMA is issued
-    before the previous step's product is promoted, so the promotion's FMAs run on the CUDA cores while the tensor
-    cores multiply (Triton waits for a Hopper MMA right after issuing it unless its result only feeds the next MMA;
-    ptxas moves the independent FMAs above that wait). Two steps an iteration, so the product a step leaves for the
-    next one is the loop's carried value with no register copy (one step an iteration copies the whole product each
-    step: the MMA writes its product while the previous one is still read). The host's EVEN_K then means whole pairs;
-    a pair's second step past K loads zeros (masks, or TMA's bounds) and its scales clamp to the last group.
     """
     # Written out in both GEMM kernels on purpose: a pointer handed to a helper counts as written in
     # Inductor's mutation analysis, which would then copy the weights before every launch.
@@ -539,12 +530,6 @@ def masked_gemm_fp8_kernel(
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         if ACT_QUANT:  # the up accumulator (acc + 0.0: a new tensor of its shape)
             acc_u = acc + 0.0
-        if PAIRED_STEPS:  # the product of the step before the first (none: zeros, scaled by zeros)
-            p_prev = acc + 0.0
-            if SCALAR_BS:
-                s_prev = tl.full((BLOCK_M, 1), 0.0, tl.float32)
-            else:
-                s_prev = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         if PREFETCH_SCALES:  # the first k step's scales; each step then loads the next step's
             a_s = tl.load(as_ptrs, mask=mask_m, other=0.0)
             if SCALAR_BS:
@@ -553,88 +538,75 @@ def masked_gemm_fp8_kernel(
                 b_s = tl.load(bs_ptrs, mask=mask_n, other=0.0)
             if ACT_QUANT:
                 u_s = tl.load(us_ptrs)
-        for k0 in range(0, K, BLOCK_K * (1 + PAIRED_STEPS)):
-            for h in tl.static_range(1 + PAIRED_STEPS):  # PAIRED_STEPS: two k steps, unrolled
-                kk = k0 + h * BLOCK_K
-                if TMA and not GATHER_A:
-                    a = a_ptr.load([g0, m0, kk]).reshape(BLOCK_M, BLOCK_K)
-                    b = b_ptr.load([e, pid_n * BLOCK_N, kk]).reshape(BLOCK_N, BLOCK_K).T
-                    if ACT_QUANT:
-                        u = b_ptr.load([e, N + pid_n * BLOCK_N, kk]).reshape(BLOCK_N, BLOCK_K).T
-                elif TMA:  # gathered A through pointers (masked at a K tail, as TMA zero-fills b's), b through TMA
-                    if EVEN_K:
-                        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                    else:
-                        a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - kk), other=0.0)
-                    b = b_ptr.load([e, pid_n * BLOCK_N, kk]).reshape(BLOCK_N, BLOCK_K).T
-                    if ACT_QUANT:
-                        u = b_ptr.load([e, N + pid_n * BLOCK_N, kk]).reshape(BLOCK_N, BLOCK_K).T
-                elif EVEN_K:
+        for k0 in range(0, K, BLOCK_K):
+            if TMA and not GATHER_A:
+                a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
+                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+                if ACT_QUANT:
+                    u = b_ptr.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif TMA:  # gathered A through pointers (masked at a K tail, as TMA zero-fills b's), b through TMA
+                if EVEN_K:
                     a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                    b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-                    if ACT_QUANT:
-                        u = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
                 else:
-                    a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - kk), other=0.0)
-                    b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - kk), other=0.0)
-                    if ACT_QUANT:
-                        u = tl.load(u_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - kk), other=0.0)
-                if not PREFETCH_SCALES:  # this step's scales, loaded now (waited for after the MMA)
-                    if PAIRED_STEPS:  # a pair's second step past K (zeros) reads the last group's, in bounds
-                        kg = tl.minimum(kk // 128, (K - 1) // 128)
-                    else:
-                        kg = kk // 128
-                    a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_m, other=0.0)
-                    if SCALAR_BS:
-                        b_s = tl.load(bs_ptrs + kg * s_bsk)
-                    else:
-                        b_s = tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)
-                    if ACT_QUANT:
-                        u_s = tl.load(us_ptrs + kg * s_bsk)
-                if SWAP_AB:  # the same step transposed: rows are the accumulator's columns
-                    if SCALAR_BS:
-                        scale = (a_s * b_s)[None, :]
-                    else:
-                        scale = b_s[:, None] * a_s[None, :]
-                elif SCALAR_BS:
-                    scale = (a_s * b_s)[:, None]
-                else:
-                    scale = a_s[:, None] * b_s[None, :]
+                    a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
                 if ACT_QUANT:
-                    scale_u = (a_s * u_s)[:, None]
-                if PREFETCH_SCALES:  # the next step's scales: a whole step (its MMA) to arrive, not the MMA's tail
-                    # the last step loads its own group again (in bounds; never used)
-                    kn = tl.minimum((kk + BLOCK_K) // 128, (K - 1) // 128)
-                    a_s = tl.load(as_ptrs + kn * s_ask, mask=mask_m, other=0.0)
-                    if SCALAR_BS:
-                        b_s = tl.load(bs_ptrs + kn * s_bsk)
-                    else:
-                        b_s = tl.load(bs_ptrs + kn * s_bsk, mask=mask_n, other=0.0)
-                    if ACT_QUANT:
-                        u_s = tl.load(us_ptrs + kn * s_bsk)
-                if UPCAST:  # the CPU interpreter's dot mis-reads fp8 operands; fp32 is exact there
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                    if ACT_QUANT:
-                        u = u.to(tl.float32)
-                # an explicit FMA: Triton stops fusing a multiply and an add by default after 3.9
-                if PAIRED_STEPS:  # this step's MMA first, then the previous step's promotion (overlapping it)
-                    p = _dot(a, b, SWAP_AB, UPCAST)
-                    acc = tl.fma(p_prev, s_prev, acc)
-                    p_prev = p
-                    s_prev = scale
-                else:
-                    acc = tl.fma(_dot(a, b, SWAP_AB, UPCAST), scale, acc)
+                    u = b_ptr.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
                 if ACT_QUANT:
-                    acc_u = tl.fma(_dot(a, u, False, UPCAST), scale_u, acc_u)
-                if not (TMA and not GATHER_A):
-                    a_ptrs += BLOCK_K * s_ak
-                if not TMA:
-                    b_ptrs += BLOCK_K * s_bk
-                    if ACT_QUANT:
-                        u_ptrs += BLOCK_K * s_bk
-        if PAIRED_STEPS:  # the last step's promotion
-            acc = tl.fma(p_prev, s_prev, acc)
+                    u = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+                b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
+                if ACT_QUANT:
+                    u = tl.load(u_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
+            if not PREFETCH_SCALES:  # this step's scales, loaded now (waited for after the MMA)
+                kg = k0 // 128
+                a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_m, other=0.0)
+                if SCALAR_BS:
+                    b_s = tl.load(bs_ptrs + kg * s_bsk)
+                else:
+                    b_s = tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)
+                if ACT_QUANT:
+                    u_s = tl.load(us_ptrs + kg * s_bsk)
+            if SWAP_AB:  # the same step transposed: rows are the accumulator's columns
+                if SCALAR_BS:
+                    scale = (a_s * b_s)[None, :]
+                else:
+                    scale = b_s[:, None] * a_s[None, :]
+            elif SCALAR_BS:
+                scale = (a_s * b_s)[:, None]
+            else:
+                scale = a_s[:, None] * b_s[None, :]
+            if ACT_QUANT:
+                scale_u = (a_s * u_s)[:, None]
+            if PREFETCH_SCALES:  # the next step's scales: a whole step (its MMA) to arrive, not the MMA's tail
+                # the last step loads its own group again (in bounds; never used)
+                kn = tl.minimum((k0 + BLOCK_K) // 128, (K - 1) // 128)
+                a_s = tl.load(as_ptrs + kn * s_ask, mask=mask_m, other=0.0)
+                if SCALAR_BS:
+                    b_s = tl.load(bs_ptrs + kn * s_bsk)
+                else:
+                    b_s = tl.load(bs_ptrs + kn * s_bsk, mask=mask_n, other=0.0)
+                if ACT_QUANT:
+                    u_s = tl.load(us_ptrs + kn * s_bsk)
+            if UPCAST:  # the CPU interpreter's dot mis-reads fp8 operands; fp32 is exact there
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+                if ACT_QUANT:
+                    u = u.to(tl.float32)
+            # an explicit FMA: Triton stops fusing a multiply and an add by default after 3.9
+            acc = tl.fma(_dot(a, b, SWAP_AB, UPCAST), scale, acc)
+            if ACT_QUANT:
+                acc_u = tl.fma(_dot(a, u, False, UPCAST), scale_u, acc_u)
+            if not (TMA and not GATHER_A):
+                a_ptrs += BLOCK_K * s_ak
+            if not TMA:
+                b_ptrs += BLOCK_K * s_bk
+                if ACT_QUANT:
+                    u_ptrs += BLOCK_K * s_bk
         if SWAP_AB:
             acc = tl.trans(acc)
         if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)

@@ -27,11 +27,6 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 #: it measured 0.93-1.05x before the 2026-12-05 retune and 0.97-1.05x after (bench/results/fp8_scales_2026-12-05*),
 #: no consistent gain; the shipped tiles are tuned with it off.
 PREFETCH_FP8_SCALES = False
-#: fp8 GEMMs issue each k step's MMA before promoting the previous step's product, two steps a loop iteration
-#: (``masked_gemm_fp8_kernel``'s PAIRED_STEPS), on the tiles where it fits: 64+ rows (Hopper's asynchronous MMA), not
-#: swapped, no activation epilogue, and at most 64 fp32 sums a thread (two products live beside the accumulator).
-#: Read at every launch: ``bench/fused_activation.py --switch fp8_overlap`` times both sides in one process.
-OVERLAP_FP8_PROMOTION = False
 #: gate/up halves in GEMM1's epilogue as one weight tile of gate rows and the up rows below them (one accumulator,
 #: the unfused tile's MMA shape and bytes, ``masked_gemm_kernel``'s PAIR_HALVES) instead of two accumulators of half
 #: the tile (a swapped tile: two weight tiles). Read at every launch: ``bench/fused_activation.py --switch
@@ -311,13 +306,11 @@ def _launch_gemm(
                          SLOTS=True)
     else:
         extra = {}
-    paired = kind == "fp8" and _paired_steps(cfg, bool(epilogue))
     common = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, E_POW2=_pow2(groups),
-        EVEN_K=k % (cfg.block_k * (2 if paired else 1)) == 0, UPCAST=a.device.type == "cpu", TMA=tma, **_bias_args(bias), **extra,
+        EVEN_K=k % cfg.block_k == 0, UPCAST=a.device.type == "cpu", TMA=tma, **_bias_args(bias), **extra,
         SWAP_AB=cfg.swap_ab, DEVICE_TMA=device_tma, FLATTEN=cfg.flatten,
-        # paired k steps: a pipeline stage holds two steps' tiles, so half the stages keep the tile's buffers
-        num_warps=cfg.num_warps, num_stages=(cfg.num_stages + 1) // 2 if paired else cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if kind == "fp8":
         # the activation epilogue (gate/up halves, quantised output: fp8_activation_tile): the kernel's arguments
@@ -330,8 +323,7 @@ def _launch_gemm(
             a_in, a_scale, b_in, b_scale, out, masked_m,
             groups, m, n, k,
             *a_strides, *as_strides, *b.stride(), *b_scale.stride(), *c_strides,
-            SCALAR_BS=FP8_BLOCK % cfg.block_n == 0, PREFETCH_SCALES=PREFETCH_FP8_SCALES, PAIRED_STEPS=paired,
-            **common, **act,
+            SCALAR_BS=FP8_BLOCK % cfg.block_n == 0, PREFETCH_SCALES=PREFETCH_FP8_SCALES, **common, **act,
         )  # fmt: skip
     else:
         w8a16 = {} if kind != "w8a16" else {"bs_ptr": b_scale, "s_bsg": b_scale.stride(0), "s_bsn": b_scale.stride(1),
@@ -343,12 +335,6 @@ def _launch_gemm(
             *a_strides, *b.stride(), *c_strides,
             IEEE=a.dtype == torch.float32, **common, **(epilogue or {}), **w8a16,
         )  # fmt: skip
-
-
-def _paired_steps(cfg: configs.TileConfig, epilogue: bool) -> bool:
-    """Whether an fp8 launch of ``cfg`` runs its k steps in pairs (:data:`OVERLAP_FP8_PROMOTION`)."""
-    fits = cfg.block_m * cfg.block_n <= 64 * 32 * cfg.num_warps
-    return OVERLAP_FP8_PROMOTION and cfg.block_m >= 64 and not cfg.swap_ab and not epilogue and fits
 
 
 def _check_operands(name: str, a: torch.Tensor, b: torch.Tensor, fp8: bool, a_dim: int, grouped: bool = True,
