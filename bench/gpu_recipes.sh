@@ -59,7 +59,7 @@
 #                  sides so the "on" side fuses at every size, the shipped choice since it won 1.04-1.11x on an H100,
 #                  fused_activation_2026-12-06_prefill_h100.md)
 #   fp8_epilogue   fp8 weights: GEMM1 applying the activation and quantising GEMM2's input in its epilogue
-#                  (masked_experts.pipeline.FP8_EPILOGUE_MIN_REGIME, None until measured; built 2026-12-06 on CPU) against the
+#                  (masked_experts.pipeline.FP8_EPILOGUE_MIN_REGIME, None: no gain on an H100, fp8_epilogue_2026-12-06_prefill_h100.md) against the
 #                  activation kernel, Qwen3, Mixtral and the DeepSeek-V3 shard, T = 256 ... 16384; its GPU tests first
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384

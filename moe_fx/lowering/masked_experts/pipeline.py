@@ -42,8 +42,8 @@ FUSE_HALVES_MAX_ROWS: int | None = None
 #: Rows-per-expert regime from which GEMM1 with fp8 weights and quantised activations applies the activation in its
 #: epilogue and quantises its output for GEMM2 there (``grouped_gemm.sorted_gemm``'s fp8 epilogue, gate/up halves of
 #: a multiple of 128 rows each; see :func:`fuse_activation`), instead of storing its bf16 ``[rows, 2I]`` product for
-#: the activation kernel. None: never, until measured (``bench/fused_activation.py --switch fp8_epilogue``); its
-#: launch tile (``grouped_gemm.fp8_activation_tile``) is not tuned yet.
+#: the activation kernel. None: never, the measured choice (``bench/fused_activation.py --switch fp8_epilogue`` on an
+#: H100, 2026-12-06: 0.93-1.04x at T = 256 ... 16384, no row clearly ahead; docs/triton.md).
 FP8_EPILOGUE_MIN_REGIME: int | None = None
 #: Rows per expert up to which fp8 weights meet unquantised bf16 activations on the sorted layout (W8A16,
 #: see :func:`quantize_activations`). 0: activations are quantised at every size, the measured choice
