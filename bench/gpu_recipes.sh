@@ -23,6 +23,7 @@
 #                  launch, on since 2026-12-05) and moe_fx with Triton's launcher (STATIC_LAUNCH_KERNELS=False) timed in
 #                  the same alternating rounds (e2e_model --ab-set: no drift between runs; the A/B side compiles after
 #                  moe_fx's, on Triton's warm on-disk cache: its warm-up is not a cold compile)
+#   gen_ab_cpp     the same A/B at 8 layers with moe_fx.backend.CPP_WRAPPER=True (Inductor's C++ wrapper) on the A/B side
 #   gen_ab_combine the same A/B with masked_experts.pipeline.COMBINE_IN_GRAPH=True
 #   compile_static what STATIC_LAUNCH_KERNELS costs a cold compile (no worker pool): GPT-OSS 16 layers, one T=1
 #                  forward per side, Triton's launcher then static, each process with empty Inductor and Triton caches
@@ -167,6 +168,10 @@ for name in "$@"; do
       timeout 590 python3 $E2E_AB --ab-set moe_fx.backend.STATIC_LAUNCH_KERNELS=False --tag gpt_oss16_ab_launcher \
         > "$OUT/log_$name.txt" 2>&1
       summary gpt_oss16_ab_launcher ;;
+    gen_ab_cpp)
+      timeout 590 python3 $E2E_AB --layers 8 --ab-set moe_fx.backend.CPP_WRAPPER=True --tag gpt_oss8_ab_cpp \
+        > "$OUT/log_$name.txt" 2>&1
+      summary gpt_oss8_ab_cpp ;;
     gen_ab_combine)
       timeout 590 python3 $E2E_AB --ab-set masked_experts.pipeline.COMBINE_IN_GRAPH=True --tag gpt_oss16_ab_combine \
         > "$OUT/log_$name.txt" 2>&1

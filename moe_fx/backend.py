@@ -16,6 +16,7 @@ model about such modules (:func:`_warn_uncaptured`), naming them and ``moe_fx.co
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import logging
@@ -34,8 +35,19 @@ from moe_fx.config import MoEConfig
 from moe_fx.passes.manager import PassContext, run_passes
 from moe_fx.passes.report import RegionReport
 
-__all__ = ["PASSES_TIMER", "CheckedCall", "MoEFxBackend", "UncapturedExpertsWarning", "enable_capture", "make_backend",
-           "moe_fx_backend", "passes_fingerprint", "static_launch_options"]
+__all__ = [
+    "PASSES_TIMER",
+    "CheckedCall",
+    "MoEFxBackend",
+    "UncapturedExpertsWarning",
+    "compile_with_cpp_wrapper_fallback",
+    "cpp_wrapper_refusal",
+    "enable_capture",
+    "make_backend",
+    "moe_fx_backend",
+    "passes_fingerprint",
+    "static_launch_options",
+]
 
 log = logging.getLogger("moe_fx")
 
@@ -64,8 +76,85 @@ _STATIC_LAUNCH_OPTIONS = {"static_launch_user_defined_triton_kernels": True, "co
 def static_launch_options(example_inputs: Sequence[Any]) -> dict[str, Any]:
     """The Inductor options of :data:`STATIC_LAUNCH_KERNELS` for a graph compiled with ``example_inputs``: none when
     the switch is off or no input is a CUDA tensor."""
-    on_cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
-    return dict(_STATIC_LAUNCH_OPTIONS) if STATIC_LAUNCH_KERNELS and on_cuda else {}
+    return dict(_STATIC_LAUNCH_OPTIONS) if STATIC_LAUNCH_KERNELS and _on_cuda(example_inputs) else {}
+
+
+def _on_cuda(example_inputs: Sequence[Any]) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
+
+
+#: Whether decode-sized graphs (:func:`cpp_wrapper_refusal`) compile with Inductor's C++ wrapper (``cpp_wrapper``):
+#: the code that allocates a step's buffers and launches its kernels is C++ instead of Python. A decode step in
+#: default mode is host-bound (GPT-OSS-20B, 8 layers, batch 1, H100: 9.7 ms of wall against 1.4 ms of GPU work a step),
+#: and the C++ wrapper took the step to 5.8 ms: generate() decode 174 against 103 tok/s (1.69x; plain torch.compile
+#: 97 tok/s, whose own C++ wrapper does not compile with transformers' ``grouped_mm`` experts on torch 2.11,
+#: bench/results/e2e_model_2026-12-06_gpt_oss8_ab_cpp_h100.md). It costs a C++ compile per such graph (that run's
+#: warm-up 74 -> 153 s), kept by Inductor's on-disk cache. A graph whose C++ wrapper fails to compile is compiled
+#: again with the Python wrapper (logged). On since 2026-12-06 (sixteenth session).
+CPP_WRAPPER = True
+#: The most tokens a graph's MoE ops may take for it to get the C++ wrapper: decode steps, whose host time is most of
+#: their wall time; their tiles (at most 16 rows per expert) make no TMA descriptors on the device.
+CPP_WRAPPER_MAX_TOKENS = 16
+
+
+def cpp_wrapper_refusal(gm: fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any]) -> str | None:
+    """Why the rewritten graph ``gm`` does not get Inductor's C++ wrapper (:data:`CPP_WRAPPER`), or None if it does.
+
+    It does when the switch is on, the graph runs on CUDA, neither CUDA graphs (which remove the host cost, and which
+    Inductor skips under the C++ wrapper) nor the caller's own ``cpp_wrapper`` option is set, and the graph holds
+    ``moe_fx::experts`` ops only of the kind checked under the C++ wrapper on a GPU: bf16 / fp16 weights, a static
+    token count of at most :data:`CPP_WRAPPER_MAX_TOKENS`. (fp8 weights are not: one fp8 graph at a prefill size
+    crashed under it with an illegal memory access, 2026-12-06, cause not found.)
+    """
+    from moe_fx.passes.graph_utils import bound_op_args, moe_fx_op
+
+    if not CPP_WRAPPER:
+        return "moe_fx.backend.CPP_WRAPPER is off"
+    if not _on_cuda(example_inputs):
+        return "no CUDA input"
+    if patches.get("triton.cudagraphs"):
+        return "CUDA graphs"
+    if "cpp_wrapper" in patches:
+        return "cpp_wrapper set by the caller"
+    ops = [n for n in gm.graph.nodes if n.op == "call_function" and moe_fx_op(n) is not None]
+    if not ops:
+        return "no moe_fx op"
+    for node in ops:
+        if moe_fx_op(node) != "experts":
+            return f"moe_fx::{moe_fx_op(node)} (expert parallelism)"
+        args = bound_op_args(node)
+        hidden = args["hidden"]
+        if not isinstance(hidden, torch.Tensor) or args["w13"].dtype not in (torch.bfloat16, torch.float16):
+            return "weights other than bf16 / fp16"
+        dims = hidden.shape[:-1]
+        if not all(isinstance(d, int) for d in dims):
+            return "a dynamic token count"
+        tokens = 1
+        for d in dims:
+            tokens *= d
+        if tokens > CPP_WRAPPER_MAX_TOKENS:
+            return f"{tokens} tokens (more than {CPP_WRAPPER_MAX_TOKENS})"
+    return None
+
+
+def compile_with_cpp_wrapper_fallback(
+    compile_fn: Callable[..., Callable], gm: fx.GraphModule, example_inputs: list[Any], patches: dict[str, Any],
+    cpp_wrapper: bool,
+) -> Callable:
+    """``compile_fn(gm, example_inputs, config_patches=...)`` with ``cpp_wrapper`` added to ``patches`` when asked;
+    if that compile fails (a C++ wrapper that does not compile: torch 2.11 declares no C shim for some ops), ``gm``
+    compiles again with the Python wrapper, and the failure is logged. Inductor's passes rewrite the graph they are
+    given, so the C++ attempt compiles a copy of ``gm``'s graph (the module's attributes are shared, not copied)."""
+    if not cpp_wrapper:
+        return compile_fn(gm, example_inputs, config_patches=patches)
+    attempt = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # fx copies nodes with shallow copies of their meta
+    attempt.meta.update(gm.meta)
+    try:
+        return compile_fn(attempt, example_inputs, config_patches={**patches, "cpp_wrapper": True})
+    except Exception as err:  # noqa: BLE001  (any failure of the optional wrapper falls back to the default one)
+        log.warning("moe_fx: Inductor's C++ wrapper failed for this graph, compiling it with the Python wrapper: %s",
+                    str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return compile_fn(gm, example_inputs, config_patches=patches)
 
 
 def enable_capture() -> None:
@@ -268,7 +357,9 @@ class MoEFxBackend:
                 "post_grad_custom_post_pass": _cache_salt(),
                 **self.config.inductor_options,
             }
-            compiled = compile_fx(gm, list(example_inputs), config_patches=patches)
+            refusal = cpp_wrapper_refusal(gm, example_inputs, patches)
+            log.debug("moe_fx: C++ wrapper: %s", refusal or "yes")
+            compiled = compile_with_cpp_wrapper_fallback(compile_fx, gm, list(example_inputs), patches, refusal is None)
         for action in ctx.after_compile:
             action()
         ctx.after_compile.clear()  # they may hold the example inputs; nothing of the compile outlives it

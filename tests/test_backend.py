@@ -304,6 +304,77 @@ def test_static_launch_of_user_kernels_is_one_switch_the_config_overrides(monkey
     assert key not in seen[3] and "compile_threads" not in seen[3]
 
 
+def _experts_graph(t: int, fp8: bool = False, symbolic: bool = False) -> torch.fx.GraphModule:
+    """A graph of one ``moe_fx::experts`` call on ``t`` tokens (make_fx; ``symbolic``: a dynamic token count)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    e, k, h, i = 4, 2, 16, 32
+    hidden = torch.randn(t, h, dtype=torch.bfloat16)
+    ids = torch.randint(0, e, (t, k))
+    w = torch.rand(t, k)
+    w13 = torch.randn(e, 2 * i, h, dtype=torch.bfloat16)
+    w2 = torch.randn(e, h, i, dtype=torch.bfloat16)
+    if fp8:
+        w13, w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+    s13, s2 = torch.ones(e, 1, 1), torch.ones(e, 1, 1)
+
+    def layer(hidden, ids, w, w13, w2, s13, s2):
+        return torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, w13_scale=s13 if fp8 else None,
+                                        w2_scale=s2 if fp8 else None)
+
+    return make_fx(layer, tracing_mode="symbolic" if symbolic else "fake")(hidden, ids, w, w13, w2, s13, s2)
+
+
+def test_cpp_wrapper_goes_to_decode_sized_bf16_graphs_only(monkeypatch):
+    """``backend.CPP_WRAPPER``: Inductor's C++ wrapper for graphs on CUDA whose experts ops take bf16 weights and a
+    static token count of at most ``CPP_WRAPPER_MAX_TOKENS``; every other graph is refused, with the reason."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from moe_fx import backend
+
+    with FakeTensorMode():
+        cuda = [torch.empty(2, 4, device="cuda")]  # a CUDA input's stand-in: no GPU needed
+    cpu = [torch.randn(2, 4)]
+    decode = _experts_graph(backend.CPP_WRAPPER_MAX_TOKENS)
+    monkeypatch.setattr(backend, "CPP_WRAPPER", False)
+    assert backend.cpp_wrapper_refusal(decode, cuda, {}) == "moe_fx.backend.CPP_WRAPPER is off"
+    monkeypatch.setattr(backend, "CPP_WRAPPER", True)
+    assert backend.cpp_wrapper_refusal(decode, cuda, {}) is None
+    assert backend.cpp_wrapper_refusal(decode, cpu, {}) == "no CUDA input"
+    assert backend.cpp_wrapper_refusal(decode, cuda, {"triton.cudagraphs": True}) == "CUDA graphs"
+    assert backend.cpp_wrapper_refusal(decode, cuda, {"cpp_wrapper": False}) == "cpp_wrapper set by the caller"
+    n = backend.CPP_WRAPPER_MAX_TOKENS + 1
+    assert backend.cpp_wrapper_refusal(_experts_graph(n), cuda, {}) == f"{n} tokens (more than {n - 1})"
+    assert backend.cpp_wrapper_refusal(_experts_graph(4, symbolic=True), cuda, {}) == "a dynamic token count"
+    assert backend.cpp_wrapper_refusal(_experts_graph(4, fp8=True), cuda, {}) == "weights other than bf16 / fp16"
+    assert backend.cpp_wrapper_refusal(torch.fx.symbolic_trace(torch.nn.Linear(4, 4)), cuda, {}) == "no moe_fx op"
+
+
+def test_cpp_wrapper_compile_falls_back_to_the_python_wrapper(caplog):
+    """A graph whose C++ wrapper fails to compile is compiled again, as given, with the Python wrapper (logged); the
+    C++ attempt gets a copy of the graph (Inductor rewrites what it compiles), and no attempt is made when not asked."""
+    from moe_fx import backend
+
+    gm = _experts_graph(2)
+    calls = []
+
+    def compile_fn(g, inputs, config_patches):
+        calls.append((g, dict(config_patches)))
+        if config_patches.get("cpp_wrapper"):
+            raise RuntimeError("CppCompileError: 'aoti_torch_cuda__grouped_mm' was not declared")
+        return "python wrapper"
+
+    with caplog.at_level("WARNING", logger="moe_fx"):
+        got = backend.compile_with_cpp_wrapper_fallback(compile_fn, gm, [], {"a": 1}, cpp_wrapper=True)
+    assert got == "python wrapper"
+    assert [p for _, p in calls] == [{"a": 1, "cpp_wrapper": True}, {"a": 1}]
+    assert calls[0][0] is not gm and calls[0][0].code == gm.code and calls[1][0] is gm
+    assert "C++ wrapper failed" in caplog.text and "aoti_torch_cuda__grouped_mm" in caplog.text
+    calls.clear()
+    assert backend.compile_with_cpp_wrapper_fallback(compile_fn, gm, [], {"a": 1}, cpp_wrapper=False) == "python wrapper"
+    assert calls == [(gm, {"a": 1})]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_reduce_overhead_replays_cuda_graphs_on_gpu(monkeypatch):

@@ -113,6 +113,7 @@ def test_static_launch_of_the_kernels_gives_the_same_numbers(t, monkeypatch, fre
     from moe_fx import backend
 
     monkeypatch.setattr(backend, "STATIC_LAUNCH_KERNELS", True)
+    monkeypatch.setattr(backend, "CPP_WRAPPER", False)  # the static launcher is the Python wrapper's
     static = []  # (kernel, launched statically?) as Inductor decided for each compiled kernel
     real = th.StaticTritonCompileResult.can_statically_launch
 
@@ -131,6 +132,40 @@ def test_static_launch_of_the_kernels_gives_the_same_numbers(t, monkeypatch, fre
     out = torch.compile(layer, backend="moe_fx", fullgraph=True)(hidden, ids, w)
     assert rel_err(out, experts_reference(hidden, ids, w, w13, w2) * 2) < 1e-2
     assert any(ok and ("gemm" in name or "unpermute" in name) for name, ok in static), static
+
+
+@pytest.mark.parametrize("t", [1, 16])
+def test_decode_graph_with_cpp_wrapper_gives_the_python_wrappers_numbers(t, monkeypatch, fresh_compile, caplog):
+    """``backend.CPP_WRAPPER`` on: a decode-sized graph through ``backend="moe_fx"`` compiles with Inductor's C++
+    wrapper (no fallback to the Python one) and gives, bit for bit, what the Python wrapper's graph gives."""
+    import torch._inductor.compile_fx as cfx
+
+    from moe_fx import backend
+
+    hidden, ids, w, w13, w2 = _layer(t)
+
+    def layer(hidden, ids, w):
+        return torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, kernel_choice="triton") * 2
+
+    seen = []
+    real = cfx.compile_fx
+
+    def spy(gm, inputs, config_patches=None, **kw):
+        if config_patches is not None:  # the backend's call (compile_fx calls itself again, without patches)
+            seen.append(bool(config_patches.get("cpp_wrapper")))
+        return real(gm, inputs, config_patches=config_patches, **kw)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(backend, "CPP_WRAPPER", on)
+        torch._dynamo.reset()
+        with caplog.at_level("WARNING", logger="moe_fx"):
+            outs[on] = torch.compile(layer, backend="moe_fx", fullgraph=True)(hidden, ids, w)
+    assert seen == [False, True], seen
+    assert "C++ wrapper failed" not in caplog.text, caplog.text
+    assert torch.equal(outs[True], outs[False])
+    assert rel_err(outs[True], experts_reference(hidden, ids, w, w13, w2) * 2) < 1e-2
 
 
 def test_dynamic_token_count_recompiles_per_regime_only():
