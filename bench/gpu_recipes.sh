@@ -23,7 +23,9 @@
 #                  launch, on since 2026-12-05) and moe_fx with Triton's launcher (STATIC_LAUNCH_KERNELS=False) timed in
 #                  the same alternating rounds (e2e_model --ab-set: no drift between runs; the A/B side compiles after
 #                  moe_fx's, on Triton's warm on-disk cache: its warm-up is not a cold compile)
-#   gen_ab_cpp     the same A/B at 8 layers with moe_fx.backend.CPP_WRAPPER=True (Inductor's C++ wrapper) on the A/B side
+#   gen_ab_cpp     the same A/B at 8 layers with moe_fx.backend.CPP_WRAPPER=False on the A/B side (Inductor's Python wrapper;
+#                  the C++ wrapper of decode-sized graphs is on since 2026-12-06, e2e_model_2026-12-06_gpt_oss8_ab_cpp_h100.md
+#                  measured it the other way round, every graph of the A/B side under it)
 #   gen_ab_combine the same A/B with masked_experts.pipeline.COMBINE_IN_GRAPH=True
 #   compile_static what STATIC_LAUNCH_KERNELS costs a cold compile (no worker pool): GPT-OSS 16 layers, one T=1
 #                  forward per side, Triton's launcher then static, each process with empty Inductor and Triton caches
@@ -169,9 +171,9 @@ for name in "$@"; do
         > "$OUT/log_$name.txt" 2>&1
       summary gpt_oss16_ab_launcher ;;
     gen_ab_cpp)
-      timeout 590 python3 $E2E_AB --layers 8 --ab-set moe_fx.backend.CPP_WRAPPER=True --tag gpt_oss8_ab_cpp \
+      timeout 590 python3 $E2E_AB --layers 8 --ab-set moe_fx.backend.CPP_WRAPPER=False --tag gpt_oss8_ab_py \
         > "$OUT/log_$name.txt" 2>&1
-      summary gpt_oss8_ab_cpp ;;
+      summary gpt_oss8_ab_py ;;
     gen_ab_combine)
       timeout 590 python3 $E2E_AB --ab-set masked_experts.pipeline.COMBINE_IN_GRAPH=True --tag gpt_oss16_ab_combine \
         > "$OUT/log_$name.txt" 2>&1
