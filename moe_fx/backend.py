@@ -358,7 +358,11 @@ class MoEFxBackend:
                 **self.config.inductor_options,
             }
             refusal = cpp_wrapper_refusal(gm, example_inputs, patches)
-            log.debug("moe_fx: C++ wrapper: %s", refusal or "yes")
+            if refusal is None:  # the first compile of such a graph takes longer: say why
+                log.info("moe_fx: a decode-sized graph: compiling it with Inductor's C++ wrapper (a C++ compile; "
+                         "moe_fx.backend.CPP_WRAPPER)")
+            else:
+                log.debug("moe_fx: Python wrapper for this graph: %s", refusal)
             compiled = compile_with_cpp_wrapper_fallback(compile_fx, gm, list(example_inputs), patches, refusal is None)
         for action in ctx.after_compile:
             action()
