@@ -104,7 +104,8 @@ def cpp_wrapper_refusal(gm: fx.GraphModule, example_inputs: Sequence[Any], patch
     Inductor skips under the C++ wrapper) nor the caller's own ``cpp_wrapper`` option is set, and the graph holds
     ``moe_fx::experts`` ops only of the kind checked under the C++ wrapper on a GPU: bf16 / fp16 weights, a static
     token count of at most :data:`CPP_WRAPPER_MAX_TOKENS`. (fp8 weights are not: one fp8 graph at a prefill size
-    crashed under it with an illegal memory access, 2026-12-06, cause not found.)
+    crashed under it with an illegal memory access, 2026-12-06, most likely a kernel that makes TMA descriptors on the
+    device, which the lowering now keeps out of C++-wrapper graphs, ``grouped_gemm._device_tma_ok``; not re-run.)
     """
     from moe_fx.passes.graph_utils import bound_op_args, moe_fx_op
 

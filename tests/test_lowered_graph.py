@@ -313,6 +313,26 @@ def test_dynamic_graph_tiles_are_the_regimes_not_the_traced_size(sm90, monkeypat
             assert set(node.kwargs["tensors_to_clone"]) == {"c_ptr"}, node.kwargs["tensors_to_clone"]
 
 
+def test_cpp_wrapper_graphs_load_tiles_through_pointers(sm90, monkeypatch):
+    """A graph Inductor compiles with its C++ wrapper gets no kernel that makes TMA descriptors on the device (torch
+    2.11's C++ wrapper gives such kernels no fitting global scratch: an illegal memory access on an H100): the
+    regime's TMA tile loads through pointers there, same tile; the Python wrapper's graph keeps the descriptors."""
+    from torch._inductor import config as inductor_config
+
+    from moe_fx.lowering.triton import configs
+
+    table = {"NVIDIA H200|bf16|N512|K256|sorted|r2": {"block_m": 64, "block_n": 128, "block_k": 64, "tma": True}}
+    monkeypatch.setattr(configs, "_shipped", lambda: table)
+    monkeypatch.setattr(configs, "_memory", {})
+    monkeypatch.setattr(configs, "_disk_loaded", {})
+    python = _gemm_tiles(_trace(_experts, _inputs(FakeTensorMode(), t=200)))
+    with inductor_config.patch(cpp_wrapper=True):
+        cpp = _gemm_tiles(_trace(_experts, _inputs(FakeTensorMode(), t=200)))
+    assert python[0][4] is True and cpp[0][4] is False, (python, cpp)
+    assert [t[:4] for t in cpp] == [t[:4] for t in python]
+    assert not any(t[4] for t in cpp)
+
+
 def test_one_token_runs_without_a_sort(sm90):
     """Dynamo specialises one token: its graph launches GEMM1 and GEMM2 on rows in slot order (their SLOTS mode, the
     ids read in place) and the combine (SLOT_ROWS): no sort kernel, each kernel writing only its output."""

@@ -166,8 +166,13 @@ def _device_tma_ok(a: torch.Tensor, b: torch.Tensor, gather: bool) -> bool:
 
     Unit last stride, 16-byte aligned strides and rows (TMA's rules); base addresses are checked on
     real tensors (a traced stand-in has none: its buffers come from the allocator, weights are
-    parameters, both aligned).
+    parameters, both aligned). Never in a graph Inductor compiles with its C++ wrapper: such a kernel needs
+    global scratch memory from its launcher, and torch 2.11's C++ wrapper passes none that fits (an fp8
+    prefill graph under it stopped with an illegal memory access on an H100, 2026-12-06; pytorch#148051
+    gave C++-launched kernels a null scratch pointer); there the tile loads through pointers.
     """
+    if is_traced(a) and _compiling_with_cpp_wrapper():
+        return False
     if a.device.type == "cuda" and not _tma_capable(a.device):
         return False
     ts = [b] if gather else [b, a]
@@ -180,6 +185,14 @@ def _device_tma_ok(a: torch.Tensor, b: torch.Tensor, gather: bool) -> bool:
         if not is_traced(t) and t.data_ptr() % 16:
             return False
     return True
+
+
+def _compiling_with_cpp_wrapper() -> bool:
+    """Whether the graph being traced is compiled with Inductor's C++ wrapper (``cpp_wrapper`` in force: Inductor
+    traces a graph's ops inside its config patches)."""
+    from torch._inductor import config
+
+    return bool(config.cpp_wrapper)
 
 
 def _tile_bound(groups: int, m: object, n: int, cfg: configs.TileConfig, max_total_m: object) -> object:
