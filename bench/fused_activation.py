@@ -15,9 +15,6 @@
   (``pipeline.SLOT_ROWS_MAX_TOKENS`` 1 vs 0): only T=1 differs;
 * ``--switch slot_down``: bf16 weights, one token's GEMM2 and combine in one launch vs two
   (``pipeline.SLOT_DOWN_COMBINE`` True vs False): only T=1 differs;
-* ``--switch fp8_epilogue``: fp8 weights, GEMM1 applying the activation and quantising its output for GEMM2 in its
-  epilogue vs the activation kernel (``pipeline.FP8_EPILOGUE_MIN_REGIME`` 0 vs None; gate/up halves of a multiple
-  of 128 rows each: Qwen3, Mixtral, the DeepSeek-V3 shard, OLMoE; GPT-OSS's interleaved rows never differ);
 * ``--switch bitonic_sort``: bf16 weights, the one-launch sort's program 0 sorting up to 1024 slots by a bitonic
   network vs blocks of pairwise ranks (``moe_fx.lowering.triton.sort.BITONIC_SORT_SLOTS`` 1024 vs 0): T * K
   between the pairwise tile (128 slots at 128 experts) and 1024 differs.
@@ -29,7 +26,7 @@ kernels), over the same rotating routing sets, and the two are timed alternately
 matmul rate)`` with both limits measured in the same run, and the relative error of each variant against the
 fp32 reference (first routing set of the row), and of one variant against the other at every T.
 
-    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|fp8_epilogue|pair_halves|slot_rows|slot_down|bitonic_sort] [--shapes qwen3,mixtral,gpt_oss]
+    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|pair_halves|slot_rows|slot_down|bitonic_sort] [--shapes qwen3,mixtral,gpt_oss]
                                      [--tokens 1,16,256,1024,4096] [--rounds 3]
     python bench/fused_activation.py --smoke   # CPU, Triton interpreter, tiny shapes: checks the script end to end
 
@@ -66,7 +63,6 @@ from moe_layer import (
 
 SETS = 3
 #: --smoke: tiny layers of the same forms (E, K, H, I as in SHAPES), run on CPU under the interpreter
-#: (qwen3's I = 128: one scale group, so fp8_epilogue switches something)
 SMOKE_SHAPES = {"qwen3": ("qwen3_moe", 4, 2, 128, 128), "gpt_oss": ("gpt_oss", 4, 2, 128, 72)}
 
 
@@ -112,9 +108,6 @@ SWITCHES = {
     "slot_rows": ("masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS", 1, 0, False,
                   ("one token: rows in slot order, no sort launch (on) vs sorted rows (off), bf16 (T=1 rows only "
                    "differ)")),
-    "fp8_epilogue": ("masked_experts.pipeline.FP8_EPILOGUE_MIN_REGIME", 0, None, True,
-                     ("fp8 weights: GEMM1 with the activation and GEMM2's 1x128 quantisation in its epilogue (on, every "
-                      "size; gate/up halves of a multiple of 128 rows) vs the activation kernel (off)")),
     "slot_down": ("masked_experts.pipeline.SLOT_DOWN_COMBINE", True, False, False,
                   ("one token: GEMM2 and the combine in one launch (on) vs GEMM2, then the combine kernel (off), bf16 "
                    "(T=1 rows only differ)")),

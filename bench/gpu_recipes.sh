@@ -61,9 +61,6 @@
 #                  sizes (Qwen3, Mixtral; T = 1024, 4096, 16384; masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None on both
 #                  sides so the "on" side fuses at every size, the shipped choice since it won 1.04-1.11x on an H100,
 #                  fused_activation_2026-12-06_prefill_h100.md)
-#   fp8_epilogue   fp8 weights: GEMM1 applying the activation and quantising GEMM2's input in its epilogue
-#                  (masked_experts.pipeline.FP8_EPILOGUE_MIN_REGIME, None: no gain on an H100, fp8_epilogue_2026-12-06_prefill_h100.md) against the
-#                  activation kernel, Qwen3, Mixtral and the DeepSeek-V3 shard, T = 256 ... 16384; its GPU tests first
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
@@ -92,8 +89,6 @@ LAYER="bench/moe_layer.py --shapes qwen3,mixtral,dsv3 --tokens 1,16,64,256,1024,
 BREAKDOWN="bench/kernel_breakdown.py --shapes qwen3,mixtral,gpt_oss --tokens 1024,4096 --out $OUT"
 EPILOGUE="bench/fused_activation.py --switch epilogue --shapes qwen3,mixtral --tokens 1024,4096,16384 --rounds 3
   --set masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None --out $OUT"
-FP8_EPILOGUE="bench/fused_activation.py --switch fp8_epilogue --shapes qwen3,mixtral,dsv3 --tokens 256,1024,4096,16384
-  --rounds 3 --out $OUT"
 SLOT_DOWN="bench/fused_activation.py --switch slot_down --shapes qwen3,mixtral,gpt_oss --tokens 1 --rounds 5 --out $OUT"
 PASS_TIME="bench/pass_time.py --real gpt_oss,mixtral --layers 4 --repeats 2 --out $OUT"
 TUNE_BF16="bench/tune_tiles.py --sorted --kinds bf16 --warm 8 --force --ship --out $OUT"
@@ -252,12 +247,6 @@ for name in "$@"; do
     epilogue_prefill)
       timeout 560 python3 $EPILOGUE --tag prefill > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral)" "$OUT"/fused_activation_*prefill.md 2>/dev/null | cut -c1-220 ;;
-    fp8_epilogue)
-      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_fused_activation.py tests/test_compiled_gpu.py -k fp8_epilogue \
-        > "$OUT/pytest_gpu_$name.log" 2>&1
-      grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -5
-      timeout 420 python3 $FP8_EPILOGUE --tag prefill > "$OUT/log_$name.txt" 2>&1
-      grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/fp8_epilogue_*prefill.md 2>/dev/null | cut -c1-220 ;;
     peer_vllm)
       peer_run "$name" qwen3,mixtral ;;
     peer_vllm_more)

@@ -160,7 +160,7 @@ def epilogue_activation(shape: str, kind: str, regime: int):
     from moe_fx.ops import ExpertActivation
 
     spec = ExpertActivation(**GPT_OSS_ACT) if SHAPES[shape][0] == "gpt_oss" else ExpertActivation()
-    return spec if fuse_activation(spec, kind == "fp8", regime, SHAPES[shape][4]) else None
+    return spec if fuse_activation(spec, kind == "fp8", regime) else None
 
 
 def _sorted_cell(shape: str, t: int, kind: str, gemm: int, cache: dict):
@@ -170,7 +170,6 @@ def _sorted_cell(shape: str, t: int, kind: str, gemm: int, cache: dict):
     from moe_fx.lowering.quant import quantize_fp8_blockwise
     from moe_fx.lowering.triton.grouped_gemm import SlotRows, sorted_gemm
     from moe_fx.lowering.triton.sort import quantize_rows, sort_by_expert
-    from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE
 
     _, e, k, h, i = SHAPES[shape]
     if cache.get("shape") != shape:
@@ -210,14 +209,11 @@ def _sorted_cell(shape: str, t: int, kind: str, gemm: int, cache: dict):
         w, w_s, gather = w2, s2, False
     n_, k_ = w.shape[1], w.shape[2]
     n_out = n_ // 2 if activation is not None else n_
-    # fp8 weights with the activation in GEMM1's epilogue: fp8 rows and their 1x128 scales, GEMM2's input
-    fp8_epilogue = fp8 and activation is not None
-    out = torch.empty(1, t * k, n_out, device=DEVICE, dtype=FP8_DTYPE if fp8_epilogue else torch.bfloat16)
-    out_scale = torch.empty(1, t * k, n_out // FP8_BLOCK, device=DEVICE) if fp8_epilogue else None
+    out = torch.empty(1, t * k, n_out, device=DEVICE, dtype=torch.bfloat16)
 
     def run(cfg):
         return sorted_gemm(a, w, rows, out, a_scale=a_s, b_scale=w_s, gather=gather, regime=regime, config=cfg,
-                           activation=activation, out_scale=out_scale)
+                           activation=activation)
 
     return run, n_, k_, regime, 2 * t * k * n_ * k_
 

@@ -16,8 +16,7 @@ pytest.importorskip("triton")
                                                        ("w8a16", "w8a16", 8e-2, 3), ("fp8_scales", "fp8_scales", 8e-2, 3),
                                                        ("slot_rows", "slot_rows", 3e-2, 1),
                                                        ("pair_halves", "pair_halves", 3e-2, 3),
-                                                       ("bitonic_sort", "bitonic_sort", 3e-2, 3),
-                                                       ("fp8_epilogue", "fp8_epilogue", 8e-2, 3)])
+                                                       ("bitonic_sort", "bitonic_sort", 3e-2, 3)])
 def test_smoke_writes_rows_with_both_variants_close_to_the_reference(tmp_path, switch, stem, bound, tokens):
     mod = load_bench("fused_activation")
     mod.main(["--smoke", "--switch", switch, "--tokens", str(tokens), "--out", str(tmp_path), "--tag", "t"])
@@ -37,9 +36,6 @@ def test_smoke_writes_rows_with_both_variants_close_to_the_reference(tmp_path, s
     # when the scales load / where the rows are / how they were sorted (the same rows), not what is computed
     if switch in ("fp8_scales", "slot_rows", "bitonic_sort"):
         assert all(r["on_vs_off_err"] == 0.0 for r in rows), rows
-    if switch == "fp8_epilogue":  # the epilogue rounds other numbers (fp32 sums, not the bf16 product); GPT-OSS's
-        # interleaved gate/up never take it
-        assert [r["on_vs_off_err"] > 0.0 for r in rows] == [True, False], rows
     md = json_path.with_suffix(".md").read_text()
     assert f"| qwen3 | {tokens} |" in md and f"| gpt_oss | {tokens} |" in md
 

@@ -28,15 +28,14 @@ def test_every_documented_recipe_has_a_branch_and_back():
     branches = {name for group in re.findall(r"^    ([a-z0-9_|]+)\)$", text, flags=re.MULTILINE)
                 for name in group.split("|")}
     assert documented and documented == branches
-    assert {"fwd_flat", "fwd_flat_1", "fwd_flat_2", "tune_bf16_prefill", "fp8_epilogue"} <= branches
+    assert {"fwd_flat", "fwd_flat_1", "fwd_flat_2", "tune_bf16_prefill", "gen_ab_cpp"} <= branches
 
 
 def test_every_benchmark_command_parses():
     text = SCRIPT.read_text()
     commands = _variables(text)
     assert set(commands) == {"E2E_GEN", "E2E_AB", "E2E_COMPILE", "E2E_FP8", "E2E_FLAT", "LAYER", "PASS_TIME",
-                             "TUNE_FP8", "TUNE_BF16", "L2", "CG", "CG_QWEN3", "SLOT_DOWN", "BREAKDOWN", "EPILOGUE",
-                             "FP8_EPILOGUE"}
+                             "TUNE_FP8", "TUNE_BF16", "L2", "CG", "CG_QWEN3", "SLOT_DOWN", "BREAKDOWN", "EPILOGUE"}
     e2e, cudagraphs = load_bench("e2e_model"), load_bench("generate_cudagraphs")
     for name in ("E2E_GEN", "E2E_AB", "E2E_COMPILE", "L2"):
         args = e2e.parse_args(commands[name][1:])
@@ -55,9 +54,6 @@ def test_every_benchmark_command_parses():
     assert slot_down.switch == "slot_down" and slot_down.tokens == "1" and slot_down.out == "/tmp/out"
     epilogue = load_bench("fused_activation").parse_args(commands["EPILOGUE"][1:])
     assert epilogue.switch == "epilogue" and epilogue.set == ["masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None"]
-    fp8_epilogue = load_bench("fused_activation").parse_args(commands["FP8_EPILOGUE"][1:])
-    assert fp8_epilogue.switch == "fp8_epilogue" and fp8_epilogue.out == "/tmp/out"
-    assert set(fp8_epilogue.shapes.split(",")) <= set(load_bench("moe_layer").SHAPES)
     breakdown = load_bench("kernel_breakdown")
     bd = breakdown.parse_args(commands["BREAKDOWN"][1:] + ["--fp8"])
     assert set(bd.shapes.split(",")) <= set(breakdown.SHAPES) and bd.fp8 and bd.out == "/tmp/out"

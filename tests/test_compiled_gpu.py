@@ -228,36 +228,6 @@ def test_compiled_variants_match_reference(fp8):
     assert rel_err(got, ref) < 1e-2
 
 
-@pytest.mark.parametrize("static_launch", [False, True])
-def test_compiled_fp8_epilogue_matches_the_activation_kernel(static_launch, monkeypatch, fresh_compile):
-    """fp8 weights at a prefill size with GEMM1's fp8 epilogue switched on (``pipeline.FP8_EPILOGUE_MIN_REGIME``):
-    Inductor's code launches no activation kernel and the numbers are the activation kernel's within W8A8's error
-    (the epilogue quantises the fp32 sums, the kernel the bf16 product), through ``backend="moe_fx"`` with Triton's
-    launcher and the static one."""
-    from moe_fx import backend
-    from moe_fx.lowering.masked_experts import pipeline
-    from moe_fx.lowering.quant import quantize_fp8_blockwise
-
-    monkeypatch.setattr(backend, "STATIC_LAUNCH_KERNELS", static_launch)
-
-    hidden, ids, w, w13, w2 = _layer(512, e=16, k=4, h=512, i=384)  # 128 rows per expert: regime 3
-    (w13, s13), (w2, s2) = quantize_fp8_blockwise(w13), quantize_fp8_blockwise(w2)
-
-    def layer(hidden, ids, w):
-        return torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, w13_scale=s13, w2_scale=s2, kernel_choice="triton")
-
-    outs = {}
-    for regime in (None, 0):
-        monkeypatch.setattr(pipeline, "FP8_EPILOGUE_MIN_REGIME", regime)
-        torch._dynamo.reset()
-        outs[regime], code = _code_of(torch.compile(layer, backend="moe_fx", fullgraph=True), hidden, ids, w)
-        assert ("activation_kernel" in code) == (regime is None)
-    ref = experts_reference(hidden, ids, w, w13, w2, w13_scale=s13, w2_scale=s2)
-    for regime, out in outs.items():
-        assert rel_err(out, ref) < 6e-2, (regime, rel_err(out, ref))
-    assert rel_err(outs[0], outs[None]) < 6e-2
-
-
 def test_out_of_range_ids_follow_the_documented_gpu_rule():
     """On the GPU an id outside [-1, E + identity_experts) contributes nothing (the CPU reference raises)."""
     hidden, ids, w, w13, w2 = _layer(8, e=8, k=2)

@@ -10,7 +10,6 @@ The GPU tests (test_compiled_gpu.py) check the code Inductor generates from it a
 
 from __future__ import annotations
 
-import operator
 
 import pytest
 import torch
@@ -143,31 +142,6 @@ def test_fp8_weights_trace_to_fp8_kernels(sm90, monkeypatch):
             assert args["B_FP8"] and args["ACT_FUSED"] == act_fused and "bs_ptr" in node.kwargs["kwargs"]
             assert set(node.kwargs["tensors_to_clone"]) == {"c_ptr"}  # the fp8 weights and scales are only read
             _assert_every_parameter_passed(node)
-
-
-def test_fp8_epilogue_traces_to_one_gemm1_writing_gemm2s_input(sm90, monkeypatch):
-    """With the fp8 epilogue on from a regime (``pipeline.FP8_EPILOGUE_MIN_REGIME``, off as shipped), a call at or
-    above it launches no activation kernel: GEMM1 writes the fp8 rows and their scales that GEMM2 reads (both marked
-    written, the weights only read), on its launch tile (64 rows, 128 output columns, 8 warps); below it, as before."""
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-
-    from moe_fx.lowering.masked_experts import pipeline
-
-    monkeypatch.setattr(pipeline, "FP8_EPILOGUE_MIN_REGIME", 3)  # more than 64 rows per expert
-    gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), t=512, fp8=True))  # 128 rows per expert: regime 3
-    launches = _launches(gm)
-    assert [_kernel_name(n) for n in launches] == ["expert_counts_kernel", "sort_slots_kernel", "quantize_rows_kernel",
-                                                   "masked_gemm_fp8_kernel", "masked_gemm_fp8_kernel", "unpermute_kernel"]
-    gemm1, gemm2 = launches[3], launches[4]
-    args = {**kernel_side_table.get_constant_args(gemm1.kwargs["constant_args_idx"]), **gemm1.kwargs["kwargs"]}
-    assert args["ACT_QUANT"] and (args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"]) == (64, 128, 128)
-    assert set(gemm1.kwargs["tensors_to_clone"]) == {"c_ptr", "cs_ptr"}
-    for mine, theirs in (("a_ptr", "c_ptr"), ("as_ptr", "cs_ptr")):  # GEMM2 reads what GEMM1 wrote (its functional out)
-        read = gemm2.kwargs["kwargs"][mine]
-        assert read.target is operator.getitem and read.args == (gemm1, theirs), (mine, read.target, read.args)
-    _assert_every_parameter_passed(gemm1)
-    gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), t=128, fp8=True))  # 32 rows per expert: regime 2
-    assert "activation_kernel" in [_kernel_name(n) for n in _launches(gm)]
 
 
 def test_deepgemm_gemms_are_extern_calls_between_triton_launches(sm90):

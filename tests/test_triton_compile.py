@@ -55,8 +55,6 @@ NO_ACT = {"ACT_FUSED": False, "ACT": 0, "GATED": False, "INTERLEAVED": False, "H
           "bs_ptr": None, "SLOTS": False, "ids_ptr": None, "PAIR_HALVES": False}
 #: Inductor types Python float arguments as fp64 (seen on torch 2.11): the kernels must compile with those
 ACT_FLOATS = {"alpha": "fp64", "limit": "fp64", "up_offset": "fp64"}
-#: masked_gemm_fp8_kernel's activation epilogue off (its constants beyond the GEMM's)
-NO_FP8_ACT = {"ACT_QUANT": False, "ACT": 0, "HAS_LIMIT": False, "cs_ptr": None}
 
 
 @pytest.mark.parametrize(
@@ -86,8 +84,6 @@ def test_gemm_compiles_pipelined(fp8, bm, bn, bk, warps, stages, tma):
         consts["s_ask"] = 1
         consts["SCALAR_BS"] = bn <= 128
         consts["PREFETCH_SCALES"] = True
-        consts.update(NO_FP8_ACT)
-        types.update(ACT_FLOATS)
     else:
         fn = k.masked_gemm_kernel
         consts.update(IEEE=False, **NO_ACT)
@@ -170,8 +166,7 @@ def _sorted_gemm(fp8: bool, gather: bool, route_w: bool = False, act: dict | Non
             del consts[name]
     if fp8:
         types.update({"as_ptr": "*fp32", "bs_ptr": "*fp32"})
-        consts.update(s_ask=1, s_asg=0, SCALAR_BS=consts["BLOCK_N"] <= 128, PREFETCH_SCALES=True, **NO_FP8_ACT)
-        types.update(ACT_FLOATS)
+        consts.update(s_ask=1, s_asg=0, SCALAR_BS=consts["BLOCK_N"] <= 128, PREFETCH_SCALES=True)
         return k.masked_gemm_fp8_kernel, types, consts
     consts.update(IEEE=False, **{**NO_ACT, **(act or {})})
     if consts["B_FP8"]:  # fp8 weights with their block scales (W8A16)
@@ -446,32 +441,6 @@ def test_gemm_with_activation_epilogue_compiles_pipelined(form, bm, bn, bk, warp
     assert "wgmma.mma_async" in ptx, "Hopper MMA expected"
     assert ("cp.async.bulk.tensor" if device_tma else "cp.async") in ptx, "main loop not pipelined"
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
-
-
-@pytest.mark.parametrize("stages,device_tma,flatten", [(4, True, False), (4, False, False), (3, True, False),
-                                                     (3, True, True)])
-def test_fp8_gemm_with_activation_epilogue_compiles_pipelined(stages, device_tma, flatten):
-    """fp8 GEMM1 with the activation and GEMM2's quantisation in its epilogue, on its launch tile
-    (``grouped_gemm.fp8_activation_tile``: 64 rows, 128 output columns, 8 warps): gate and up accumulators on
-    wgmma, pipelined loads, no spills, the shared memory the tile's model counts."""
-    from moe_fx.lowering.triton import configs
-    from moe_fx.lowering.triton.grouped_gemm import fp8_activation_tile
-
-    tile = fp8_activation_tile(configs.TileConfig(128, 128, 128, 8, 8, stages, 1, tma=device_tma, flatten=flatten))
-    assert (tile.block_m, tile.block_n, tile.block_k, tile.num_warps) == (64, 128, 128, 8)
-    fn, types, consts = _sorted_gemm(True, True, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
-    consts.update(TMA=device_tma, DEVICE_TMA=device_tma, ACT_QUANT=True, s_csn=1, FLATTEN=tile.flatten)
-    del consts["cs_ptr"]
-    types.update({"c_ptr": "*fp8e4nv", "cs_ptr": "*fp32"})
-    compiled = _compile(fn, types, consts, tile.num_warps, tile.num_stages)
-    ptx = compiled.asm["ptx"]
-    assert "wgmma.mma_async" in ptx, "Hopper MMA expected"
-    assert ("cp.async.bulk.tensor" if device_tma else "cp.async") in ptx, "main loop not pipelined"
-    assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
-    assert compiled.metadata.shared <= configs.SMEM_BUDGET
-    assert compiled.metadata.shared <= tile.smem_bytes(1, b_tiles=2) + 8 * 1024  # the model, barriers aside
-    if flatten:  # the tile loop and the k loop are one loop
-        assert "Depth=2" not in ptx, "the tile loop still holds a k loop"
 
 
 @pytest.mark.parametrize(

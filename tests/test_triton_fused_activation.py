@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _triton_util import ACTIVATION_FORMS, devices, rel_err
+from _triton_util import ACTIVATION_FORMS, rel_err
 
 from moe_fx.lowering.experts import plan_experts, run_experts
 from moe_fx.lowering.masked_experts import pipeline
@@ -80,71 +80,9 @@ def test_epilogue_refuses_what_it_cannot_compute():
     from moe_fx.lowering.triton.sort import quantize_rows
 
     xq, xs = quantize_rows(x)
-    # fp8 weights with quantised activations: the epilogue writes GEMM2's scales too, for gate/up halves of a multiple
-    # of 128 rows each only
-    with pytest.raises(ValueError, match="out_scale"):
+    # fp8 weights with quantised activations: GEMM2's input is quantised by the activation kernel, not an epilogue
+    with pytest.raises(ValueError, match="activation kernel"):
         sorted_gemm(xq, wq, rows, a_scale=xs, b_scale=ws, gather=True, activation=ExpertActivation())
-    scales = torch.empty(1, 6, 1)
-    with pytest.raises(ValueError, match="multiple of 128"):
-        sorted_gemm(xq, wq[:, :192], rows, a_scale=xs, b_scale=ws[:, :2], gather=True, activation=ExpertActivation(),
-                    out_scale=scales)
-    with pytest.raises(ValueError, match="halves"):
-        sorted_gemm(xq, wq, rows, a_scale=xs, b_scale=ws, gather=True, out_scale=scales,
-                    activation=ExpertActivation(gate_up_layout="interleaved"))
-    with pytest.raises(ValueError, match="out_scale is the scales"):
-        sorted_gemm(x, torch.randn(2, 256, 256).bfloat16(), rows, gather=True, activation=ExpertActivation(),
-                    out_scale=scales)
-    with pytest.raises(ValueError, match=r"out_scale must be \[1, 6, 1\]"):
-        sorted_gemm(xq, wq, rows, a_scale=xs, b_scale=ws, gather=True, activation=ExpertActivation(),
-                    out_scale=torch.empty(1, 6, 2))
-
-
-@pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("form", ["silu", "gelu_limit_bias"])
-def test_fp8_epilogue_is_the_quantised_activation_of_the_product(form, tma, device):
-    """fp8 weights and tokens (W8A8): GEMM1's epilogue applies the activation to the fp32 sums (after the routing
-    weight and the bias) and quantises it per 1x128 group for GEMM2. Its dequantised output is that activation to
-    within e4m3's half step, its scales the recipe's of that activation (the activation kernel quantises the bf16
-    product instead), and rows past the sorted total stay unwritten (outputs poisoned with NaN)."""
-    from moe_fx.lowering.triton.sort import quantize_rows
-    from moe_fx.ops.recipe import FP8_E4M3_MAX, FP8_SCALE_FLOOR
-
-    spec = ExpertActivation() if form == "silu" else ExpertActivation(name="gelu", limit=3.0, up_offset=1.0)
-    gen = torch.Generator().manual_seed(11 + len(form) + tma)
-    # two 128-column tiles of output, h two k steps; on a GPU more rows than a tile and a K tail past 128-deep steps
-    t, k, e, h, i = (6, 2, 3, 256, 256) if device == "cpu" else (300, 4, 8, 704, 384)
-    ids = torch.randint(0, e, (t, k), generator=gen)
-    ids[1, 0] = -1
-    ids, rows = ids.to(device), sort_by_expert(ids.to(device), e)
-    xq, xs = quantize_rows(torch.randn(t, h, generator=gen).bfloat16().to(device))
-    wq, ws = quantize_fp8_blockwise((torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to(device))
-    b13 = (torch.randn(e, 2 * i, generator=gen) * 0.3).to(device) if form != "silu" else None
-    rw = (torch.rand(t, k, generator=gen) + 0.5).to(device)
-    n = t * k
-    out = torch.full((1, n, i), float("nan"), device=device).to(torch.float8_e4m3fn)
-    out_scale = torch.full((1, n, i // 128), float("nan"), device=device)
-    cfg = TileConfig(64, 128, 128, 1, 4, 2, 1, tma=tma)
-    sorted_gemm(xq, wq, rows, out, a_scale=xs, b_scale=ws, gather=True, route_weights=rw, bias=b13, activation=spec,
-                out_scale=out_scale, config=cfg)
-    x32 = xq.float() * xs.repeat_interleave(128, -1)[:, :h]
-    product = sorted_gemm(x32, dequantize_blockwise(wq, ws), rows, gather=True, route_weights=rw, bias=b13)  # fp32
-    total = rows.total.item()
-    want = spec.apply(product[0, :total])
-    scale = out_scale[0, :total]
-    group_amax = want.abs().reshape(total, i // 128, 128).amax(-1)
-    # a GPU's fp8 MMAs add each 128-deep step at less than fp32's precision (hence the per-step promotion): its sums
-    # differ from the fp32 product's by ~1e-4, the interpreter's (fp32 products) by rounding only
-    loose = 2e-3 if device == "cuda" else 1e-5
-    torch.testing.assert_close(scale, group_amax.clamp_min(FP8_SCALE_FLOOR) / FP8_E4M3_MAX, rtol=loose, atol=0)
-    step = scale.repeat_interleave(128, -1)
-    got = out[0, :total].float() * step
-    # e4m3 keeps 3 mantissa bits: within half a step of its exponent (relative 1/16), subnormals 2^-9 of the scale;
-    # the GPU's sums differ from the reference's by an amount relative to the group's magnitude, not the element's (a
-    # small element is a cancelling sum), so that difference is bounded by the group's amax, not the element
-    near = (want.abs() / 16 + loose * group_amax.repeat_interleave(128, -1) + step * 2**-9) * (1 + loose)
-    assert ((got - want).abs() <= near).all()
-    assert torch.isnan(out[0, total:].float()).all() and torch.isnan(out_scale[0, total:]).all()
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -169,30 +107,6 @@ def test_op_on_the_sorted_layout_with_and_without_the_epilogue(form, fused, monk
     assert rel_err(out, reference_of(a)) < 4e-2, rel_err(out, reference_of(a))
 
 
-@pytest.mark.parametrize("weights_on_input", [False, True])
-def test_op_with_fp8_weights_and_the_fp8_epilogue(weights_on_input, monkeypatch):
-    """The whole op with fp8 weights on the sorted layout, GEMM1's fp8 epilogue on (every regime) and off: the plan
-    says which, both are the reference within W8A8's error, and they are each other's within it."""
-    monkeypatch.setattr(pipeline, "W8A16_MAX_ROWS", 0)
-    gen = torch.Generator().manual_seed(5)
-    t, k, e, h, i = 12, 3, 4, 256, 256
-    hidden = torch.randn(t, h, generator=gen).bfloat16()
-    ids = torch.randint(0, e, (t, k), generator=gen)
-    ids[2, 1] = -1
-    w = torch.softmax(torch.randn(t, k, generator=gen), -1)
-    q13, s13 = quantize_fp8_blockwise(torch.randn(e, 2 * i, h, generator=gen) / h**0.5)
-    q2, s2 = quantize_fp8_blockwise(torch.randn(e, h, i, generator=gen) / i**0.5)
-    a = bind_experts(hidden, ids, w, q13, q2, "silu", weights_on_input, s13, s2, kernel_choice="triton")
-    outs = {}
-    for regime in (None, 0):
-        monkeypatch.setattr(pipeline, "FP8_EPILOGUE_MIN_REGIME", regime)
-        plan = plan_experts(a, layout="local_sorted")
-        assert plan.activation_epilogue == (regime is not None)
-        outs[regime] = run_experts(a, plan)
-        assert rel_err(outs[regime], reference_of(a)) < 8e-2, rel_err(outs[regime], reference_of(a))
-    assert rel_err(outs[0], outs[None]) < 8e-2
-
-
 def test_fuse_activation_is_the_measured_choice(monkeypatch):
     from moe_fx.lowering.masked_experts.pipeline import fuse_activation
     from moe_fx.lowering.problem import ROW_REGIMES, row_regime
@@ -205,15 +119,7 @@ def test_fuse_activation_is_the_measured_choice(monkeypatch):
                for r in (*range(len(ROW_REGIMES) + 1), None))
     # fp8 weights: never where GEMM2 needs its input quantised (the activation kernel's job: the shipped choice
     # at every size); where the activations stay bf16 (W8A16 at decode sizes, on request), as bf16 weights
-    assert not any(fuse_activation(s, fp8, r, 768) for s in SPECS.values() for r in (0, 1, 2, 3, 4, None))
-    # ... until the fp8 epilogue is measured: from its regime on, gate/up halves of a multiple of 128 rows each only
-    assert pipeline.FP8_EPILOGUE_MIN_REGIME is None
-    monkeypatch.setattr(pipeline, "FP8_EPILOGUE_MIN_REGIME", 2)
-    assert [fuse_activation(halves, fp8, r, 768) for r in (0, 1, 2, 3, 4, None)] == [False, False, True, True, True,
-                                                                                        False]
-    assert not fuse_activation(halves, fp8, 3, 720) and not fuse_activation(halves, fp8, 3)
-    assert not any(fuse_activation(s, fp8, 3, 768) for s in (interleaved, SPECS["relu2_not_gated"]))
-    monkeypatch.setattr(pipeline, "FP8_EPILOGUE_MIN_REGIME", None)
+    assert not any(fuse_activation(s, fp8, r) for s in SPECS.values() for r in (0, 1, 2, 3, 4, None))
     monkeypatch.setattr(pipeline, "W8A16_MAX_ROWS", 16)
     assert all(fuse_activation(s, fp8, r) for s in (interleaved, SPECS["relu2_not_gated"]) for r in (0, 1))
     assert not any(fuse_activation(s, fp8, r) for s in SPECS.values() for r in (2, 3, 4, None))

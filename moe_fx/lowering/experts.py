@@ -86,7 +86,7 @@ class ExpertsPlan:
         """GEMM1 applies the activation in its epilogue (sorted layout, where that measured faster:
         :func:`~moe_fx.lowering.masked_experts.pipeline.fuse_activation`, which the run asks too)."""
         return self.layout == "sorted" and fuse_activation(
-            self.problem.activation, self.problem.fp8_block is not None, self.problem.regime, self.problem.intermediate)
+            self.problem.activation, self.problem.fp8_block is not None, self.problem.regime)
 
     @property
     def bf16_activations_fp8_weights(self) -> bool:

@@ -25,9 +25,9 @@ import torch
 from moe_fx.lowering.quant import quantize_fp8_per_token_group
 from moe_fx.ops import ExpertActivation
 from moe_fx.ops.masked_experts import dequantize_activations
-from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE
+from moe_fx.ops.recipe import FP8_DTYPE
 
-__all__ = ["COMBINE_IN_GRAPH", "FP8_EPILOGUE_MIN_REGIME", "FUSE_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT",
+__all__ = ["COMBINE_IN_GRAPH", "FUSE_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT",
            "SLOT_DOWN_COMBINE", "SLOT_ROWS_MAX_TOKENS", "W8A16_MAX_ROWS", "ExpertWeights", "GemmHints", "MaskedGemms",
            "combine_in_graph", "fuse_activation", "fuse_down_combine", "quantize_activations", "quantize_tokens_in_sort",
            "run_masked_experts", "run_sorted_experts", "slot_rows"]
@@ -39,12 +39,6 @@ FUSE_ACTIVATION = True
 #: Rows per expert up to which a gate/up-halves GEMM1 takes the epilogue (see :func:`fuse_activation`); None, the
 #: measured choice since 2026-12-06: at every size (``bash bench/gpu_recipes.sh epilogue_prefill`` times it).
 FUSE_HALVES_MAX_ROWS: int | None = None
-#: Rows-per-expert regime from which GEMM1 with fp8 weights and quantised activations applies the activation in its
-#: epilogue and quantises its output for GEMM2 there (``grouped_gemm.sorted_gemm``'s fp8 epilogue, gate/up halves of
-#: a multiple of 128 rows each; see :func:`fuse_activation`), instead of storing its bf16 ``[rows, 2I]`` product for
-#: the activation kernel. None: never, the measured choice (``bench/fused_activation.py --switch fp8_epilogue`` on an
-#: H100, 2026-12-06: 0.93-1.04x at T = 256 ... 16384, no row clearly ahead; docs/triton.md).
-FP8_EPILOGUE_MIN_REGIME: int | None = None
 #: Rows per expert up to which fp8 weights meet unquantised bf16 activations on the sorted layout (W8A16,
 #: see :func:`quantize_activations`). 0: activations are quantised at every size, the measured choice
 #: (W8A16 decode ran 1.3-1.8x slower on the H200, bench/results/w8a16_2026-12-04.md); benchmarks and
@@ -270,7 +264,7 @@ def combine_in_graph(regime: int | None) -> bool:
     return COMBINE_IN_GRAPH and regime == 0
 
 
-def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None, intermediate: int | None = None) -> bool:
+def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bool:
     """Whether the sorted layout's GEMM1 applies ``spec`` in its epilogue, as measured on the H200
     (bench/results/fused_activation_2026-12-03.md, one layer, CUDA graphs, fused / unfused).
 
@@ -285,21 +279,17 @@ def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None, inter
     prefill sizes too: 1.04-1.11x at T = 1024, 4096, 16384 for Qwen3 and Mixtral (one H100, 2026-12-06,
     bench/results/fused_activation_2026-12-06_prefill_h100.md), so :data:`FUSE_HALVES_MAX_ROWS` is None and halves
     fuse at every size, an unknown regime included.
-    fp8 weights with quantised activations: from :data:`FP8_EPILOGUE_MIN_REGIME` on (never while it is None, the
-    shipped choice until measured), gate/up halves of ``intermediate`` rows each, a multiple of 128: the epilogue
-    then quantises its output per 1x128 group, the activation kernel's job otherwise.
+    (GEMM1 applying the activation and quantising its output for GEMM2 in its epilogue was built and timed on an
+    H100, 0.93-1.04x at T = 256 ... 16384, and removed: docs/triton.md.)
     ``fp8``: fp8 weights. ``regime``: the call's rows-per-expert regime (None, unknown: halves fuse only
-    while the bound is None). ``intermediate``: I (fp8 weights with quantised activations only). The plan explain
-    reports asks the same function (``ExpertsPlan.activation_epilogue``).
+    while the bound is None). The plan explain reports asks the same function (``ExpertsPlan.activation_epilogue``).
     """
     from moe_fx.lowering.problem import regime_bounds
 
     if not FUSE_ACTIVATION:
         return False
     if quantize_activations(fp8, regime):
-        return (FP8_EPILOGUE_MIN_REGIME is not None and regime is not None and regime >= FP8_EPILOGUE_MIN_REGIME
-                and spec.gated and spec.gate_up_layout == "halves" and intermediate is not None
-                and intermediate % FP8_BLOCK == 0)
+        return False
     if not spec.gated or spec.gate_up_layout == "interleaved" or FUSE_HALVES_MAX_ROWS is None:
         return True
     if regime is None:
@@ -354,15 +344,10 @@ def run_sorted_experts(
     elif hidden.dtype != weights.w13.dtype:
         x = hidden.to(weights.w13.dtype)
     # GEMM1's bias is per expert: added in its epilogue (after the routing weight, as (w x) W^T + b)
-    inter = weights.w2.shape[2]
-    if fuse_activation(spec, weights.fp8, hints.regime, inter):
-        # the activation in GEMM1's epilogue: the [N, 2I] product is never stored, one launch fewer; fp8 weights with
-        # quantised activations: the epilogue writes GEMM2's fp8 input and its 1x128 scales
-        a2_scale = None
-        if quantized:
-            a2_scale = torch.empty(1, rows.num_rows, inter // FP8_BLOCK, dtype=torch.float32, device=hidden.device)
-        a2 = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias, hints=hints,
-                               gather=True, route_weights=route_weights, activation=spec, out_scale=a2_scale)
+    if fuse_activation(spec, weights.fp8, hints.regime):
+        # the activation in GEMM1's epilogue: the [N, 2I] product is never stored, one launch fewer
+        a2, a2_scale = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias,
+                                         hints=hints, gather=True, route_weights=route_weights, activation=spec), None
     else:  # the separate activation kernel (W8A8: it quantises its output per 1x128 group for GEMM2)
         gate_up = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias,
                                     hints=hints, gather=True, route_weights=route_weights)

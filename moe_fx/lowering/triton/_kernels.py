@@ -441,15 +441,6 @@ def masked_gemm_fp8_kernel(
     DEVICE_TMA: tl.constexpr = False,
     FLATTEN: tl.constexpr = False,
     PREFETCH_SCALES: tl.constexpr = False,
-    ACT_QUANT: tl.constexpr = False,
-    ACT: tl.constexpr = 0,
-    HAS_LIMIT: tl.constexpr = False,
-    alpha=1.0,
-    limit=0.0,
-    up_offset=0.0,
-    cs_ptr=None,
-    s_csm=0,
-    s_csn=0,
 ):
     """fp8 x fp8 -> bf16 (+ bias[g]): a with 1x128 per-row group scales, b with 128x128 block scales.
 
@@ -462,25 +453,13 @@ def masked_gemm_fp8_kernel(
     instead of its MMA alone (the loads of the step's own scales are not pipelined by Triton: they were issued just
     before the MMA and waited for right after it).
     TMA, SORTED, GATHER_A, ROUTE_W, SWAP_AB, FLATTEN: as in :func:`masked_gemm_kernel` (``as`` rows follow ``a``'s).
-
-    ACT_QUANT (GEMM1 with a gated activation whose gate and up rows are halves of ``b``, ``2N`` rows): a tile keeps a
-    gate and an up accumulator of BLOCK_N columns (rows ``j`` and ``N + j`` of ``b``, each half's rows inside one
-    128x128 scale block: SCALAR_BS, N a multiple of 128), applies ``act(gate) * (up + up_offset)``
-    (:func:`_act_epilogue`, after the routing weight and the bias) to the fp32 sums and stores GEMM2's input: fp8
-    codes in ``c`` and one fp32 scale per 1x128 group in ``cs[row, n // 128]`` (:func:`_quant_groups`, the
-    activation kernel's quantisation), so the ``[M, 2N]`` product is never stored. BLOCK_N is 128 (one group a row).
-    Not with SWAP_AB.
     """
     # Written out in both GEMM kernels on purpose: a pointer handed to a helper counts as written in
     # Inductor's mutation analysis, which would then copy the weights before every launch.
     if DEVICE_TMA:  # tensor descriptors made on the device (what Inductor-launched kernels can use)
         # the unit last stride is written as a literal (the host checked it): TMA needs it static
-        if ACT_QUANT:  # gate and up: 2N rows
-            b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, 2 * N, K], strides=[s_bg, s_bn, 1],
-                                              block_shape=[1, BLOCK_N, BLOCK_K])
-        else:
-            b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[s_bg, s_bn, 1],
-                                              block_shape=[1, BLOCK_N, BLOCK_K])
+        b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[s_bg, s_bn, 1],
+                                          block_shape=[1, BLOCK_N, BLOCK_K])
         if not GATHER_A:
             if SORTED:  # one group of rows (its group stride is never used)
                 a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[1, M, K], strides=[M * s_am, s_am, 1],
@@ -515,53 +494,37 @@ def masked_gemm_fp8_kernel(
             a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
         if not TMA:
             b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
-            if ACT_QUANT:
-                u_ptrs = b_ptrs + N * s_bn
         as_ptrs = as_ptr + e64 * s_asg + a_idx * s_asm  # a's scales follow a's rows
         if SCALAR_BS:
             bs_ptrs = bs_ptr + e64 * s_bsg + ((pid_n * BLOCK_N) // 128) * s_bsn
         else:
             bs_ptrs = bs_ptr + e64 * s_bsg + (offs_n // 128) * s_bsn
-        if ACT_QUANT:  # the up rows' scale block (SCALAR_BS: N is a multiple of 128)
-            us_ptrs = bs_ptr + e64 * s_bsg + ((N + pid_n * BLOCK_N) // 128) * s_bsn
         if SWAP_AB:  # acc^T = b^T a^T: the weight tile is the MMA's M (wgmma needs 64+), the few rows its N
             acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
         else:
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        if ACT_QUANT:  # the up accumulator (acc + 0.0: a new tensor of its shape)
-            acc_u = acc + 0.0
         if PREFETCH_SCALES:  # the first k step's scales; each step then loads the next step's
             a_s = tl.load(as_ptrs, mask=mask_m, other=0.0)
             if SCALAR_BS:
                 b_s = tl.load(bs_ptrs)
             else:
                 b_s = tl.load(bs_ptrs, mask=mask_n, other=0.0)
-            if ACT_QUANT:
-                u_s = tl.load(us_ptrs)
         for k0 in range(0, K, BLOCK_K):
             if TMA and not GATHER_A:
                 a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
                 b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-                if ACT_QUANT:
-                    u = b_ptr.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
             elif TMA:  # gathered A through pointers (masked at a K tail, as TMA zero-fills b's), b through TMA
                 if EVEN_K:
                     a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
                 else:
                     a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
                 b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-                if ACT_QUANT:
-                    u = b_ptr.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
             elif EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
                 b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-                if ACT_QUANT:
-                    u = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
             else:
                 a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
                 b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
-                if ACT_QUANT:
-                    u = tl.load(u_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
             if not PREFETCH_SCALES:  # this step's scales, loaded now (waited for after the MMA)
                 kg = k0 // 128
                 a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_m, other=0.0)
@@ -569,8 +532,6 @@ def masked_gemm_fp8_kernel(
                     b_s = tl.load(bs_ptrs + kg * s_bsk)
                 else:
                     b_s = tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)
-                if ACT_QUANT:
-                    u_s = tl.load(us_ptrs + kg * s_bsk)
             if SWAP_AB:  # the same step transposed: rows are the accumulator's columns
                 if SCALAR_BS:
                     scale = (a_s * b_s)[None, :]
@@ -580,8 +541,6 @@ def masked_gemm_fp8_kernel(
                 scale = (a_s * b_s)[:, None]
             else:
                 scale = a_s[:, None] * b_s[None, :]
-            if ACT_QUANT:
-                scale_u = (a_s * u_s)[:, None]
             if PREFETCH_SCALES:  # the next step's scales: a whole step (its MMA) to arrive, not the MMA's tail
                 # the last step loads its own group again (in bounds; never used)
                 kn = tl.minimum((k0 + BLOCK_K) // 128, (K - 1) // 128)
@@ -590,42 +549,24 @@ def masked_gemm_fp8_kernel(
                     b_s = tl.load(bs_ptrs + kn * s_bsk)
                 else:
                     b_s = tl.load(bs_ptrs + kn * s_bsk, mask=mask_n, other=0.0)
-                if ACT_QUANT:
-                    u_s = tl.load(us_ptrs + kn * s_bsk)
             if UPCAST:  # the CPU interpreter's dot mis-reads fp8 operands; fp32 is exact there
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-                if ACT_QUANT:
-                    u = u.to(tl.float32)
             # an explicit FMA: Triton stops fusing a multiply and an add by default after 3.9
             acc = tl.fma(_dot(a, b, SWAP_AB, UPCAST), scale, acc)
-            if ACT_QUANT:
-                acc_u = tl.fma(_dot(a, u, False, UPCAST), scale_u, acc_u)
             if not (TMA and not GATHER_A):
                 a_ptrs += BLOCK_K * s_ak
             if not TMA:
                 b_ptrs += BLOCK_K * s_bk
-                if ACT_QUANT:
-                    u_ptrs += BLOCK_K * s_bk
         if SWAP_AB:
             acc = tl.trans(acc)
         if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)
             rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0).to(tl.float32)
             acc = acc * rw[:, None]
-            if ACT_QUANT:
-                acc_u = acc_u * rw[:, None]
         if HAS_BIAS:  # bias [G, rows of b], contiguous along them
             acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            if ACT_QUANT:
-                acc_u += tl.load(bias_ptr + e64 * s_biasg + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
-        if ACT_QUANT:  # GEMM2's input: fp8 codes and the scale of each row's 1x128 group (BLOCK_N = 128)
-            v = _act_epilogue(acc, acc_u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
-            q, q_scale = _quant_groups(tl.where(mask_n[None, :], v, 0.0), BLOCK_M, BLOCK_N, UPCAST)
-            tl.store(c_ptrs, q.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-            tl.store(cs_ptr + c_idx * s_csm + pid_n * s_csn, tl.reshape(q_scale, (BLOCK_M,)), mask=mask_m)
-        else:
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit

@@ -296,7 +296,7 @@ def _launch_gemm(
     (bf16 activations x fp8 weights with 128x128 scales, dequantised in the kernel).
 
     ``epilogue``: the activation's kernel arguments (:func:`moe_fx.lowering.triton.act_args.epilogue_args`)
-    when GEMM1 applies it (bf16 kinds only)."""
+    when GEMM1 applies it (bf16 and w8a16 kinds)."""
     # a swapped tile with gate/up halves in two accumulators loads the gate's and the up's weight tiles
     b_tiles = 2 if epilogue and _halves(epilogue) and not epilogue["PAIR_HALVES"] and cfg.swap_ab else 1
     nprog = num_programs(a.device, cfg, tile_bound, configs.resident_programs(cfg, a.element_size(), b_tiles))
@@ -326,17 +326,12 @@ def _launch_gemm(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if kind == "fp8":
-        # the activation epilogue (gate/up halves, quantised output: fp8_activation_tile): the kernel's arguments
-        act = {} if not epilogue else {
-            "ACT_QUANT": True, "ACT": epilogue["ACT"], "HAS_LIMIT": epilogue["HAS_LIMIT"], "alpha": epilogue["alpha"],
-            "limit": epilogue["limit"], "up_offset": epilogue["up_offset"], "cs_ptr": epilogue["cs_ptr"],
-            "s_csm": epilogue["s_csm"], "s_csn": epilogue["s_csn"]}
         launch(
             "masked_gemm_fp8_kernel", a.device, (nprog,),
             a_in, a_scale, b_in, b_scale, out, masked_m,
             groups, m, n, k,
             *a_strides, *as_strides, *b.stride(), *b_scale.stride(), *c_strides,
-            SCALAR_BS=FP8_BLOCK % cfg.block_n == 0, PREFETCH_SCALES=PREFETCH_FP8_SCALES, **common, **act,
+            SCALAR_BS=FP8_BLOCK % cfg.block_n == 0, PREFETCH_SCALES=PREFETCH_FP8_SCALES, **common,
         )  # fmt: skip
     else:
         w8a16 = {} if kind != "w8a16" else {"bs_ptr": b_scale, "s_bsg": b_scale.stride(0), "s_bsn": b_scale.stride(1),
@@ -498,7 +493,6 @@ def sorted_gemm(
     regime: int | None = None,
     config: configs.TileConfig | None = None,
     activation: ExpertActivation | None = None,
-    out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped GEMM on the contiguous layout: each sorted row times its expert's ``b[e]^T``.
 
@@ -522,15 +516,10 @@ def sorted_gemm(
             is then ``[1, N, N_out / 2]`` of ``act(gate) * (up + up_offset)`` (gated; ``b`` holds gate and
             up rows, ``bias`` too) or ``[1, N, N_out]`` of ``act(h)``, from the fp32 products: the GEMM1
             product is never stored and the activation kernel does not run. ``config`` is then the
-            unfused GEMM's tile (:func:`_split_columns` makes the launch's from it). fp8 (W8A8) with
-            gate/up halves and ``I = N_out / 2`` a multiple of 128 only, and ``out_scale`` given: the output is
-            then GEMM2's input, fp8 codes ``[1, N, I]`` with one fp32 scale per 1x128 group written to
-            ``out_scale`` (``[1, N, I / 128]``, any strides), as the activation kernel quantises them; the launch
-            runs :func:`fp8_activation_tile` of ``config``.
-        out_scale: see ``activation`` (fp8 only).
+            unfused GEMM's tile (:func:`_split_columns` makes the launch's from it).
 
     Returns:
-        ``[1, N, N_out]`` (``N_out / 2`` columns with a gated ``activation``; fp8 codes with fp8 weights).
+        ``[1, N, N_out]`` (``N_out / 2`` columns with a gated ``activation``).
     """
     w8a16 = b_scale is not None and a.dtype != _FP8
     fp8 = b_scale is not None and not w8a16
@@ -561,35 +550,26 @@ def sorted_gemm(
     if route_weights is not None and not gather:
         raise ValueError(f"{name}: route_weights apply to the gathered GEMM (the first) only")
     epilogue, n_out = None, n
-    if out_scale is not None and (activation is None or not fp8):
-        raise ValueError(f"{name}: out_scale is the scales of an fp8 GEMM1's activation epilogue, not of this call")
     if activation is not None:
-        if fp8 and (out_scale is None or not activation.gated or activation.gate_up_layout == "interleaved"
-                    or n % (2 * FP8_BLOCK)):
-            raise ValueError(f"{name}: the activation epilogue of fp8 weights takes gate/up halves of I rows each, "
-                             f"I a multiple of {FP8_BLOCK}, and out_scale (got {n} rows, "
-                             f"{activation.gate_up_layout} gate/up, out_scale {out_scale is not None})")
+        if fp8:
+            raise ValueError(f"{name}: the activation epilogue takes bf16/fp16/fp32 GEMMs; fp8 weights' activation is "
+                             "the activation kernel's (it quantises GEMM2's input)")
         if activation.gated and n % 2:
             raise ValueError(f"{name}: a gated activation needs an even number of weight rows, got {n}")
         epilogue = epilogue_args(activation, name)
-        epilogue["PAIR_HALVES"] = _halves(epilogue) and PAIR_GATE_UP and not fp8
+        epilogue["PAIR_HALVES"] = _halves(epilogue) and PAIR_GATE_UP
         n_out = n // 2 if activation.gated else n
-    out_dtype = (_FP8 if epilogue is not None else torch.bfloat16) if fp8 else a.dtype
+    out_dtype = torch.bfloat16 if fp8 else a.dtype
     out = _out(name, out, (1, num_rows, n_out), out_dtype, a.device)
     check_offsets(name, a if a.dim() == 3 else a.unsqueeze(0), out)
-    if out_scale is not None and tuple(out_scale.shape) != (1, num_rows, n_out // FP8_BLOCK):
-        raise ValueError(f"{name}: out_scale must be [1, {num_rows}, {n_out // FP8_BLOCK}], got {list(out_scale.shape)}")
     if _known_empty(num_rows, n):
         return out
     kind = "fp8" if fp8 else "w8a16" if w8a16 else "bf16"
     hints = {"expected_m": expected_m, "active_groups": active_groups, "regime": regime, "slots": num_rows}
     cfg = config or _gemm_config(kind, a, n, k, hints, "sorted")
-    if epilogue is not None and fp8:
-        cfg = fp8_activation_tile(cfg)
-        epilogue = {**epilogue, "cs_ptr": out_scale, "s_csm": out_scale.stride(1), "s_csn": out_scale.stride(2)}
     if b_scale is not None:
         _check_fp8_block_k(name, cfg)
-    if epilogue is not None and activation.gated and not epilogue["PAIR_HALVES"] and not fp8:
+    if epilogue is not None and activation.gated and not epilogue["PAIR_HALVES"]:
         cfg = _split_columns(cfg, activation.gate_up_layout)
     # group strides 0: row offsets come from the expert's start (the kernels' SORTED mode)
     a_strides = (0, *a.stride()) if gather else (0, *a.stride()[1:])
@@ -675,20 +655,6 @@ def slot_down_combine(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
-
-
-def fp8_activation_tile(cfg: configs.TileConfig) -> configs.TileConfig:
-    """The launch tile of an fp8 GEMM1 with the activation in its epilogue, from the unfused GEMM's (``cfg``).
-
-    128 output columns (one 1x128 scale group of GEMM2's input a row, quantised in the tile) over gate and up
-    accumulators of that width: two weight tiles a k step, so at most 64 rows, 8 warps (the two accumulators and
-    their step products in registers) and one program an SM; the k step is the scale group's, 128 deep. Not a
-    tuned tile: the lowering runs it only where :func:`~moe_fx.lowering.masked_experts.pipeline.fuse_activation` says
-    so (:data:`~moe_fx.lowering.masked_experts.pipeline.FP8_EPILOGUE_MIN_REGIME`).
-    """
-    # two stages of these tiles (80 KB) always fit: fit_smem only takes stages off, never the 128-deep k step
-    return configs.fit_smem(replace(cfg, block_m=min(cfg.block_m, 64), block_n=FP8_BLOCK, block_k=FP8_BLOCK,
-                                    num_warps=8, programs_per_sm=1, swap_ab=False), 1, b_tiles=2)
 
 
 def _halves(epilogue: dict) -> bool:
