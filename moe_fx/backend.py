@@ -20,6 +20,7 @@ import copy
 import functools
 import hashlib
 import logging
+import math
 import sys
 import warnings
 import weakref
@@ -130,9 +131,7 @@ def cpp_wrapper_refusal(gm: fx.GraphModule, example_inputs: Sequence[Any], patch
         dims = hidden.shape[:-1]
         if not all(isinstance(d, int) for d in dims):
             return "a dynamic token count"
-        tokens = 1
-        for d in dims:
-            tokens *= d
+        tokens = math.prod(dims)
         if tokens > CPP_WRAPPER_MAX_TOKENS:
             return f"{tokens} tokens (more than {CPP_WRAPPER_MAX_TOKENS})"
     return None

@@ -345,9 +345,11 @@ def run_sorted_experts(
         x = hidden.to(weights.w13.dtype)
     # GEMM1's bias is per expert: added in its epilogue (after the routing weight, as (w x) W^T + b)
     if fuse_activation(spec, weights.fp8, hints.regime):
-        # the activation in GEMM1's epilogue: the [N, 2I] product is never stored, one launch fewer
-        a2, a2_scale = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias,
-                                         hints=hints, gather=True, route_weights=route_weights, activation=spec), None
+        # the activation in GEMM1's epilogue: the [N, 2I] product is never stored, one launch fewer (never with
+        # quantised activations: GEMM2's 1x128 scales are the activation kernel's)
+        a2 = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias, hints=hints,
+                               gather=True, route_weights=route_weights, activation=spec)
+        a2_scale = None
     else:  # the separate activation kernel (W8A8: it quantises its output per 1x128 group for GEMM2)
         gate_up = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias,
                                     hints=hints, gather=True, route_weights=route_weights)
