@@ -208,8 +208,7 @@ def _sorted_cell(shape: str, t: int, kind: str, gemm: int, cache: dict):
         a, a_s = (cache["a2q"][0].unsqueeze(0), cache["a2q"][1].unsqueeze(0)) if fp8 else (cache["a2"], None)
         w, w_s, gather = w2, s2, False
     n_, k_ = w.shape[1], w.shape[2]
-    n_out = n_ // 2 if activation is not None else n_
-    out = torch.empty(1, t * k, n_out, device=DEVICE, dtype=torch.bfloat16)
+    out = torch.empty(1, t * k, n_ // 2 if activation is not None else n_, device=DEVICE, dtype=torch.bfloat16)
 
     def run(cfg):
         return sorted_gemm(a, w, rows, out, a_scale=a_s, b_scale=w_s, gather=gather, regime=regime, config=cfg,

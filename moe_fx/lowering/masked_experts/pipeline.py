@@ -27,10 +27,10 @@ from moe_fx.ops import ExpertActivation
 from moe_fx.ops.masked_experts import dequantize_activations
 from moe_fx.ops.recipe import FP8_DTYPE
 
-__all__ = ["COMBINE_IN_GRAPH", "FUSE_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT",
-           "SLOT_DOWN_COMBINE", "SLOT_ROWS_MAX_TOKENS", "W8A16_MAX_ROWS", "ExpertWeights", "GemmHints", "MaskedGemms",
-           "combine_in_graph", "fuse_activation", "fuse_down_combine", "quantize_activations", "quantize_tokens_in_sort",
-           "run_masked_experts", "run_sorted_experts", "slot_rows"]
+__all__ = ["COMBINE_IN_GRAPH", "FUSE_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT", "SLOT_DOWN_COMBINE", "SLOT_ROWS_MAX_TOKENS",
+           "W8A16_MAX_ROWS", "ExpertWeights", "GemmHints", "MaskedGemms", "combine_in_graph", "fuse_activation",
+           "fuse_down_combine", "quantize_activations", "quantize_tokens_in_sort", "run_masked_experts",
+           "run_sorted_experts", "slot_rows"]
 
 #: Whether the sorted layout may apply the activation in GEMM1's epilogue (where :func:`fuse_activation`
 #: says it wins). Read when a call runs (so when a graph is compiled, for compiled code); benchmarks set
@@ -279,16 +279,12 @@ def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bo
     prefill sizes too: 1.04-1.11x at T = 1024, 4096, 16384 for Qwen3 and Mixtral (one H100, 2026-12-06,
     bench/results/fused_activation_2026-12-06_prefill_h100.md), so :data:`FUSE_HALVES_MAX_ROWS` is None and halves
     fuse at every size, an unknown regime included.
-    (GEMM1 applying the activation and quantising its output for GEMM2 in its epilogue was built and timed on an
-    H100, 0.93-1.04x at T = 256 ... 16384, and removed: docs/triton.md.)
     ``fp8``: fp8 weights. ``regime``: the call's rows-per-expert regime (None, unknown: halves fuse only
     while the bound is None). The plan explain reports asks the same function (``ExpertsPlan.activation_epilogue``).
     """
     from moe_fx.lowering.problem import regime_bounds
 
-    if not FUSE_ACTIVATION:
-        return False
-    if quantize_activations(fp8, regime):
+    if not FUSE_ACTIVATION or quantize_activations(fp8, regime):
         return False
     if not spec.gated or spec.gate_up_layout == "interleaved" or FUSE_HALVES_MAX_ROWS is None:
         return True
@@ -345,9 +341,8 @@ def run_sorted_experts(
         x = hidden.to(weights.w13.dtype)
     # GEMM1's bias is per expert: added in its epilogue (after the routing weight, as (w x) W^T + b)
     if fuse_activation(spec, weights.fp8, hints.regime):
-        # the activation in GEMM1's epilogue: the [N, 2I] product is never stored, one launch fewer (never with
-        # quantised activations: GEMM2's 1x128 scales are the activation kernel's)
-        a2 = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias, hints=hints,
+        # the activation in GEMM1's epilogue: the [N, 2I] product is never stored, one launch fewer
+        a2 = gemms.sorted_gemm(x, None, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias, hints=hints,
                                gather=True, route_weights=route_weights, activation=spec)
         a2_scale = None
     else:  # the separate activation kernel (W8A8: it quantises its output per 1x128 group for GEMM2)

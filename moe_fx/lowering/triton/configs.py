@@ -120,14 +120,13 @@ def programs_that_fit(smem_bytes: int) -> int:
     return SM_SMEM // (smem_bytes + BLOCK_RESERVED_SMEM + SMEM_MARGIN)
 
 
-def fit_smem(cfg: TileConfig, elem_bytes: int, b_tiles: int = 1) -> TileConfig:
-    """``cfg`` with fewer stages, then a shorter k step, until its tiles of ``elem_bytes`` fit the budget
-    (``b_tiles``: weight tiles a k step, as in :meth:`TileConfig.smem_bytes`).
+def fit_smem(cfg: TileConfig, elem_bytes: int) -> TileConfig:
+    """``cfg`` with fewer stages, then a shorter k step, until its tiles of ``elem_bytes`` fit the budget.
 
     Tile tables are keyed by kind, not by element size: an entry tuned for bf16 also serves fp32
     operands, whose tiles take twice the shared memory.
     """
-    while cfg.smem_bytes(elem_bytes, b_tiles) > SMEM_BUDGET:
+    while cfg.smem_bytes(elem_bytes) > SMEM_BUDGET:
         if cfg.num_stages > 2:
             cfg = replace(cfg, num_stages=cfg.num_stages - 1)
         elif cfg.block_k > 32:

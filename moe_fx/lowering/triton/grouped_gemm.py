@@ -296,7 +296,7 @@ def _launch_gemm(
     (bf16 activations x fp8 weights with 128x128 scales, dequantised in the kernel).
 
     ``epilogue``: the activation's kernel arguments (:func:`moe_fx.lowering.triton.act_args.epilogue_args`)
-    when GEMM1 applies it (bf16 and w8a16 kinds)."""
+    when GEMM1 applies it (bf16 kinds only)."""
     # a swapped tile with gate/up halves in two accumulators loads the gate's and the up's weight tiles
     b_tiles = 2 if epilogue and _halves(epilogue) and not epilogue["PAIR_HALVES"] and cfg.swap_ab else 1
     nprog = num_programs(a.device, cfg, tile_bound, configs.resident_programs(cfg, a.element_size(), b_tiles))
@@ -552,15 +552,13 @@ def sorted_gemm(
     epilogue, n_out = None, n
     if activation is not None:
         if fp8:
-            raise ValueError(f"{name}: the activation epilogue takes bf16/fp16/fp32 GEMMs; fp8 weights' activation is "
-                             "the activation kernel's (it quantises GEMM2's input)")
+            raise ValueError(f"{name}: the activation epilogue runs on bf16/fp16/fp32 GEMMs, not fp8")
         if activation.gated and n % 2:
             raise ValueError(f"{name}: a gated activation needs an even number of weight rows, got {n}")
         epilogue = epilogue_args(activation, name)
         epilogue["PAIR_HALVES"] = _halves(epilogue) and PAIR_GATE_UP
         n_out = n // 2 if activation.gated else n
-    out_dtype = torch.bfloat16 if fp8 else a.dtype
-    out = _out(name, out, (1, num_rows, n_out), out_dtype, a.device)
+    out = _out(name, out, (1, num_rows, n_out), torch.bfloat16 if fp8 else a.dtype, a.device)
     check_offsets(name, a if a.dim() == 3 else a.unsqueeze(0), out)
     if _known_empty(num_rows, n):
         return out
