@@ -473,19 +473,38 @@ def compile_forward(model, backend: str, mode: str, dynamic: bool, weights: str 
     elif backend == "moe_fx":
         import moe_fx
 
-        return moe_fx.compile(model, moe_fx.MoEConfig(quantize="fp8" if weights == "quantize_fp8" else None), **kwargs)
+        return moe_fx.compile(model, moe_fx_config(weights), **kwargs)
     return torch.compile(model, **kwargs)
 
 
-def ab_backend(pairs: tuple[str, ...], seen: list[dict[str, object]]) -> Callable:
+def moe_fx_config(weights: str):
+    """The ``MoEConfig`` the moe_fx side compiles with for ``--weights`` (None: ``backend="moe_fx"``'s default)."""
+    import moe_fx
+
+    return moe_fx.MoEConfig(quantize="fp8" if weights == "quantize_fp8" else None)
+
+
+def ab_backend(pairs: tuple[str, ...], seen: list[dict[str, object]], model=None, weights: str = "bf16") -> Callable:
     """``backend="moe_fx"`` as an object of its own, for the A/B side: Dynamo keeps compiled frames per backend,
     so the A/B side compiles its own graphs (with its constants in force) instead of reusing moe_fx's. Appends
-    to ``seen``, at each compile, the values ``pairs``' constants have then (the record that they were in force)."""
-    from moe_fx.backend import moe_fx_backend
+    to ``seen``, at each compile, the values ``pairs``' constants have then (the record that they were in force).
+    For the fp8 kinds of ``--weights`` it is what ``moe_fx.compile`` gives the moe_fx side: the module capture of
+    ``model`` (the A/B side's own module tree), then a backend with that side's ``MoEConfig``."""
+    from moe_fx.backend import enable_capture, make_backend, moe_fx_backend
+
+    if weights == "bf16":
+        inner = moe_fx_backend
+    else:
+        from moe_fx.capture.steps import capture_modules
+
+        config = moe_fx_config(weights)
+        enable_capture()
+        capture_modules(model, config)
+        inner = make_backend(config, captured=True)
 
     def moe_fx_ab(gm, example_inputs, **kwargs):
         seen.append(current_settings(list(pairs)))
-        return moe_fx_backend(gm, example_inputs, **kwargs)
+        return inner(gm, example_inputs, **kwargs)
 
     return moe_fx_ab
 
@@ -708,7 +727,8 @@ def generate_row(model_name: str, models: dict[str, Any], s: Settings) -> dict:
         model.generation_config.disable_compile = True  # eager stays eager; compiled forwards are compiled once
         own = type(model).forward.__get__(model)  # the class's forward: never another side's compiled one
         if name == AB_SIDE:
-            forwards[name] = torch.compile(own, backend=ab_backend(s.ab_set, ab_compiles), dynamic=s.dynamic)
+            forwards[name] = torch.compile(own, backend=ab_backend(s.ab_set, ab_compiles, model, s.weights),
+                                           dynamic=s.dynamic)
         else:
             forwards[name] = own if name == "eager" else compile_forward(own, name, "default", s.dynamic, s.weights)
         caches[name] = static_cache(model, s.gen_batch, max_len)
@@ -1533,8 +1553,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu", action="store_true", help="with --smoke: stay on CPU even if CUDA is there")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="join earlier runs' JSON files into one md/json/png")
     args = ap.parse_args(argv)
-    if args.ab_set and args.weights != "bf16":
-        ap.error("--ab-set compiles its side with backend='moe_fx': bf16 weights only")
     args.out = args.out or (os.path.join(tempfile.gettempdir(), "moe_fx_smoke") if args.smoke else os.path.join(HERE, "results"))
     args.models = args.models or ("qwen3" if args.smoke else ",".join(MODELS))
     args.tokens = args.tokens or ("1,8" if args.smoke else "1,16,256,1024,4096")

@@ -11,6 +11,7 @@
 #                  not installed, as on the GPU image)
 #   tests_compiled the GPU tests of tests/test_compiled_gpu.py and test_backend.py only (4 workers)
 #   switches       the GPU tests of the lowering switches only (static launch, combine in graph)
+#   tests_cpp      the GPU tests of the C++ wrapper only (decode graphs bf16 / fp8; prefill graphs under the caller's option)
 #   gen_cg_plain   GPT-OSS-20B 24 layers, generate() through transformers' CompileConfig (CUDA graphs), plain
 #   gen_cg_moe_fx  the same under backend="moe_fx" (its own call: the compile takes minutes)
 #   gen_cg_profile both CompileConfig sides in one call with --profile: one decode step's GPU time, launches, host time
@@ -26,6 +27,8 @@
 #   gen_ab_cpp     the same A/B at 8 layers with moe_fx.backend.CPP_WRAPPER=False on the A/B side (Inductor's Python wrapper;
 #                  the C++ wrapper of decode-sized graphs is on since 2026-12-06, e2e_model_2026-12-06_gpt_oss8_ab_cpp_h100.md
 #                  measured it the other way round, every graph of the A/B side under it)
+#   gen_ab_cpp_fp8 the C++-wrapper A/B on Qwen3-30B-A3B with transformers' fine-grained FP8 experts, 8 layers
+#   gen_ab_cpp_qwen3  the same on the bf16 Qwen3-30B-A3B
 #   gen_ab_combine the same A/B with masked_experts.pipeline.COMBINE_IN_GRAPH=True
 #   compile_static what STATIC_LAUNCH_KERNELS costs a cold compile (no worker pool): GPT-OSS 16 layers, one T=1
 #                  forward per side, Triton's launcher then static, each process with empty Inductor and Triton caches
@@ -57,6 +60,8 @@
 #   breakdown_prefill  where one layer's time goes at prefill sizes (bench/kernel_breakdown.py): each kernel of a CUDA-graph
 #                  replay, bf16 Qwen3 / Mixtral / GPT-OSS at T = 1024 and 4096 (Qwen3 T=4096 ran at 49% of its floor
 #                  on an H100 where T=1024 ran at 79%), then Qwen3 with fp8 weights
+#   breakdown_decode  the same at decode sizes: Qwen3 and GPT-OSS at T = 1 and 16, bf16 then fp8 (issue 16: >= 80% of
+#                  the floor at T <= 16; T=1 ran at 53% / 34% for Qwen3 bf16 / fp8 on an H100)
 #   epilogue_prefill  gate/up halves' activation in GEMM1's epilogue against the separate activation kernel at prefill
 #                  sizes (Qwen3, Mixtral; T = 1024, 4096, 16384; masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None on both
 #                  sides so the "on" side fuses at every size, the shipped choice since it won 1.04-1.11x on an H100,
@@ -131,6 +136,10 @@ for name in "$@"; do
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_compiled_gpu.py \
         -k "combine_left or static_launch" > "$OUT/pytest_gpu_$name.log" 2>&1
       grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -20 ;;
+    tests_cpp)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_compiled_gpu.py -k cpp_wrapper \
+        > "$OUT/pytest_gpu_$name.log" 2>&1
+      grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -20 ;;
     gen_cg_plain)
       timeout 590 python3 $CG --variants cc-ro-inductor --tag gpt_oss24_cc_plain > "$OUT/log_$name.txt" 2>&1
       summary gpt_oss24_cc_plain ;;
@@ -169,6 +178,14 @@ for name in "$@"; do
       timeout 590 python3 $E2E_AB --layers 8 --ab-set moe_fx.backend.CPP_WRAPPER=False --tag gpt_oss8_ab_py \
         > "$OUT/log_$name.txt" 2>&1
       summary gpt_oss8_ab_py ;;
+    gen_ab_cpp_fp8)
+      timeout ${GEN_TIMEOUT:-590} python3 $E2E_AB --models qwen3 --weights fp8_checkpoint --layers 8 \
+        --ab-set moe_fx.backend.CPP_WRAPPER=False --tag qwen3_fp8_8_ab_py > "$OUT/log_$name.txt" 2>&1
+      summary qwen3_fp8_8_ab_py ;;
+    gen_ab_cpp_qwen3)
+      timeout ${GEN_TIMEOUT:-590} python3 $E2E_AB --models qwen3 --layers 8 \
+        --ab-set moe_fx.backend.CPP_WRAPPER=False --tag qwen3_8_ab_py > "$OUT/log_$name.txt" 2>&1
+      summary qwen3_8_ab_py ;;
     gen_ab_combine)
       timeout 590 python3 $E2E_AB --ab-set masked_experts.pipeline.COMBINE_IN_GRAPH=True --tag gpt_oss16_ab_combine \
         > "$OUT/log_$name.txt" 2>&1
@@ -244,6 +261,10 @@ for name in "$@"; do
       timeout 280 python3 $BREAKDOWN --tag prefill > "$OUT/log_$name.txt" 2>&1
       timeout 200 python3 $BREAKDOWN --shapes qwen3 --fp8 --tag prefill_fp8 >> "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral|gpt_oss)" "$OUT"/kernel_breakdown_*prefill*.md 2>/dev/null | cut -c1-400 ;;
+    breakdown_decode)
+      timeout 150 python3 $BREAKDOWN --shapes qwen3,gpt_oss --tokens 1,16 --tag decode > "$OUT/log_$name.txt" 2>&1
+      timeout 150 python3 $BREAKDOWN --shapes qwen3,gpt_oss --tokens 1,16 --fp8 --tag decode_fp8 >> "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|gpt_oss)" "$OUT"/kernel_breakdown_*decode*.md 2>/dev/null | cut -c1-400 ;;
     epilogue_prefill)
       timeout 560 python3 $EPILOGUE --tag prefill > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral)" "$OUT"/fused_activation_*prefill.md 2>/dev/null | cut -c1-220 ;;

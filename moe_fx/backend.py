@@ -96,6 +96,9 @@ CPP_WRAPPER = True
 #: The most tokens a graph's MoE ops may take for it to get the C++ wrapper: decode steps, whose host time is most of
 #: their wall time; their tiles (at most 16 rows per expert) make no TMA descriptors on the device.
 CPP_WRAPPER_MAX_TOKENS = 16
+#: The expert weight dtypes whose decode graphs were checked under the C++ wrapper on a GPU (bit for bit the Python
+#: wrapper's output; fp8 since 2026-12-06, after the lowering stopped making device TMA descriptors in such graphs).
+CPP_WRAPPER_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
 
 def cpp_wrapper_refusal(gm: fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any]) -> str | None:
@@ -103,10 +106,8 @@ def cpp_wrapper_refusal(gm: fx.GraphModule, example_inputs: Sequence[Any], patch
 
     It does when the switch is on, the graph runs on CUDA, neither CUDA graphs (which remove the host cost, and which
     Inductor skips under the C++ wrapper) nor the caller's own ``cpp_wrapper`` option is set, and the graph holds
-    ``moe_fx::experts`` ops only of the kind checked under the C++ wrapper on a GPU: bf16 / fp16 weights, a static
-    token count of at most :data:`CPP_WRAPPER_MAX_TOKENS`. (fp8 weights are not: one fp8 graph at a prefill size
-    crashed under it with an illegal memory access, 2026-12-06, most likely a kernel that makes TMA descriptors on the
-    device, which the lowering now keeps out of C++-wrapper graphs, ``grouped_gemm._device_tma_ok``; not re-run.)
+    ``moe_fx::experts`` ops only of the kind checked under the C++ wrapper on a GPU: weights of a dtype in
+    :data:`CPP_WRAPPER_WEIGHT_DTYPES`, a static token count of at most :data:`CPP_WRAPPER_MAX_TOKENS`.
     """
     from moe_fx.passes.graph_utils import bound_op_args, moe_fx_op
 
@@ -126,8 +127,8 @@ def cpp_wrapper_refusal(gm: fx.GraphModule, example_inputs: Sequence[Any], patch
             return f"moe_fx::{moe_fx_op(node)} (expert parallelism)"
         args = bound_op_args(node)
         hidden = args["hidden"]
-        if not isinstance(hidden, torch.Tensor) or args["w13"].dtype not in (torch.bfloat16, torch.float16):
-            return "weights other than bf16 / fp16"
+        if not isinstance(hidden, torch.Tensor) or args["w13"].dtype not in CPP_WRAPPER_WEIGHT_DTYPES:
+            return f"{args['w13'].dtype} weights"
         dims = hidden.shape[:-1]
         if not all(isinstance(d, int) for d in dims):
             return "a dynamic token count"
@@ -143,14 +144,20 @@ def compile_with_cpp_wrapper_fallback(
 ) -> Callable:
     """``compile_fn(gm, example_inputs, config_patches=...)`` with ``cpp_wrapper`` added to ``patches`` when asked;
     if that compile fails (a C++ wrapper that does not compile: torch 2.11 declares no C shim for some ops), ``gm``
-    compiles again with the Python wrapper, and the failure is logged. Inductor's passes rewrite the graph they are
-    given, so the C++ attempt compiles a copy of ``gm``'s graph (the module's attributes are shared, not copied)."""
+    compiles again with the Python wrapper, and the failure is logged. Dynamo's own signals raised from inside a compile
+    (``TorchDynamoException``: ``TensorifyScalarRestartAnalysis`` asks Dynamo to trace the frame again) are not
+    failures and pass through. Inductor's passes rewrite the graph they are given, so the C++ attempt compiles a copy
+    of ``gm``'s graph (the module's attributes are shared, not copied)."""
+    from torch._dynamo.exc import TorchDynamoException
+
     if not cpp_wrapper:
         return compile_fn(gm, example_inputs, config_patches=patches)
     attempt = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # fx copies nodes with shallow copies of their meta
     attempt.meta.update(gm.meta)
     try:
         return compile_fn(attempt, example_inputs, config_patches={**patches, "cpp_wrapper": True})
+    except TorchDynamoException:
+        raise
     except Exception as err:  # noqa: BLE001  (any failure of the optional wrapper falls back to the default one)
         log.warning("moe_fx: Inductor's C++ wrapper failed for this graph, compiling it with the Python wrapper: %s",
                     str(err).splitlines()[0] if str(err) else type(err).__name__)

@@ -304,18 +304,18 @@ def test_static_launch_of_user_kernels_is_one_switch_the_config_overrides(monkey
     assert key not in seen[3] and "compile_threads" not in seen[3]
 
 
-def _experts_graph(t: int, fp8: bool = False, symbolic: bool = False) -> torch.fx.GraphModule:
-    """A graph of one ``moe_fx::experts`` call on ``t`` tokens (make_fx; ``symbolic``: a dynamic token count)."""
+def _experts_graph(t: int, weights: torch.dtype = torch.bfloat16, symbolic: bool = False) -> torch.fx.GraphModule:
+    """A graph of one ``moe_fx::experts`` call on ``t`` tokens with ``weights`` of that dtype (fp8 with block scales;
+    make_fx; ``symbolic``: a dynamic token count)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     e, k, h, i = 4, 2, 16, 32
-    hidden = torch.randn(t, h, dtype=torch.bfloat16)
+    fp8 = weights == torch.float8_e4m3fn
+    hidden = torch.randn(t, h, dtype=torch.bfloat16 if fp8 else weights)
     ids = torch.randint(0, e, (t, k))
     w = torch.rand(t, k)
-    w13 = torch.randn(e, 2 * i, h, dtype=torch.bfloat16)
-    w2 = torch.randn(e, h, i, dtype=torch.bfloat16)
-    if fp8:
-        w13, w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+    w13 = torch.randn(e, 2 * i, h).to(weights)
+    w2 = torch.randn(e, h, i).to(weights)
     s13, s2 = torch.ones(e, 1, 1), torch.ones(e, 1, 1)
 
     def layer(hidden, ids, w, w13, w2, s13, s2):
@@ -325,9 +325,10 @@ def _experts_graph(t: int, fp8: bool = False, symbolic: bool = False) -> torch.f
     return make_fx(layer, tracing_mode="symbolic" if symbolic else "fake")(hidden, ids, w, w13, w2, s13, s2)
 
 
-def test_cpp_wrapper_goes_to_decode_sized_bf16_graphs_only(monkeypatch):
-    """``backend.CPP_WRAPPER``: Inductor's C++ wrapper for graphs on CUDA whose experts ops take bf16 weights and a
-    static token count of at most ``CPP_WRAPPER_MAX_TOKENS``; every other graph is refused, with the reason."""
+def test_cpp_wrapper_goes_to_decode_sized_graphs_only(monkeypatch):
+    """``backend.CPP_WRAPPER``: Inductor's C++ wrapper for graphs on CUDA whose experts ops take bf16, fp16 or fp8
+    weights and a static token count of at most ``CPP_WRAPPER_MAX_TOKENS``; every other graph is refused, with the
+    reason."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from moe_fx import backend
@@ -346,7 +347,9 @@ def test_cpp_wrapper_goes_to_decode_sized_bf16_graphs_only(monkeypatch):
     n = backend.CPP_WRAPPER_MAX_TOKENS + 1
     assert backend.cpp_wrapper_refusal(_experts_graph(n), cuda, {}) == f"{n} tokens (more than {n - 1})"
     assert backend.cpp_wrapper_refusal(_experts_graph(4, symbolic=True), cuda, {}) == "a dynamic token count"
-    assert backend.cpp_wrapper_refusal(_experts_graph(4, fp8=True), cuda, {}) == "weights other than bf16 / fp16"
+    for dtype in (torch.float16, torch.float8_e4m3fn):
+        assert backend.cpp_wrapper_refusal(_experts_graph(4, dtype), cuda, {}) is None, dtype
+    assert backend.cpp_wrapper_refusal(_experts_graph(4, torch.float32), cuda, {}) == "torch.float32 weights"
     assert backend.cpp_wrapper_refusal(torch.fx.symbolic_trace(torch.nn.Linear(4, 4)), cuda, {}) == "no moe_fx op"
 
 
@@ -373,6 +376,25 @@ def test_cpp_wrapper_compile_falls_back_to_the_python_wrapper(caplog):
     calls.clear()
     assert backend.compile_with_cpp_wrapper_fallback(compile_fn, gm, [], {"a": 1}, cpp_wrapper=False) == "python wrapper"
     assert calls == [(gm, {"a": 1})]
+
+
+def test_cpp_wrapper_attempt_passes_dynamos_restart_through(caplog):
+    """Dynamo's signals raised inside the C++ attempt's compile (a restart of the trace, seen on GPU 2026-12-06 with
+    transformers' FP8 experts) reach Dynamo: no Python-wrapper compile, no warning."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+    from moe_fx import backend
+
+    calls = []
+
+    def compile_fn(g, inputs, config_patches):
+        calls.append(dict(config_patches))
+        raise TensorifyScalarRestartAnalysis
+
+    with caplog.at_level("WARNING", logger="moe_fx"), pytest.raises(TensorifyScalarRestartAnalysis):
+        backend.compile_with_cpp_wrapper_fallback(compile_fn, _experts_graph(2), [], {}, cpp_wrapper=True)
+    assert calls == [{"cpp_wrapper": True}]
+    assert "C++ wrapper failed" not in caplog.text
 
 
 @pytest.mark.gpu

@@ -272,6 +272,24 @@ def test_e2e_model_generate_cell(tmp_path):
     assert "## generate() A/B" in md and f"| `{setting}=3` |" in md and f"| {'-' if ab is None else f'{ab:.3f}'}x |" in md
 
 
+@pytest.mark.timeout(170)
+def test_e2e_model_ab_side_with_fp8_checkpoint_weights(tmp_path):
+    """``--ab-set`` with transformers' FP8 experts (``--weights fp8_checkpoint``): the A/B side compiles as the moe_fx
+    side does for those weights (module capture of its own module tree, then moe_fx's backend), each compile with
+    the constant in force, and its generate() row is written."""
+    out = tmp_path / "res"
+    setting = "moe_fx.backend.CPP_WRAPPER"
+    proc = _run(["--smoke", "--cpu", "--models", "qwen3", "--weights", "fp8_checkpoint", "--layers", "1",
+                 "--no-forward", "--no-layer-host", "--gen-prompt", "4", "--gen-new", "3", "--gen-rounds", "1",
+                 "--no-plot", "--out", str(out), "--ab-set", f"{setting}=False", "--tag", "f"], timeout=160)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    [js] = out.glob("e2e_model_*_f.json")
+    [row] = json.loads(js.read_text())["rows"]
+    assert row["kind"] == "generate" and "error" not in row, row
+    assert len(row["ab_compiles"]) >= 2 and all(c == {setting: False} for c in row["ab_compiles"]), row["ab_compiles"]
+    assert row["moe_fx_ab"]["s_per_call"] > 0
+
+
 def test_settings_applied_restores():
     """``settings_applied`` (the A/B side's calls): the constants hold inside the ``with``, and afterwards, also
     after an exception, each is back at its value; a name the module lacks fails before anything changes."""

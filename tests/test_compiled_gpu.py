@@ -134,19 +134,42 @@ def test_static_launch_of_the_kernels_gives_the_same_numbers(t, monkeypatch, fre
     assert any(ok and ("gemm" in name or "unpermute" in name) for name, ok in static), static
 
 
+def _fp8_layer(t):
+    """:func:`_layer` with its weights in fp8 (e4m3, 128x128 block scales): ``hidden, ids, w, w13, w2, scales``."""
+    from moe_fx.lowering.quant import quantize_fp8_blockwise
+
+    hidden, ids, w, w13, w2 = _layer(t)
+    w13, s13 = quantize_fp8_blockwise(w13)
+    w2, s2 = quantize_fp8_blockwise(w2)
+    return hidden, ids, w, w13, w2, {"w13_scale": s13, "w2_scale": s2}
+
+
+def _layer_of(t, fp8):
+    """A compiled-graph test's layer function on ``t`` tokens (fp8 or bf16 weights), its inputs and the reference's
+    output with the tolerance that fits the weights."""
+    if fp8:
+        hidden, ids, w, w13, w2, scales = _fp8_layer(t)
+    else:
+        (hidden, ids, w, w13, w2), scales = _layer(t), {}
+
+    def layer(hidden, ids, w):
+        return torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, kernel_choice="triton", **scales) * 2
+
+    ref = experts_reference(hidden, ids, w, w13, w2, w13_scale=scales.get("w13_scale"),
+                            w2_scale=scales.get("w2_scale")) * 2
+    return layer, (hidden, ids, w), ref, (6e-2 if fp8 else 1e-2)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("t", [1, 16])
-def test_decode_graph_with_cpp_wrapper_gives_the_python_wrappers_numbers(t, monkeypatch, fresh_compile, caplog):
+def test_decode_graph_with_cpp_wrapper_gives_the_python_wrappers_numbers(t, fp8, monkeypatch, fresh_compile, caplog):
     """``backend.CPP_WRAPPER`` on: a decode-sized graph through ``backend="moe_fx"`` compiles with Inductor's C++
     wrapper (no fallback to the Python one) and gives, bit for bit, what the Python wrapper's graph gives."""
     import torch._inductor.compile_fx as cfx
 
     from moe_fx import backend
 
-    hidden, ids, w, w13, w2 = _layer(t)
-
-    def layer(hidden, ids, w):
-        return torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, kernel_choice="triton") * 2
-
+    layer, inputs, ref, tol = _layer_of(t, fp8)
     seen = []
     real = cfx.compile_fx
 
@@ -161,11 +184,27 @@ def test_decode_graph_with_cpp_wrapper_gives_the_python_wrappers_numbers(t, monk
         monkeypatch.setattr(backend, "CPP_WRAPPER", on)
         torch._dynamo.reset()
         with caplog.at_level("WARNING", logger="moe_fx"):
-            outs[on] = torch.compile(layer, backend="moe_fx", fullgraph=True)(hidden, ids, w)
+            outs[on] = torch.compile(layer, backend="moe_fx", fullgraph=True)(*inputs)
     assert seen == [False, True], seen
     assert "C++ wrapper failed" not in caplog.text, caplog.text
     assert torch.equal(outs[True], outs[False])
-    assert rel_err(outs[True], experts_reference(hidden, ids, w, w13, w2) * 2) < 1e-2
+    assert rel_err(outs[True], ref) < tol
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_prefill_graph_under_the_callers_cpp_wrapper_runs(fp8, fresh_compile):
+    """A prefill-sized graph (T=512, 128 rows per expert) compiled with the caller's ``cpp_wrapper`` option: its
+    kernels load tiles through pointers (no TMA descriptor made on the device, whose global scratch a C++-launched
+    kernel does not get; an fp8 graph so crashed with an illegal memory access, 2026-12-06) and give the Python
+    wrapper's numbers."""
+    layer, inputs, ref, tol = _layer_of(512, fp8)
+    outs = {}
+    for on in (False, True):
+        torch._dynamo.reset()
+        outs[on] = torch.compile(layer, backend="moe_fx", fullgraph=True, options={"cpp_wrapper": on})(*inputs)
+    torch.cuda.synchronize()
+    assert rel_err(outs[True], outs[False]) < 1e-2
+    assert rel_err(outs[True], ref) < tol
 
 
 def test_dynamic_token_count_recompiles_per_regime_only():
