@@ -89,9 +89,10 @@ def _on_cuda(example_inputs: Sequence[Any]) -> bool:
 #: default mode is host-bound (GPT-OSS-20B, 8 layers, batch 1, H100: 9.7 ms of wall against 1.4 ms of GPU work a step),
 #: and the C++ wrapper took the step to 5.8 ms: generate() decode 174 against 103 tok/s (1.69x; plain torch.compile
 #: 97 tok/s, whose own C++ wrapper does not compile with transformers' ``grouped_mm`` experts on torch 2.11,
-#: bench/results/e2e_model_2026-12-06_gpt_oss8_ab_cpp_h100.md). It costs a C++ compile per such graph (that run's
-#: warm-up 74 -> 153 s), kept by Inductor's on-disk cache. A graph whose C++ wrapper fails to compile is compiled
-#: again with the Python wrapper (logged). On since 2026-12-06 (sixteenth session).
+#: bench/results/e2e_model_2026-12-06_gpt_oss8_ab_cpp_h100.md; Qwen3-30B-A3B 1.42-1.54x over the Python wrapper, bf16
+#: and transformers' FP8 experts, e2e_model_2026-12-06_qwen3{,_fp8}_8_ab_py_h100.md). It costs a C++ compile per such
+#: graph (1-3 minutes more at 8 layers on torch 2.11, which builds it at -O3), kept by Inductor's on-disk cache. A graph
+#: whose C++ wrapper fails to compile is compiled again with the Python wrapper (logged). On since 2026-12-06.
 CPP_WRAPPER = True
 #: The most tokens a graph's MoE ops may take for it to get the C++ wrapper: decode steps, whose host time is most of
 #: their wall time; their tiles (at most 16 rows per expert) make no TMA descriptors on the device.
@@ -366,8 +367,8 @@ class MoEFxBackend:
             }
             refusal = cpp_wrapper_refusal(gm, example_inputs, patches)
             if refusal is None:  # the first compile of such a graph takes longer: say why
-                log.info("moe_fx: a decode-sized graph: compiling it with Inductor's C++ wrapper (a C++ compile; "
-                         "moe_fx.backend.CPP_WRAPPER)")
+                log.info("moe_fx: a decode-sized graph: compiling it with Inductor's C++ wrapper (a C++ compile, minutes "
+                         "for a deep model on torch 2.11, once: Inductor's disk cache keeps it; moe_fx.backend.CPP_WRAPPER)")
             else:
                 log.debug("moe_fx: Python wrapper for this graph: %s", refusal)
             compiled = compile_with_cpp_wrapper_fallback(compile_fx, gm, list(example_inputs), patches, refusal is None)
