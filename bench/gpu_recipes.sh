@@ -29,6 +29,8 @@
 #                  measured it the other way round, every graph of the A/B side under it)
 #   gen_ab_cpp_fp8 the C++-wrapper A/B on Qwen3-30B-A3B with transformers' fine-grained FP8 experts, 8 layers
 #   gen_ab_cpp_qwen3  the same on the bf16 Qwen3-30B-A3B
+#   gen_ab_cpp_dyn the C++ wrapper for decode graphs of a symbolic batch (backend.CPP_WRAPPER_DYNAMIC on the A/B side):
+#                  its GPU test, then Qwen3 bf16, 4 layers, generate() with a batch of 4 (dynamic=True: a symbolic decode batch)
 #   gen_ab_combine the same A/B with masked_experts.pipeline.COMBINE_IN_GRAPH=True
 #   compile_static what STATIC_LAUNCH_KERNELS costs a cold compile (no worker pool): GPT-OSS 16 layers, one T=1
 #                  forward per side, Triton's launcher then static, each process with empty Inductor and Triton caches
@@ -186,6 +188,13 @@ for name in "$@"; do
       timeout ${GEN_TIMEOUT:-590} python3 $E2E_AB --models qwen3 --layers 8 \
         --ab-set moe_fx.backend.CPP_WRAPPER=False --tag qwen3_8_ab_py > "$OUT/log_$name.txt" 2>&1
       summary qwen3_8_ab_py ;;
+    gen_ab_cpp_dyn)
+      timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_compiled_gpu.py -k dynamic_decode_graph \
+        > "$OUT/pytest_gpu_$name.log" 2>&1
+      grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -5
+      timeout ${GEN_TIMEOUT:-590} python3 $E2E_AB --models qwen3 --layers 4 --gen-batch 4 --gen-rounds 3 \
+        --ab-set moe_fx.backend.CPP_WRAPPER_DYNAMIC=True --tag qwen3_4_b4_ab_dyn > "$OUT/log_$name.txt" 2>&1
+      summary qwen3_4_b4_ab_dyn ;;
     gen_ab_combine)
       timeout 590 python3 $E2E_AB --ab-set masked_experts.pipeline.COMBINE_IN_GRAPH=True --tag gpt_oss16_ab_combine \
         > "$OUT/log_$name.txt" 2>&1

@@ -100,6 +100,11 @@ CPP_WRAPPER_MAX_TOKENS = 16
 #: The expert weight dtypes whose decode graphs were checked under the C++ wrapper on a GPU (bit for bit the Python
 #: wrapper's output; fp8 since 2026-12-06, after the lowering stopped making device TMA descriptors in such graphs).
 CPP_WRAPPER_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+#: Whether a graph whose token count is symbolic gets the C++ wrapper too when the size it was traced with is at most
+#: :data:`CPP_WRAPPER_MAX_TOKENS` (``generate()`` with a batch of 2..16: ``dynamic=True``, or Dynamo's second shape,
+#: makes the decode step's batch symbolic). Such a graph serves every later size of its rows-per-expert regime (the
+#: lowering guards on it), all of them decode sizes.
+CPP_WRAPPER_DYNAMIC = False
 
 
 def cpp_wrapper_refusal(gm: fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any]) -> str | None:
@@ -108,7 +113,8 @@ def cpp_wrapper_refusal(gm: fx.GraphModule, example_inputs: Sequence[Any], patch
     It does when the switch is on, the graph runs on CUDA, neither CUDA graphs (which remove the host cost, and which
     Inductor skips under the C++ wrapper) nor the caller's own ``cpp_wrapper`` option is set, and the graph holds
     ``moe_fx::experts`` ops only of the kind checked under the C++ wrapper on a GPU: weights of a dtype in
-    :data:`CPP_WRAPPER_WEIGHT_DTYPES`, a static token count of at most :data:`CPP_WRAPPER_MAX_TOKENS`.
+    :data:`CPP_WRAPPER_WEIGHT_DTYPES`, a static token count of at most :data:`CPP_WRAPPER_MAX_TOKENS` (or, with
+    :data:`CPP_WRAPPER_DYNAMIC`, a symbolic one traced at such a size).
     """
     from moe_fx.passes.graph_utils import bound_op_args, moe_fx_op
 
@@ -132,11 +138,21 @@ def cpp_wrapper_refusal(gm: fx.GraphModule, example_inputs: Sequence[Any], patch
             return f"{args['w13'].dtype} weights"
         dims = hidden.shape[:-1]
         if not all(isinstance(d, int) for d in dims):
-            return "a dynamic token count"
+            if not CPP_WRAPPER_DYNAMIC:
+                return "a dynamic token count"
+            dims = [_size_hint(d) for d in dims]
         tokens = math.prod(dims)
         if tokens > CPP_WRAPPER_MAX_TOKENS:
             return f"{tokens} tokens (more than {CPP_WRAPPER_MAX_TOKENS})"
     return None
+
+
+def _size_hint(size: int | torch.SymInt) -> int:
+    """The value a symbolic size had when traced (a plain int as it is)."""
+    if isinstance(size, torch.SymInt):
+        node = size.node
+        return int(node.hint if node.hint is not None else node.shape_env.size_hint(node.expr))
+    return int(size)
 
 
 def compile_with_cpp_wrapper_fallback(

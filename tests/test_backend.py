@@ -347,6 +347,10 @@ def test_cpp_wrapper_goes_to_decode_sized_graphs_only(monkeypatch):
     n = backend.CPP_WRAPPER_MAX_TOKENS + 1
     assert backend.cpp_wrapper_refusal(_experts_graph(n), cuda, {}) == f"{n} tokens (more than {n - 1})"
     assert backend.cpp_wrapper_refusal(_experts_graph(4, symbolic=True), cuda, {}) == "a dynamic token count"
+    monkeypatch.setattr(backend, "CPP_WRAPPER_DYNAMIC", True)  # a symbolic count, by the size it was traced with
+    assert backend.cpp_wrapper_refusal(_experts_graph(4, symbolic=True), cuda, {}) is None
+    assert backend.cpp_wrapper_refusal(_experts_graph(n, symbolic=True), cuda, {}) == f"{n} tokens (more than {n - 1})"
+    monkeypatch.setattr(backend, "CPP_WRAPPER_DYNAMIC", False)
     for dtype in (torch.float16, torch.float8_e4m3fn):
         assert backend.cpp_wrapper_refusal(_experts_graph(4, dtype), cuda, {}) is None, dtype
     assert backend.cpp_wrapper_refusal(_experts_graph(4, torch.float32), cuda, {}) == "torch.float32 weights"

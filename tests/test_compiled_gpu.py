@@ -191,6 +191,45 @@ def test_decode_graph_with_cpp_wrapper_gives_the_python_wrappers_numbers(t, fp8,
     assert rel_err(outs[True], ref) < tol
 
 
+def test_dynamic_decode_graph_with_cpp_wrapper_gives_the_python_wrappers_numbers(monkeypatch, fresh_compile, caplog):
+    """``backend.CPP_WRAPPER_DYNAMIC``: a graph with a symbolic token count traced at a decode size compiles with the
+    C++ wrapper and gives, bit for bit, the Python wrapper's output at every size it serves (T = 2..16: at most 4 rows
+    per expert, one regime, one graph)."""
+    import torch._inductor.compile_fx as cfx
+
+    from moe_fx import backend
+
+    _, _, _, w13, w2 = _layer(1)
+
+    def layer(hidden, ids, w):
+        return torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, kernel_choice="triton") * 2
+
+    seen = []
+    real = cfx.compile_fx
+
+    def spy(gm, inputs, config_patches=None, **kw):
+        if config_patches is not None:  # the backend's call (compile_fx calls itself again, without patches)
+            seen.append(bool(config_patches.get("cpp_wrapper")))
+        return real(gm, inputs, config_patches=config_patches, **kw)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    monkeypatch.setattr(backend, "CPP_WRAPPER_DYNAMIC", True)
+    sizes = (2, 3, 12, 16)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(backend, "CPP_WRAPPER", on)
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, backend="moe_fx", fullgraph=True, dynamic=True)
+        with caplog.at_level("WARNING", logger="moe_fx"):
+            outs[on] = [compiled(*_layer(t, seed=t)[:3]) for t in sizes]
+    assert seen == [False, True], seen
+    assert "C++ wrapper failed" not in caplog.text, caplog.text
+    for t, got, want in zip(sizes, outs[True], outs[False]):
+        hidden, ids, w, _, _ = _layer(t, seed=t)
+        assert torch.equal(got, want), t
+        assert rel_err(got, experts_reference(hidden, ids, w, w13, w2) * 2) < 1e-2, t
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_prefill_graph_under_the_callers_cpp_wrapper_runs(fp8, fresh_compile):
     """A prefill-sized graph (T=512, 128 rows per expert) compiled with the caller's ``cpp_wrapper`` option: its
