@@ -160,16 +160,10 @@ def _layer_of(t, fp8):
     return layer, (hidden, ids, w), ref, (6e-2 if fp8 else 1e-2)
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("t", [1, 16])
-def test_decode_graph_with_cpp_wrapper_gives_the_python_wrappers_numbers(t, fp8, monkeypatch, fresh_compile, caplog):
-    """``backend.CPP_WRAPPER`` on: a decode-sized graph through ``backend="moe_fx"`` compiles with Inductor's C++
-    wrapper (no fallback to the Python one) and gives, bit for bit, what the Python wrapper's graph gives."""
+def _cpp_wrapper_spy(monkeypatch) -> list[bool]:
+    """A list that gets, at each of the backend's Inductor compiles, whether it asked for the C++ wrapper."""
     import torch._inductor.compile_fx as cfx
 
-    from moe_fx import backend
-
-    layer, inputs, ref, tol = _layer_of(t, fp8)
     seen = []
     real = cfx.compile_fx
 
@@ -179,6 +173,18 @@ def test_decode_graph_with_cpp_wrapper_gives_the_python_wrappers_numbers(t, fp8,
         return real(gm, inputs, config_patches=config_patches, **kw)
 
     monkeypatch.setattr(cfx, "compile_fx", spy)
+    return seen
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("t", [1, 16])
+def test_decode_graph_with_cpp_wrapper_gives_the_python_wrappers_numbers(t, fp8, monkeypatch, fresh_compile, caplog):
+    """``backend.CPP_WRAPPER`` on: a decode-sized graph through ``backend="moe_fx"`` compiles with Inductor's C++
+    wrapper (no fallback to the Python one) and gives, bit for bit, what the Python wrapper's graph gives."""
+    from moe_fx import backend
+
+    layer, inputs, ref, tol = _layer_of(t, fp8)
+    seen = _cpp_wrapper_spy(monkeypatch)
     outs = {}
     for on in (False, True):
         monkeypatch.setattr(backend, "CPP_WRAPPER", on)
@@ -195,8 +201,6 @@ def test_dynamic_decode_graph_with_cpp_wrapper_gives_the_python_wrappers_numbers
     """``backend.CPP_WRAPPER_DYNAMIC``: a graph with a symbolic token count traced at a decode size compiles with the
     C++ wrapper and gives, bit for bit, the Python wrapper's output at every size it serves (T = 2..16: at most 4 rows
     per expert, one regime, one graph)."""
-    import torch._inductor.compile_fx as cfx
-
     from moe_fx import backend
 
     _, _, _, w13, w2 = _layer(1)
@@ -204,15 +208,7 @@ def test_dynamic_decode_graph_with_cpp_wrapper_gives_the_python_wrappers_numbers
     def layer(hidden, ids, w):
         return torch.ops.moe_fx.experts(hidden, ids, w, w13, w2, kernel_choice="triton") * 2
 
-    seen = []
-    real = cfx.compile_fx
-
-    def spy(gm, inputs, config_patches=None, **kw):
-        if config_patches is not None:  # the backend's call (compile_fx calls itself again, without patches)
-            seen.append(bool(config_patches.get("cpp_wrapper")))
-        return real(gm, inputs, config_patches=config_patches, **kw)
-
-    monkeypatch.setattr(cfx, "compile_fx", spy)
+    seen = _cpp_wrapper_spy(monkeypatch)
     monkeypatch.setattr(backend, "CPP_WRAPPER_DYNAMIC", True)
     sizes = (2, 3, 12, 16)
     outs = {}
