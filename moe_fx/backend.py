@@ -116,6 +116,7 @@ def cpp_wrapper_refusal(gm: fx.GraphModule, example_inputs: Sequence[Any], patch
     :data:`CPP_WRAPPER_WEIGHT_DTYPES`, a static token count of at most :data:`CPP_WRAPPER_MAX_TOKENS` (or, with
     :data:`CPP_WRAPPER_DYNAMIC`, a symbolic one traced at such a size).
     """
+    from moe_fx.lowering.problem import size_hint
     from moe_fx.passes.graph_utils import bound_op_args, moe_fx_op
 
     if not CPP_WRAPPER:
@@ -140,19 +141,11 @@ def cpp_wrapper_refusal(gm: fx.GraphModule, example_inputs: Sequence[Any], patch
         if not all(isinstance(d, int) for d in dims):
             if not CPP_WRAPPER_DYNAMIC:
                 return "a dynamic token count"
-            dims = [_size_hint(d) for d in dims]
+            dims = [size_hint(d) for d in dims]
         tokens = math.prod(dims)
         if tokens > CPP_WRAPPER_MAX_TOKENS:
             return f"{tokens} tokens (more than {CPP_WRAPPER_MAX_TOKENS})"
     return None
-
-
-def _size_hint(size: int | torch.SymInt) -> int:
-    """The value a symbolic size had when traced (a plain int as it is)."""
-    if isinstance(size, torch.SymInt):
-        node = size.node
-        return int(node.hint if node.hint is not None else node.shape_env.size_hint(node.expr))
-    return int(size)
 
 
 def compile_with_cpp_wrapper_fallback(

@@ -42,6 +42,7 @@ __all__ = [
     "probe_capabilities",
     "row_regime",
     "rows_per_expert",
+    "size_hint",
 ]
 
 log = logging.getLogger("moe_fx.lowering")
@@ -62,6 +63,15 @@ ROW_REGIMES: tuple[int, ...] = (4, 16, 64, 256)
 def dtype_name(dtype: torch.dtype | str) -> str:
     """``torch.bfloat16`` / ``"torch.bfloat16"`` / ``"bfloat16"`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
+
+
+def size_hint(size: int | torch.SymInt) -> int:
+    """A plain int for a size: a SymInt's value when it was traced (for host-side choices only: a graph with a
+    symbolic size serves other sizes with the same choice), an int as it is."""
+    if isinstance(size, torch.SymInt):
+        node = size.node
+        return int(node.hint if node.hint is not None else node.shape_env.size_hint(node.expr))
+    return int(size)
 
 
 def rows_per_expert(num_tokens: object, top_k: int, num_experts: int) -> object:

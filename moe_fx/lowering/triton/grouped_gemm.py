@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from moe_fx.lowering.problem import size_hint
 from moe_fx.lowering.triton import configs
 from moe_fx.lowering.triton._loader import is_traced, launch
 from moe_fx.lowering.triton.act_args import epilogue_args
@@ -36,13 +37,9 @@ _FP8 = FP8_DTYPE
 
 
 def _hint(v: object) -> int | None:
-    """A plain int for a host-side hint: a SymInt's hint while traced (for tile choice only: the
-    graph then serves nearby sizes with the same tiles; see :mod:`moe_fx.lowering.problem`)."""
-    if v is None or isinstance(v, int):
-        return v
-    node = v.node
-    hint = node.hint if node.hint is not None else node.shape_env.size_hint(node.expr)
-    return int(hint)
+    """A plain int for a host-side hint (:func:`moe_fx.lowering.problem.size_hint`; for tile choice only: the graph
+    then serves nearby sizes with the same tiles), None as it is."""
+    return None if v is None else size_hint(v)
 
 
 def _known_empty(*sizes: object) -> bool:
