@@ -22,6 +22,7 @@ import hashlib
 import logging
 import math
 import sys
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -164,14 +165,17 @@ def compile_with_cpp_wrapper_fallback(
         return compile_fn(gm, example_inputs, config_patches=patches)
     attempt = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # fx copies nodes with shallow copies of their meta
     attempt.meta.update(gm.meta)
+    start = time.perf_counter()
     try:
-        return compile_fn(attempt, example_inputs, config_patches={**patches, "cpp_wrapper": True})
+        compiled = compile_fn(attempt, example_inputs, config_patches={**patches, "cpp_wrapper": True})
     except TorchDynamoException:
         raise
     except Exception as err:  # noqa: BLE001  (any failure of the optional wrapper falls back to the default one)
         log.warning("moe_fx: Inductor's C++ wrapper failed for this graph, compiling it with the Python wrapper: %s",
                     str(err).splitlines()[0] if str(err) else type(err).__name__)
         return compile_fn(gm, example_inputs, config_patches=patches)
+    log.info("moe_fx: graph compiled with Inductor's C++ wrapper in %.1f s", time.perf_counter() - start)
+    return compiled
 
 
 def enable_capture() -> None:

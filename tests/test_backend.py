@@ -382,6 +382,31 @@ def test_cpp_wrapper_compile_falls_back_to_the_python_wrapper(caplog):
     assert calls == [(gm, {"a": 1})]
 
 
+def test_cpp_wrapper_compile_logs_its_time(caplog):
+    """A C++-wrapper compile that succeeds returns its result and says at INFO how long it took (on torch 2.11 a deep
+    model's wrapper build takes minutes: the log is the user's progress line); a failed one says nothing of a time."""
+    from moe_fx import backend
+
+    def compile_fn(g, inputs, config_patches):
+        return "c++ wrapper" if config_patches.get("cpp_wrapper") else "python wrapper"
+
+    with caplog.at_level("INFO", logger="moe_fx"):
+        got = backend.compile_with_cpp_wrapper_fallback(compile_fn, _experts_graph(2), [], {}, cpp_wrapper=True)
+    assert got == "c++ wrapper"
+    assert re.search(r"compiled with Inductor's C\+\+ wrapper in \d+\.\d s", caplog.text), caplog.text
+    caplog.clear()
+
+    def failing(g, inputs, config_patches):
+        if config_patches.get("cpp_wrapper"):
+            raise RuntimeError("CppCompileError")
+        return "python wrapper"
+
+    with caplog.at_level("INFO", logger="moe_fx"):
+        assert backend.compile_with_cpp_wrapper_fallback(failing, _experts_graph(2), [], {}, cpp_wrapper=True) == (
+            "python wrapper")
+    assert "C++ wrapper failed" in caplog.text and "compiled with Inductor's C++ wrapper in" not in caplog.text
+
+
 def test_cpp_wrapper_attempt_passes_dynamos_restart_through(caplog):
     """Dynamo's signals raised inside the C++ attempt's compile (a restart of the trace, seen on GPU 2026-12-06 with
     transformers' FP8 experts) reach Dynamo: no Python-wrapper compile, no warning."""
