@@ -47,6 +47,8 @@
 #                  2026-12-06, after the H200's table was tuned); the new table stays in the working tree, so a
 #                  recipe after this one in the same call (layer, peer_vllm) runs it, and comes back as
 #                  tuned_tiles_bf16_prefill.json, the reports and logs as tune_bf16_prefill.tgz
+#   tune_bf16_qwen3  tune_bf16_prefill for Qwen3 only (its two prefill regimes, with the 64x256 candidate of
+#                  2026-12-06); the new table comes back as tuned_tiles_bf16_qwen3.json, the working tree keeps its own
 #   layer          bench/moe_layer.py with its roofline column: Qwen3, Mixtral and the DeepSeek-V3 shard, T = 1 ... 16384,
 #                  moe_fx bf16 and fp8 beside transformers' grouped_mm experts under plain torch.compile
 #   fwd_flat       whole 2-layer models (Qwen3, Mixtral, OLMoE, GPT-OSS, DeepSeek-V3; weights shared by the sides),
@@ -243,6 +245,18 @@ for name in "$@"; do
       # one archive of the reports and logs: the device tool brings back at most 8 files a call
       (cd "$OUT" && tar czf $name.tgz tune_tiles_sorted_*bf16_prefill* log_${name}_* \
         && rm tune_tiles_sorted_*bf16_prefill* log_${name}_*) ;;
+    tune_bf16_qwen3)
+      # the Qwen3 third of tune_bf16_prefill (T > 1024), where 21% of the 128-row tiles' rows are padding: the
+      # 64x256 candidate (configs.regime_candidates) beside the others; the table comes back, the tree keeps its own
+      table=moe_fx/lowering/triton/tuned_tiles.json
+      cp $table "$OUT/tuned_tiles_shipped.json"
+      export MOE_FX_CACHE_DIR=$(mktemp -d)
+      timeout 230 python3 $TUNE_BF16 --budget-s 170 --shapes qwen3 --tokens 2048,3072,4096,8192,16384 \
+        --tag bf16_prefill_qwen3 > "$OUT/log_$name.txt" 2>&1
+      unset MOE_FX_CACHE_DIR
+      cp $table "$OUT/tuned_tiles_bf16_qwen3.json"
+      cp "$OUT/tuned_tiles_shipped.json" $table
+      grep -h "worst chosen\|shipped\|budget spent\|Error" "$OUT/log_$name.txt" ;;
     layer)
       timeout 590 python3 $LAYER --tag layer > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/moe_layer_*layer.md 2>/dev/null | cut -c1-220 ;;
