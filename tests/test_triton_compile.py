@@ -220,6 +220,33 @@ def test_flattened_regime_candidates_compile_to_one_pipelined_loop(fp8):
         assert (shared + BLOCK_RESERVED_SMEM) * cfg.programs_per_sm <= SM_SMEM, (cfg, shared)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_prefill_regime_candidates_compile_within_their_shared_memory(kind):
+    """Every tile tuning may ship for more than 64 rows per expert (one program per SM; the flattened and the
+    several-program tiles have their own tests), compiled with its warps and stages as GEMM1 (tokens gathered) and
+    GEMM2 (sorted rows) launch it: pipelined loads, wgmma, no register spills, and no more shared memory than
+    :meth:`TileConfig.smem_bytes` (plus barriers), which ``configs.fit_smem`` sizes the stages by."""
+    from moe_fx.lowering.problem import regime_bounds
+    from moe_fx.lowering.triton.configs import BLOCK_RESERVED_SMEM, SM_SMEM, regime_candidates
+
+    fp8 = kind == "fp8"
+    tiles = {c for regime in range(5) if (regime_bounds(regime)[1] or 65) > 64
+             for c in regime_candidates(kind, regime) if not c.flatten and c.programs_per_sm == 1}
+    assert tiles
+    for cfg in sorted(tiles, key=str):
+        for gather in (True, False):
+            fn, types, consts = _sorted_gemm(fp8, gather, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                             BLOCK_K=cfg.block_k)
+            consts.update(GROUP_M=cfg.group_m, TMA=cfg.tma, DEVICE_TMA=cfg.tma, SWAP_AB=cfg.swap_ab)
+            compiled = _compile(fn, types, consts, cfg.num_warps, cfg.num_stages)
+            ptx = compiled.asm["ptx"]
+            assert "cp.async" in ptx and "wgmma.mma_async" in ptx, (cfg, gather)
+            assert "ld.local" not in ptx and "st.local" not in ptx, (cfg, gather, "register spills")
+            shared, estimate = compiled.metadata.shared, cfg.smem_bytes(1 if fp8 else 2)
+            assert shared <= estimate + 1024, (cfg, gather, shared, estimate)
+            assert shared + BLOCK_RESERVED_SMEM <= SM_SMEM, (cfg, gather, shared)
+
+
 def _registers(compiled) -> int:
     """Registers a thread of ``compiled`` (an sm_90 build) takes, read from its cubin by triton's own cuobjdump."""
     import os
