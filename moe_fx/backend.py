@@ -93,8 +93,8 @@ def _on_cuda(example_inputs: Sequence[Any]) -> bool:
 #: bench/results/e2e_model_2026-12-06_gpt_oss8_ab_cpp_h100.md; Qwen3-30B-A3B 1.42-1.54x over the Python wrapper, bf16
 #: and transformers' FP8 experts, e2e_model_2026-12-06_qwen3{,_fp8}_8_ab_py_h100.md). At full depth (GPT-OSS-20B, 24
 #: layers) generate() decodes at 138 against plain's 85 tok/s (1.63x, e2e_model_2026-12-06_full_gpt_oss_gen_b1_cpp_s18_
-#: h100.md). It costs a C++ compile per such graph, logged with its time: on torch 2.11, which builds it at -O3, 96 s for
-#: 4 Qwen3 layers and 144 s for 24 GPT-OSS layers (mostly a fixed cost), kept by Inductor's on-disk cache. A graph
+#: h100.md). It costs a C++ compile per such graph (logged with the graph's whole compile time: on torch 2.11, which builds
+#: the wrapper at -O3, 96 s for 4 Qwen3 layers and 144 s for 24 GPT-OSS layers), kept by Inductor's on-disk cache. A graph
 #: whose C++ wrapper fails to compile is compiled again with the Python wrapper (logged). On since 2026-12-06.
 CPP_WRAPPER = True
 #: The most tokens a graph's MoE ops may take for it to get the C++ wrapper: decode steps, whose host time is most of
