@@ -200,7 +200,7 @@ def test_flattened_regime_candidates_compile_to_one_pipelined_loop(fp8):
     """Every ``flatten`` tile that tuning may ship, compiled with its warps and stages: the tile loop and the k loop
     are one loop (no nested loop left), still async copies and wgmma, no spills, and the shared memory it asks for
     within :meth:`TileConfig.smem_bytes` (plus barriers), whose programs per SM must fit side by side."""
-    from moe_fx.lowering.triton.configs import BLOCK_RESERVED_SMEM, SM_SMEM, regime_candidates
+    from moe_fx.lowering.triton.configs import regime_candidates
 
     kind = "fp8" if fp8 else "bf16"
     flat = {c for regime in range(5) for c in regime_candidates(kind, regime) if c.flatten}
@@ -214,20 +214,29 @@ def test_flattened_regime_candidates_compile_to_one_pipelined_loop(fp8):
         assert "Depth=2" not in ptx, (cfg, "the tile loop still holds a k loop")
         assert ("cp.async.bulk.tensor" if cfg.tma else "cp.async") in ptx, cfg
         assert ("wgmma.mma_async" in ptx) == (cfg.block_m >= 64 or cfg.swap_ab), cfg  # 16-row tiles: mma
-        assert "ld.local" not in ptx and "st.local" not in ptx, cfg
-        shared = compiled.metadata.shared
-        assert shared <= cfg.smem_bytes(1 if fp8 else 2) + 1024, (cfg, shared, cfg.smem_bytes(1 if fp8 else 2))
-        assert (shared + BLOCK_RESERVED_SMEM) * cfg.programs_per_sm <= SM_SMEM, (cfg, shared)
+        _assert_fits(compiled, cfg, fp8)
+
+
+def _assert_fits(compiled, cfg, fp8: bool) -> None:
+    """``compiled`` (``cfg``'s tile for sm_90) spills no registers, asks for no more shared memory than
+    :meth:`TileConfig.smem_bytes` (plus barriers), which ``configs.fit_smem`` sizes the stages by, and its programs per
+    SM fit side by side in an SM's shared memory."""
+    from moe_fx.lowering.triton.configs import BLOCK_RESERVED_SMEM, SM_SMEM
+
+    ptx = compiled.asm["ptx"]
+    assert "ld.local" not in ptx and "st.local" not in ptx, (cfg, "register spills")
+    shared, estimate = compiled.metadata.shared, cfg.smem_bytes(1 if fp8 else 2)
+    assert shared <= estimate + 1024, (cfg, shared, estimate)
+    assert (shared + BLOCK_RESERVED_SMEM) * cfg.programs_per_sm <= SM_SMEM, (cfg, shared)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_prefill_regime_candidates_compile_within_their_shared_memory(kind):
     """Every tile tuning may ship for more than 64 rows per expert (one program per SM; the flattened and the
     several-program tiles have their own tests), compiled with its warps and stages as GEMM1 (tokens gathered) and
-    GEMM2 (sorted rows) launch it: pipelined loads, wgmma, no register spills, and no more shared memory than
-    :meth:`TileConfig.smem_bytes` (plus barriers), which ``configs.fit_smem`` sizes the stages by."""
+    GEMM2 (sorted rows) launch it: pipelined loads, wgmma, and the fit of :func:`_assert_fits`."""
     from moe_fx.lowering.problem import regime_bounds
-    from moe_fx.lowering.triton.configs import BLOCK_RESERVED_SMEM, SM_SMEM, regime_candidates
+    from moe_fx.lowering.triton.configs import regime_candidates
 
     fp8 = kind == "fp8"
     tiles = {c for regime in range(5) if (regime_bounds(regime)[1] or 65) > 64
@@ -241,10 +250,7 @@ def test_prefill_regime_candidates_compile_within_their_shared_memory(kind):
             compiled = _compile(fn, types, consts, cfg.num_warps, cfg.num_stages)
             ptx = compiled.asm["ptx"]
             assert "cp.async" in ptx and "wgmma.mma_async" in ptx, (cfg, gather)
-            assert "ld.local" not in ptx and "st.local" not in ptx, (cfg, gather, "register spills")
-            shared, estimate = compiled.metadata.shared, cfg.smem_bytes(1 if fp8 else 2)
-            assert shared <= estimate + 1024, (cfg, gather, shared, estimate)
-            assert shared + BLOCK_RESERVED_SMEM <= SM_SMEM, (cfg, gather, shared)
+            _assert_fits(compiled, cfg, fp8)
 
 
 def _registers(compiled) -> int:
