@@ -123,6 +123,20 @@ peer_run() {  # one layer against .ext/vllm_peer.py (bench/peer_layer.py): $1 th
   grep -h -E "^\| (qwen3|mixtral|dsv3|gpt_oss)" "$OUT"/peer_layer_*"$1".md | cut -c1-200
 }
 
+TABLE=moe_fx/lowering/triton/tuned_tiles.json
+
+tune_begin() {  # a tuning recipe's start: a fresh tuning cache; with "aside", the shipped table saved to restore after
+  [ "${1:-}" = aside ] && cp $TABLE "$OUT/tuned_tiles_shipped.json"
+  export MOE_FX_CACHE_DIR=$(mktemp -d)
+}
+
+tune_end() {  # $1: the name the tuned table comes back under; with "restore", the working tree's table as it was
+  unset MOE_FX_CACHE_DIR
+  cp $TABLE "$OUT/$1"
+  [ "${2:-}" = restore ] && cp "$OUT/tuned_tiles_shipped.json" $TABLE
+  return 0
+}
+
 for name in "$@"; do
   echo "== $name $(date +%T)"
   case $name in
@@ -220,29 +234,23 @@ for name in "$@"; do
     tune_fp8_prefill)
       # the token counts of regimes 2 to 4 only (Qwen3: T > 256; Mixtral, DeepSeek: T > 64). The new table comes back
       # in $OUT; the working tree's table and the tuning cache stay as they were for the recipes after this one.
-      table=moe_fx/lowering/triton/tuned_tiles.json
-      cp $table "$OUT/tuned_tiles_shipped.json"
-      export MOE_FX_CACHE_DIR=$(mktemp -d)
+      tune_begin aside
       timeout 290 python3 $TUNE_FP8 --shapes qwen3 --tokens 384,512,768,1024,1536,2048,3072,4096,8192,16384 --tag fp8_prefill_qwen3 \
         > "$OUT/log_${name}_qwen3.txt" 2>&1
       timeout 290 python3 $TUNE_FP8 --shapes mixtral,dsv3 --tokens 96,128,192,256,384,512,768,1024,2048,4096,8192,16384 \
         --tag fp8_prefill_mixtral_dsv3 > "$OUT/log_${name}_mixtral_dsv3.txt" 2>&1
-      unset MOE_FX_CACHE_DIR
-      cp $table "$OUT/tuned_tiles_fp8_prefill.json"
-      cp "$OUT/tuned_tiles_shipped.json" $table
+      tune_end tuned_tiles_fp8_prefill.json restore
       grep -h "worst chosen\|shipped" "$OUT"/log_${name}_*.txt ;;
     tune_bf16_prefill)
       # regimes 3 and 4 of each shape: Qwen3 T > 1024; Mixtral and the DeepSeek-V3 shard T > 256; GPT-OSS and OLMoE T > 512
-      table=moe_fx/lowering/triton/tuned_tiles.json
-      export MOE_FX_CACHE_DIR=$(mktemp -d)
+      tune_begin
       timeout 175 python3 $TUNE_BF16 --budget-s 120 --shapes qwen3 --tokens 2048,3072,4096,8192,16384 \
         --tag bf16_prefill_qwen3 > "$OUT/log_${name}_qwen3.txt" 2>&1
       timeout 175 python3 $TUNE_BF16 --budget-s 120 --shapes mixtral,dsv3 --tokens 384,512,768,1024,2048,4096,8192,16384 \
         --tag bf16_prefill_mixtral_dsv3 > "$OUT/log_${name}_mixtral_dsv3.txt" 2>&1
       timeout 175 python3 $TUNE_BF16 --budget-s 120 --shapes gpt_oss,olmoe --tokens 768,1024,2048,4096,8192,16384 \
         --tag bf16_prefill_gpt_oss_olmoe > "$OUT/log_${name}_gpt_oss_olmoe.txt" 2>&1
-      unset MOE_FX_CACHE_DIR
-      cp $table "$OUT/tuned_tiles_bf16_prefill.json"
+      tune_end tuned_tiles_bf16_prefill.json
       grep -h "worst chosen\|shipped\|budget spent\|Error" "$OUT"/log_${name}_*.txt
       # one archive of the reports and logs: the device tool brings back at most 8 files a call
       (cd "$OUT" && tar czf $name.tgz tune_tiles_sorted_*bf16_prefill* log_${name}_* \
@@ -250,14 +258,10 @@ for name in "$@"; do
     tune_bf16_qwen3)
       # the Qwen3 third of tune_bf16_prefill (T > 1024), where 21% of the 128-row tiles' rows are padding: the
       # 64x256 candidate (configs.regime_candidates) beside the others; the table comes back, the tree keeps its own
-      table=moe_fx/lowering/triton/tuned_tiles.json
-      cp $table "$OUT/tuned_tiles_shipped.json"
-      export MOE_FX_CACHE_DIR=$(mktemp -d)
+      tune_begin aside
       timeout 230 python3 $TUNE_BF16 --budget-s 170 --shapes qwen3 --tokens 2048,3072,4096,8192,16384 \
         --tag bf16_prefill_qwen3 > "$OUT/log_$name.txt" 2>&1
-      unset MOE_FX_CACHE_DIR
-      cp $table "$OUT/tuned_tiles_bf16_qwen3.json"
-      cp "$OUT/tuned_tiles_shipped.json" $table
+      tune_end tuned_tiles_bf16_qwen3.json restore
       grep -h "worst chosen\|shipped\|budget spent\|Error" "$OUT/log_$name.txt" ;;
     layer)
       timeout 590 python3 $LAYER --tag layer > "$OUT/log_$name.txt" 2>&1
