@@ -3,8 +3,9 @@
 # Usage (on the GPU machine, repo root, through the device tool): bash bench/gpu_recipes.sh NAME [NAME ...]
 # Results and logs go to $OUT (the device tool's output folder; /tmp/out elsewhere); copy them to bench/results
 # with the machine in the name (_h100 for an H100). Nothing here builds or fetches code from outside the project.
-# PACK=1: after the last recipe, everything in $OUT goes into one archive, results.tgz (the device tool brings back at
-# most 8 files a call: several recipes in one call write more).
+# PACK=1: after each recipe, what it wrote in $OUT goes into one archive, results_NAME.tgz (the device tool brings back
+# at most 8 files a call: several recipes in one call write more; one archive per recipe keeps the finished recipes'
+# results when a later one runs past the call's limit).
 #
 #   tests          every GPU test (pytest -m gpu tests, 8 workers, 4 on an 80 GB GPU, skip reasons listed; test_ep_gpu's multi-GPU ones
 #                  skip on one GPU; the modules that import expecttest hold no GPU test and are left out where it is
@@ -135,6 +136,13 @@ tune_end() {  # $1: the name the tuned table comes back under; with "restore", t
   cp $TABLE "$OUT/$1"
   [ "${2:-}" = restore ] && cp "$OUT/tuned_tiles_shipped.json" $TABLE
   return 0
+}
+
+pack() {  # PACK=1: everything in $OUT but earlier archives into results_$1.tgz
+  [ "${PACK:-0}" = 1 ] || return 0
+  (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name 'results_*.tgz' -print0 | tar czf /tmp/results_$1.tgz --null -T - \
+    && find . -mindepth 1 -maxdepth 1 ! -name 'results_*.tgz' -exec rm -rf {} + && mv /tmp/results_$1.tgz .)
+  echo "packed $OUT/results_$1.tgz"
 }
 
 for name in "$@"; do
@@ -304,8 +312,5 @@ for name in "$@"; do
     *)
       echo "unknown recipe $name (see the head of $0)"; exit 2 ;;
   esac
+  pack "$name"
 done
-if [ "${PACK:-0}" = 1 ]; then
-  (cd "$OUT" && tar czf /tmp/results.tgz . && find . -mindepth 1 -delete && mv /tmp/results.tgz results.tgz)
-  echo "packed $OUT/results.tgz"
-fi
