@@ -51,7 +51,8 @@
 #                  recipe after this one in the same call (layer, peer_vllm) runs it, and comes back as
 #                  tuned_tiles_bf16_prefill.json, the reports and logs as tune_bf16_prefill.tgz
 #   tune_bf16_qwen3  tune_bf16_prefill for Qwen3 only (its two prefill regimes, with the 64x256 candidate of
-#                  2026-12-06); the new table comes back as tuned_tiles_bf16_qwen3.json, the working tree keeps its own
+#                  2026-12-06, which lost 1.10-1.34x everywhere on an H100); the new table comes back as
+#                  tuned_tiles_bf16_qwen3.json, the working tree keeps its own
 #   layer          bench/moe_layer.py with its roofline column: Qwen3, Mixtral and the DeepSeek-V3 shard, T = 1 ... 16384,
 #                  moe_fx bf16 and fp8 beside transformers' grouped_mm experts under plain torch.compile
 #   fwd_flat       whole 2-layer models (Qwen3, Mixtral, OLMoE, GPT-OSS, DeepSeek-V3; weights shared by the sides),

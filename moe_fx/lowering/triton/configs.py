@@ -239,6 +239,8 @@ def regime_candidates(kind: str, regime: int) -> list[TileConfig]:
     # 64-row tiles halve the padding of an expert's last tile (Qwen3 T=4096: 21% of the 128-row tiles' rows are
     # padding, 12% of 64-row ones); 64x256 on 8 warps keeps wgmma's width and a 128x128 tile's operand bytes per
     # FLOP within 25% (64x128 tiles lost 1.1-1.5x). Compiled for sm_90 on the CPU: 142 registers, no spills, 160 KB
+    # of shared memory. On an H100 it lost 1.10-1.34x at every Qwen3 prefill T, both GEMMs (bench/results/
+    # tune_tiles_sorted_2026-12-06_bf16_prefill_qwen3_s19_h100.md); it stays a candidate for the untimed H200
     bf16_prefill_half_rows = T(64, 256, 64, 8, 8, 4, 1, tma=True)
     if hi is not None and hi <= 4:  # decode: the weights stream; bytes in flight per SM decide
         if fp8:
