@@ -94,3 +94,27 @@ def test_every_benchmark_command_parses():
         name, _, _ = pair.partition("=")
         path, attr = name.rsplit(".", 1)
         assert hasattr(importlib.import_module(moe_layer.qualified_setting(path)), attr), name
+
+
+def test_pack_archives_each_recipe_as_it_ends(tmp_path):
+    """PACK=1: one archive per recipe, holding what that recipe wrote, so a call cut off later keeps it. The two
+    recipes' benchmarks fail at once on a machine without a GPU; their logs are what they write."""
+    import subprocess
+    import sys
+    import tarfile
+
+    out = tmp_path / "out"
+    # the recipes' python3 is the test's own interpreter (torch importable), so the benchmarks stop at their CUDA work
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "OUT": str(out), "PACK": "1", "HOME": str(tmp_path)}
+    done = subprocess.run(["bash", str(SCRIPT), "breakdown_decode", "fwd_flat_1"], cwd=SCRIPT.parent.parent,
+                          env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["results_breakdown_decode.tgz", "results_fwd_flat_1.tgz"]
+
+    def names(recipe: str) -> set[str]:
+        with tarfile.open(out / f"results_{recipe}.tgz") as tar:
+            return {Path(m.name).name for m in tar.getmembers() if m.isfile()}
+
+    first, second = names("breakdown_decode"), names("fwd_flat_1")
+    assert {"log_breakdown_decode.txt", "gpu.txt"} <= first and "log_fwd_flat_1.txt" not in first
+    assert second == {"log_fwd_flat_1.txt"}
