@@ -141,8 +141,8 @@ tune_end() {  # $1: the name the tuned table comes back under; with "restore", t
 
 pack() {  # PACK=1: everything in $OUT but earlier archives into results_$1.tgz
   [ "${PACK:-0}" = 1 ] || return 0
-  (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name 'results_*.tgz' -print0 | tar czf /tmp/results_$1.tgz --null -T - \
-    && find . -mindepth 1 -maxdepth 1 ! -name 'results_*.tgz' -exec rm -rf {} + && mv /tmp/results_$1.tgz .)
+  (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name 'results_*.tgz' -print0 | tar czf results_$1.tgz --null -T - \
+    && find . -mindepth 1 -maxdepth 1 ! -name 'results_*.tgz' -exec rm -rf {} +)
   echo "packed $OUT/results_$1.tgz"
 }
 
