@@ -77,6 +77,16 @@
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
+#
+# The dg_* recipes need an importable DeepGEMM on the GPU machine (the GPU image has none; docs/deepgemm.md says how
+# to build one against its torch, outside this repository); each stops at once, saying why, where it does not import.
+#   dg_tests       the GPU tests of tests/test_deepgemm_gpu.py (the real deep_gemm against the reference and Triton,
+#                  auto's choice, compiled models, fp8 checkpoints, the contiguous layout)
+#   dg_peer        one layer against the peer with kernel_choice='auto' beside Triton (bench/peer_layer.py --auto):
+#                  Qwen3, Mixtral and the DeepSeek-V3 shard, bf16 and fp8, T = 1024 / 4096 / 16384 (issue 16: >= 75%
+#                  of the roofline at T >= 1024 with DeepGEMM)
+#   dg_fwd_fp8     fwd_fp8 with DeepGEMM importable (issue 16: fp8 checkpoint rows >= 1.5x at T >= 1024)
+#   dg_fwd         whole 2-layer models with DeepGEMM importable: Qwen3, Mixtral, OLMoE, DeepSeek-V3 at T = 1024 / 4096
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}
@@ -123,6 +133,11 @@ peer_run() {  # one layer against .ext/vllm_peer.py (bench/peer_layer.py): $1 th
   timeout 590 python3 bench/peer_layer.py --peer .ext/vllm_peer.py --shapes "$2" --budget-s 480 --out "$OUT" \
     --tag "$1" > "$OUT/log_$1.txt" 2>&1
   grep -h -E "^\| (qwen3|mixtral|dsv3|gpt_oss)" "$OUT"/peer_layer_*"$1".md | cut -c1-200
+}
+
+need_deepgemm() {  # the dg_* recipes: DeepGEMM must be usable here (this script never builds it: docs/deepgemm.md)
+  python3 -c "from moe_fx.lowering.problem import probe_capabilities as p; e = p('cuda').deep_gemm_error
+print('deep_gemm:', e or 'usable'); raise SystemExit(1 if e else 0)"
 }
 
 TABLE=moe_fx/lowering/triton/tuned_tiles.json
@@ -310,6 +325,26 @@ for name in "$@"; do
       peer_run "$name" qwen3,mixtral ;;
     peer_vllm_more)
       peer_run "$name" dsv3,gpt_oss ;;
+    dg_tests)
+      need_deepgemm || continue
+      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 -rs tests/test_deepgemm_gpu.py \
+        > "$OUT/pytest_gpu_$name.log" 2>&1
+      grep -E "FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -20 ;;
+    dg_peer)
+      need_deepgemm || continue
+      if [ ! -f .ext/vllm_peer.py ]; then echo "no .ext/vllm_peer.py: build it, then carry .ext"; continue; fi
+      timeout 590 python3 bench/peer_layer.py --peer .ext/vllm_peer.py --shapes qwen3,mixtral,dsv3 --auto \
+        --tokens 1024,4096,16384 --rounds 3 --budget-s 480 --out "$OUT" --tag $name > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/peer_layer_*$name.md | cut -c1-220 ;;
+    dg_fwd_fp8)
+      need_deepgemm || continue
+      timeout 590 python3 ${E2E_FP8/--no-deepgemm/} --tag fp8_checkpoint_dg > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral|olmoe)" "$OUT"/*fp8_checkpoint_dg.md 2>/dev/null | cut -c1-260 ;;
+    dg_fwd)
+      need_deepgemm || continue
+      timeout 590 python3 ${E2E_FLAT/--no-deepgemm/} --models qwen3,mixtral,olmoe,deepseek_v3 --tokens 1024,4096 \
+        --tag flat_dg > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral|olmoe|deepseek_v3)" "$OUT"/*flat_dg.md 2>/dev/null | cut -c1-260 ;;
     *)
       echo "unknown recipe $name (see the head of $0)"; exit 2 ;;
   esac
