@@ -86,6 +86,8 @@
 #                  Qwen3, Mixtral and the DeepSeek-V3 shard, bf16 and fp8, T = 1024 / 4096 / 16384 (issue 16: >= 75%
 #                  of the roofline at T >= 1024 with DeepGEMM)
 #   dg_fwd_fp8     fwd_fp8 with DeepGEMM importable (issue 16: fp8 checkpoint rows >= 1.5x at T >= 1024)
+#   dg_fwd_q8      MoEConfig(quantize="fp8") on the bf16 models against plain bf16, DeepGEMM importable (Qwen3, Mixtral,
+#                  OLMoE, T = 1024 / 4096; the logit error column is the accuracy cost)
 #   dg_fwd         whole 2-layer models with DeepGEMM importable: Qwen3, Mixtral, OLMoE, DeepSeek-V3 at T = 1024 / 4096
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -340,6 +342,10 @@ for name in "$@"; do
       need_deepgemm || continue
       timeout 590 python3 ${E2E_FP8/--no-deepgemm/} --tag fp8_checkpoint_dg > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral|olmoe)" "$OUT"/*fp8_checkpoint_dg.md 2>/dev/null | cut -c1-260 ;;
+    dg_fwd_q8)
+      need_deepgemm || continue
+      timeout 590 python3 ${E2E_FP8/--no-deepgemm/} --weights quantize_fp8 --tag quantize_fp8_dg > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral|olmoe)" "$OUT"/*quantize_fp8_dg.md 2>/dev/null | cut -c1-260 ;;
     dg_fwd)
       need_deepgemm || continue
       timeout 590 python3 ${E2E_FLAT/--no-deepgemm/} --models qwen3,mixtral,olmoe,deepseek_v3 --tokens 1024,4096 \
