@@ -72,7 +72,7 @@ def deepgemm_above_decode(monkeypatch):
     DeepGEMM's plumbing in a compiled model, not about where it measured faster (tests/test_select.py)."""
     from moe_fx.lowering.masked_experts import deepgemm as dg_mod
 
-    monkeypatch.setattr(dg_mod, "LOCAL_FROM_REGIME", 1)
+    monkeypatch.setattr(dg_mod, "LOCAL_FROM_REGIME", {False: 1, True: 1})
 
 
 @pytest.fixture
@@ -130,19 +130,28 @@ def test_deepgemm_experts_matches_reference_and_triton(counting_dg, t, e, k, h, 
     assert _rel(out, tri) < tol / 2, _rel(out, tri)
 
 
-def test_op_auto_selects_deepgemm_and_explicit_requests():
+def test_op_auto_selects_deepgemm_and_explicit_requests(monkeypatch):
     _need_deepgemm()
     from moe_fx.lowering.experts import explain_experts
+    from moe_fx.lowering.masked_experts import deepgemm as dg_mod
     from moe_fx.ops.experts import bind_experts
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    t = 512  # 128 rows per expert: where auto prefers DeepGEMM on one GPU (deepgemm.LOCAL_FROM_REGIME)
-    for inter, want in ((128, "deepgemm"), (96, "triton")):  # explain on this GPU's probed capabilities
+    t = 512  # 128 rows per expert
+
+    def explained(inter: int):  # explain on this GPU's probed capabilities
         h = torch.empty(t, 256, device="cuda", dtype=torch.bfloat16)
         w13 = torch.empty(8, 2 * inter, 256, device="cuda", dtype=torch.bfloat16)
         w2 = torch.empty(8, 256, inter, device="cuda", dtype=torch.bfloat16)
         ids0, w0 = torch.zeros(t, 2, device="cuda", dtype=torch.long), torch.ones(t, 2, device="cuda")
-        why = explain_experts(bind_experts(h, ids0, w0, w13, w2))
+        return explain_experts(bind_experts(h, ids0, w0, w13, w2))
+
+    # the shipped rule: bf16 weights run Triton on one GPU, and explain says DeepGEMM was passed over
+    why = explained(128)
+    assert why.kernel == "triton" and "bf16 weights at every size" in why.reasons["deepgemm"], why.reasons
+    monkeypatch.setattr(dg_mod, "LOCAL_FROM_REGIME", {False: 1, True: 1})  # preferred wherever it runs
+    for inter, want in ((128, "deepgemm"), (96, "triton")):
+        why = explained(inter)
         assert why.kernel == want, (inter, why.reasons)
     assert "gemm2 K=96" in why.reasons["deepgemm"]
     hidden = torch.randn(t, 256, generator=gen, device="cuda").bfloat16()

@@ -144,7 +144,13 @@ def test_fp8_weights_trace_to_fp8_kernels(sm90, monkeypatch):
             _assert_every_parameter_passed(node)
 
 
-def test_deepgemm_gemms_are_extern_calls_between_triton_launches(sm90):
+def test_deepgemm_gemms_are_extern_calls_between_triton_launches(sm90, monkeypatch):
+    from moe_fx.lowering.masked_experts import deepgemm
+
+    # the shipped rule: bf16 weights run Triton's sorted layout on one GPU, at 128 rows per expert too
+    gm = _trace(_experts, _inputs(FakeTensorMode(), t=512), caps=H200_DG)
+    assert "deepgemm_masked_gemm" not in gm.code and [_kernel_name(n) for n in _launches(gm)] == list(KERNELS)
+    monkeypatch.setattr(deepgemm, "LOCAL_FROM_REGIME", {False: 3, True: 3})  # DeepGEMM above 64 rows per expert
     gm = _trace(_experts, _inputs(FakeTensorMode(), t=512), caps=H200_DG)  # 128 rows per expert
     code = gm.code
     assert code.count("moe_fx_kernels.deepgemm_masked_gemm") == 2 and "moe_fx.experts" not in code

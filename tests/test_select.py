@@ -64,7 +64,7 @@ def deepgemm_wherever_it_runs(monkeypatch):
     """DeepGEMM preferred in every regime above decode (the rule before 2026-12-05), so one explain line shows
     both of a DeepGEMM layer's layouts from 5 rows per expert (:func:`test_measured_preference_per_regime` and
     :func:`test_explain_says_why_triton_runs_where_deepgemm_could` test the shipped rule)."""
-    monkeypatch.setattr(deepgemm, "LOCAL_FROM_REGIME", 1)
+    monkeypatch.setattr(deepgemm, "LOCAL_FROM_REGIME", {False: 1, True: 1})
 
 
 def test_rows_per_expert_and_regimes():
@@ -72,6 +72,7 @@ def test_rows_per_expert_and_regimes():
     assert [row_regime(r) for r in (1, 4, 5, 16, 17, 64, 65, 256, 257, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
 
 
+@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 @pytest.mark.parametrize("fp8", [False, True])
 def test_aligned_hopper_takes_deepgemm(fp8):
     c = experts(problem(7168, 2048, fp8=fp8), H100)
@@ -96,20 +97,22 @@ def test_decode_regime_takes_triton_under_auto_only(fp8):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("regime", range(len(ROW_REGIMES) + 1))
 def test_measured_preference_per_regime(fp8, regime):
-    """The shipped rule: on one GPU Triton's sorted layout up to 64 rows per expert, DeepGEMM above (bf16 and fp8);
-    behind EP dispatch (``masked_rows``) and with an unknown regime DeepGEMM above decode."""
-    assert deepgemm.LOCAL_FROM_REGIME == 3 and ROW_REGIMES[deepgemm.LOCAL_FROM_REGIME - 1] == 64
+    """The shipped rule: on one GPU fp8 weights take Triton's sorted layout up to 64 rows per expert and DeepGEMM
+    above; bf16 weights take Triton at every size; behind EP dispatch (``masked_rows``) and with an unknown regime
+    DeepGEMM above decode."""
+    assert deepgemm.LOCAL_FROM_REGIME == {False: None, True: 3} and ROW_REGIMES[deepgemm.LOCAL_FROM_REGIME[True] - 1] == 64
     local = experts(problem(7168, 2048, fp8=fp8, regime=regime), H100)
-    want = "deepgemm" if regime >= 3 else "triton"
+    want = "deepgemm" if fp8 and regime >= 3 else "triton"
     assert (local.kernel, local.error) == (want, None)
     if regime == 0:
         assert local.reasons["deepgemm"].startswith("decode-size batch")
     elif want == "triton":
         why = local.reasons["deepgemm"]
-        assert why.startswith("up to 64 rows per expert on one GPU: Triton's sorted layout measured faster"), why
+        where = "fp8 weights up to 64 rows per expert" if fp8 else "bf16 weights at every size"
+        assert why.startswith(f"{where} on one GPU: Triton's sorted layout measured as fast or faster"), why
         # the figures the reason cites are in the repository
         source = deepgemm.LOCAL_CHOICE_SOURCE
-        assert f"(H200, {source})" in why and (Path(__file__).parents[1] / source).is_file()
+        assert f"({source})" in why and (Path(__file__).parents[1] / source).is_file()
     else:
         assert local.reasons == {"triton": "deepgemm preferred", "reference": "deepgemm preferred"}
     ep = experts(problem(7168, 2048, fp8=fp8, regime=regime, masked_rows=256), H100)
@@ -136,6 +139,7 @@ def test_unaligned_shapes_take_triton_and_say_which_dim(h, i, bad):
     assert c.reasons["reference"] == "triton preferred"
 
 
+@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_layout_and_bias_rules():
     c = experts(problem(k_major=False), H100)
     assert c.kernel == "triton" and "K-major" in c.reasons["deepgemm"]
@@ -172,6 +176,7 @@ def test_cpu_takes_reference_and_honours_a_triton_request():
     assert experts(problem(device="cpu"), CPU, "triton").error is None
 
 
+@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_dtype_block_and_activation_rules():
     c = experts(problem(dtype="float16"), H100)
     assert c.kernel == "triton" and "bfloat16" in c.reasons["deepgemm"]
@@ -211,6 +216,7 @@ def _explain(h, i, *, e=8, t=4096, fp8=False, kernel="auto", caps=H100, device="
     return explain_experts(bind_experts(*args, kernel_choice=kernel, **scales), caps=caps)
 
 
+@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_explain_experts_on_bound_arguments():
     why = _explain(4096, 1024, t=1024)  # 256 rows per expert: the masked layout
     assert (why.kernel, why.layout) == ("deepgemm", "masked") and why.plan.error is None
@@ -230,16 +236,22 @@ def test_explain_experts_on_bound_arguments():
 
 def test_explain_says_why_triton_runs_where_deepgemm_could():
     """The shipped rule in explain's regimes line: each regime names the kernel a measured preference passed over
-    (decode; up to 64 rows per expert) before the layouts not taken; DeepGEMM's regimes name none."""
-    for fp8 in (False, True):
-        parts = _explain(4096, 1024, fp8=fp8).regimes.split("; rows per expert ")
-        assert [p.split(":")[0].removeprefix("rows per expert ") for p in parts] == ["1..4", "5..64", "65..256", "257.."]
-        assert "triton, sorted layout" in parts[0] and "(deepgemm: decode-size batch (<= 4 rows per expert)" in parts[0]
-        assert "triton, sorted layout" in parts[1] and (
-            "(deepgemm: up to 64 rows per expert on one GPU: Triton's sorted layout measured faster (H200, "
-            "bench/results/deepgemm_vs_triton_2026-12-05.md); local_permute: local_sorted preferred)") in parts[1]
-        assert parts[2].startswith("65..256: deepgemm, masked layout (local_sorted:")
-        assert parts[3].startswith("257..: deepgemm, contiguous layout (local_sorted:")
+    (decode; fp8 up to 64 rows per expert; bf16 at every size) before the layouts not taken; DeepGEMM's regimes
+    name none."""
+    source = "bench/results/deepgemm_vs_triton_2026-12-06_h100.md"
+    parts = _explain(4096, 1024, fp8=True).regimes.split("; rows per expert ")
+    assert [p.split(":")[0].removeprefix("rows per expert ") for p in parts] == ["1..4", "5..64", "65..256", "257.."]
+    assert "triton, sorted layout" in parts[0] and "(deepgemm: decode-size batch (<= 4 rows per expert)" in parts[0]
+    assert "triton, sorted layout" in parts[1] and (
+        "(deepgemm: fp8 weights up to 64 rows per expert on one GPU: Triton's sorted layout measured as fast or "
+        f"faster ({source}); local_permute: local_sorted preferred)") in parts[1]
+    assert parts[2].startswith("65..256: deepgemm, masked layout (local_sorted:")
+    assert parts[3].startswith("257..: deepgemm, contiguous layout (local_sorted:")
+    parts = _explain(4096, 1024).regimes.split("; rows per expert ")
+    assert [p.split(":")[0].removeprefix("rows per expert ") for p in parts] == ["1..4", "5.."]
+    assert "(deepgemm: decode-size batch (<= 4 rows per expert)" in parts[0]
+    assert parts[1].startswith("5..: triton, sorted layout, activation in GEMM1's epilogue (deepgemm: bf16 weights "
+                               f"at every size on one GPU: Triton's sorted layout measured as fast or faster ({source})")
     # without DeepGEMM nothing was passed over: the reasons are the layouts' alone
     no_dg = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "x", 132, "NVIDIA H200")
     assert "deepgemm:" not in _explain(4096, 1024, caps=no_dg).regimes
@@ -285,6 +297,7 @@ def test_explain_says_layout_and_kernel_per_regime():
                                   "epilogue (local_permute"), why.regimes
 
 
+@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_kernel_names_are_the_ops_contract():
     from moe_fx.ops.checks import EP_KERNELS, KERNELS
 
@@ -295,6 +308,7 @@ def test_kernel_names_are_the_ops_contract():
     assert c.implementation is select.candidates("experts")[0] and c.implementation.NAME == c.kernel
 
 
+@pytest.mark.usefixtures("deepgemm_wherever_it_runs")
 def test_choice_is_logged_once_per_problem(caplog):
     caplog.set_level(logging.INFO, logger="moe_fx.lowering")
     for _ in range(3):

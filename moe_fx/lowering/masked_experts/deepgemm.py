@@ -41,17 +41,16 @@ MASKED_M_ALIGN = 256
 #: Each expert's segment of the contiguous layout is whole blocks of this many rows
 #: (``deep_gemm.get_mk_alignment_for_contiguous_layout()`` in v2.1).
 CONTIGUOUS_M_ALIGN = 128
-#: Under ``auto`` on one GPU, the first rows-per-expert regime (an index into
-#: :data:`~moe_fx.lowering.problem.ROW_REGIMES`: above 64 rows per expert) where DeepGEMM is preferred to
-#: Triton's sorted layout, bf16 and fp8 weights alike. Measured on the H200 (:data:`LOCAL_CHOICE_SOURCE`): from
-#: 5 to 64 rows per expert the sorted Triton pipeline is faster (Qwen3-30B-A3B T=256 bf16 318 vs 351 µs in one
-#: run; DeepSeek shard T=256 fp8 429 vs 481 in one run); above, fp8 DeepGEMM wins by 15-57% (DeepSeek shard
-#: T=1024 931 vs 1144 µs in one run) and bf16 ties within the spread between machine starts (Triton / DeepGEMM
-#: 0.87-1.09 across runs).
-LOCAL_FROM_REGIME = 3
-#: The results file (repository path) of :data:`LOCAL_FROM_REGIME`'s figures: the rows, which runs they come from,
-#: what is left to re-time.
-LOCAL_CHOICE_SOURCE = "bench/results/deepgemm_vs_triton_2026-12-05.md"
+#: Under ``auto`` on one GPU, by weight kind (fp8 or not), the first rows-per-expert regime (an index into
+#: :data:`~moe_fx.lowering.problem.ROW_REGIMES`) where DeepGEMM is preferred to Triton's sorted layout; ``None``:
+#: never. Measured (:data:`LOCAL_CHOICE_SOURCE`): fp8 DeepGEMM is 1.20-1.42x faster above 64 rows per expert
+#: (H100, same run: Mixtral T=4096 2890 vs 4110 µs) and slower up to 64 (H200: DeepSeek-V3 shard T=256 481 vs
+#: 429 µs); bf16 DeepGEMM is slower than or level with Triton's sorted layout at every size measured (H100, same
+#: run, 256 to 4096 rows per expert: Qwen3 T=4096 870 vs 734 µs, Mixtral T=1024 1515 vs 1381, the two T=16384
+#: rows within 0.5%).
+LOCAL_FROM_REGIME: dict[bool, int | None] = {False: None, True: 3}
+#: The results file (repository path) of :data:`LOCAL_FROM_REGIME`'s figures: the rows and the runs they come from.
+LOCAL_CHOICE_SOURCE = "bench/results/deepgemm_vs_triton_2026-12-06_h100.md"
 #: Activations DeepGEMM's path supports: the activation runs in moe_fx's Triton kernel between the GEMMs.
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 
@@ -94,16 +93,20 @@ def prefer(problem: ExpertsProblem, caps: Capabilities) -> str | None:
     batches (regime 0, <= 4 rows per expert) go to Triton everywhere: the GEMMs only stream weights, and
     Triton's decode tiles are as fast or faster (H200: Qwen3-30B-A3B T=1 45 vs 67 µs bf16, 48 vs 60 fp8,
     bench/results/moe_layer_2026-12-02_v2.md). On one GPU (``moe_fx::experts``, where Triton runs the sorted
-    layout) :data:`LOCAL_FROM_REGIME` says from which regime DeepGEMM is worth it. Behind expert-parallel
+    layout) :data:`LOCAL_FROM_REGIME` says from which regime DeepGEMM is worth it, per weight kind. Behind expert-parallel
     dispatch (``moe_fx::masked_experts``: ``masked_rows`` is set, both kernels read the masked layout) and
     where the regime is unknown, DeepGEMM stays first above the decode regime.
     """
     if problem.regime == 0:
         return "decode-size batch (<= 4 rows per expert): Triton's decode tiles stream the weights as fast or faster"
-    if problem.masked_rows is not None or problem.regime is None or problem.regime >= LOCAL_FROM_REGIME:
+    if problem.masked_rows is not None or problem.regime is None:
         return None
-    return (f"up to {ROW_REGIMES[LOCAL_FROM_REGIME - 1]} rows per expert on one GPU: Triton's sorted layout "
-            f"measured faster (H200, {LOCAL_CHOICE_SOURCE})")
+    start = LOCAL_FROM_REGIME[problem.fp8]
+    if start is not None and problem.regime >= start:
+        return None
+    where = "at every size" if start is None else f"up to {ROW_REGIMES[start - 1]} rows per expert"
+    return (f"{'fp8' if problem.fp8 else 'bf16'} weights {where} on one GPU: Triton's sorted layout measured "
+            f"as fast or faster ({LOCAL_CHOICE_SOURCE})")
 
 
 def deepgemm_expected_m(rows: object, max_m: object) -> object:
