@@ -4,7 +4,10 @@
 For each shape and token count T the layer (bf16 or fp8 weights, moe_layer's SHAPES and forms) is captured
 in CUDA graphs over rotating routing sets; the replay is timed (median), then a few replays are profiled
 (``torch.profiler``) and each kernel's mean GPU time is listed in launch order. ``gaps`` is the replay time
-minus the kernels' sum: launch latency and idle time between kernels inside the graph. GEMM floors are the
+minus the kernels' sum: launch latency and idle time between kernels inside the graph. ``kernels µs`` is that sum
+and the floor's share of it: what the layer's own kernels reach, without the latency of launching a graph of one
+layer (a model's graph or wrapper pays that once for all its layers; the short gaps between its kernels it still
+pays, so the share is an upper bound of the layer's inside a model). GEMM floors are the
 bytes of the weights of the experts hit over the copy rate measured in the same run; the layer's floor is
 moe_layer's (``max(bytes / copy rate, flops / matmul rate)``).
 
@@ -42,6 +45,13 @@ from moe_layer import (
 
 SETS = 3
 PROFILED_REPLAYS = 5
+
+
+def kernels_share(floor_us: float, kernels: list[tuple[str, float]]) -> tuple[float, float]:
+    """(sum of the kernels' GPU µs, the floor's share of it): the layer's kernels against its floor, without the
+    replay's launch latency and gaps."""
+    total = sum(d for _, d in kernels)
+    return total, (floor_us / total if total > 0 else float("nan"))
 
 
 def per_launch_us(events: list[tuple[str, float, float]], replays: int) -> list[tuple[str, float]]:
@@ -194,8 +204,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{limits['copy_tbs']:.2f} TB/s, bf16 {limits['bf16_tflops']:.0f} TFLOP/s\n\n")
         if settings:
             f.write("Settings: " + ", ".join(f"`{qualified_setting(n)}` = {v!r}" for n, v in settings.items()) + "\n\n")
-        f.write("| shape | dtype | pair | T | replay µs | floor µs (%) | kernels, launch order: GPU µs (GEMM bandwidth floor) "
-                "| gaps µs |\n|---|---|---|---|---|---|---|---|\n")
+        f.write("| shape | dtype | pair | T | replay µs | floor µs (%) | kernels µs (floor %) | kernels, launch order: GPU µs "
+                "(GEMM bandwidth floor) | gaps µs |\n|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
             parts, gemm = [], 0
             for name, d in r["kernels"]:
@@ -205,9 +215,10 @@ def main(argv: list[str] | None = None) -> None:
                     parts.append(f"{name} {d:.1f} ({floor:.1f})")
                 else:
                     parts.append(f"{name} {d:.1f}")
+            total, share = kernels_share(r["floor_us"], r["kernels"])
             f.write(f"| {r['shape']} | {'fp8' if r['fp8'] else 'bf16'} | {r['pair']} | {r['T']} | {r['replay_us']:.1f} | "
-                    f"{r['floor_us']:.1f} ({100 * r['floor_us'] / r['replay_us']:.0f}%) | {' · '.join(parts)} | "
-                    f"{r['gaps_us']:.1f} |\n")
+                    f"{r['floor_us']:.1f} ({100 * r['floor_us'] / r['replay_us']:.0f}%) | {total:.1f} ({100 * share:.0f}%) | "
+                    f"{' · '.join(parts)} | {r['gaps_us']:.1f} |\n")
         ab = [r for r in rows if "sort_ab" in r]
         if ab:
             f.write("\n## The decode sort: pairwise ranks (one program per block of slots) vs two passes (one program), "
@@ -219,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
                 f.write(f"| {r['shape']} | {'fp8' if r['fp8'] else 'bf16'} | {r['T']} | {a['pairwise_us']:.1f} | "
                         f"{a['two_pass_us']:.1f} | {a['pairwise_sort_kernel_us']:.1f} | {a['two_pass_sort_kernel_us']:.1f} |\n")
         f.write("\nGPU µs: mean over a profile of 5 replays. gaps: replay minus the kernels' sum (launch latency and "
-                "idle time inside the graph).\n")
+                "idle time inside the graph). kernels µs: the kernels' sum, and the floor's share of it (the layer without "
+                "the latency of launching a one-layer graph).\n")
     print("wrote", os.path.join(args.out, stem + ".md"))
 
 

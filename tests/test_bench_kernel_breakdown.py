@@ -91,3 +91,12 @@ def test_settings_change_the_lowering_constants_and_refuse_typos(mod, monkeypatc
     assert mod.qualified_setting("masked_experts.pipeline.FUSE_ACTIVATION") == (
         "moe_fx.lowering.masked_experts.pipeline.FUSE_ACTIVATION")
     assert mod.qualified_setting("moe_fx.backend.STATIC_LAUNCH_KERNELS") == "moe_fx.backend.STATIC_LAUNCH_KERNELS"
+
+
+def test_kernels_share_is_the_floor_over_the_kernels_sum(mod):
+    # Qwen3-30B-A3B bf16 T=1 on an H100 (kernel_breakdown_2026-12-06_decode_h100.md): 25.1 µs floor, three kernels
+    kernels = [("masked_gemm_kernel", 20.0), ("masked_gemm_kernel", 12.2), ("unpermute_kernel", 2.3)]
+    total, share = mod.kernels_share(25.1, kernels)
+    assert total == pytest.approx(34.5) and share == pytest.approx(25.1 / 34.5)
+    total, share = mod.kernels_share(25.1, [])
+    assert total == 0 and share != share  # no kernels: no share (NaN), not a division error
