@@ -98,8 +98,7 @@ def test_decode_regime_takes_triton_under_auto_only(fp8):
 @pytest.mark.parametrize("regime", range(len(ROW_REGIMES) + 1))
 def test_measured_preference_per_regime(fp8, regime):
     """The shipped rule: on one GPU fp8 weights take Triton's sorted layout up to 64 rows per expert and DeepGEMM
-    above; bf16 weights take Triton at every size; behind EP dispatch (``masked_rows``) and with an unknown regime
-    DeepGEMM above decode."""
+    above; bf16 weights take Triton at every size; behind EP dispatch (``masked_rows``) DeepGEMM above decode."""
     assert deepgemm.LOCAL_FROM_REGIME == {False: None, True: 3} and ROW_REGIMES[deepgemm.LOCAL_FROM_REGIME[True] - 1] == 64
     local = experts(problem(7168, 2048, fp8=fp8, regime=regime), H100)
     want = "deepgemm" if fp8 and regime >= 3 else "triton"
@@ -117,7 +116,8 @@ def test_measured_preference_per_regime(fp8, regime):
         assert local.reasons == {"triton": "deepgemm preferred", "reference": "deepgemm preferred"}
     ep = experts(problem(7168, 2048, fp8=fp8, regime=regime, masked_rows=256), H100)
     assert ep.kernel == ("triton" if regime == 0 else "deepgemm")
-    assert experts(problem(7168, 2048, fp8=fp8, regime=None), H100).kernel == "deepgemm"
+    # an unknown regime: DeepGEMM where its weight kind prefers it anywhere (fp8), Triton where never (bf16)
+    assert experts(problem(7168, 2048, fp8=fp8, regime=None), H100).kernel == ("deepgemm" if fp8 else "triton")
     # a preference, not a capability: an explicit request runs DeepGEMM in every regime
     forced = experts(problem(7168, 2048, fp8=fp8, regime=regime), H100, "deepgemm")
     assert (forced.kernel, forced.error) == ("deepgemm", None)

@@ -93,16 +93,17 @@ def prefer(problem: ExpertsProblem, caps: Capabilities) -> str | None:
     batches (regime 0, <= 4 rows per expert) go to Triton everywhere: the GEMMs only stream weights, and
     Triton's decode tiles are as fast or faster (H200: Qwen3-30B-A3B T=1 45 vs 67 µs bf16, 48 vs 60 fp8,
     bench/results/moe_layer_2026-12-02_v2.md). On one GPU (``moe_fx::experts``, where Triton runs the sorted
-    layout) :data:`LOCAL_FROM_REGIME` says from which regime DeepGEMM is worth it, per weight kind. Behind expert-parallel
-    dispatch (``moe_fx::masked_experts``: ``masked_rows`` is set, both kernels read the masked layout) and
-    where the regime is unknown, DeepGEMM stays first above the decode regime.
+    layout) :data:`LOCAL_FROM_REGIME` says, per weight kind, from which regime DeepGEMM is worth it (where the
+    regime is unknown, DeepGEMM is taken unless its kind never prefers it). Behind expert-parallel dispatch
+    (``moe_fx::masked_experts``: ``masked_rows`` is set, both kernels read the masked layout) DeepGEMM stays
+    first above the decode regime.
     """
     if problem.regime == 0:
         return "decode-size batch (<= 4 rows per expert): Triton's decode tiles stream the weights as fast or faster"
-    if problem.masked_rows is not None or problem.regime is None:
+    if problem.masked_rows is not None:
         return None
     start = LOCAL_FROM_REGIME[problem.fp8]
-    if start is not None and problem.regime >= start:
+    if start is not None and (problem.regime is None or problem.regime >= start):
         return None
     where = "at every size" if start is None else f"up to {ROW_REGIMES[start - 1]} rows per expert"
     return (f"{'fp8' if problem.fp8 else 'bf16'} weights {where} on one GPU: Triton's sorted layout measured "
