@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{limits['copy_tbs']:.2f} TB/s, bf16 {limits['bf16_tflops']:.0f} TFLOP/s\n\n")
         if settings:
             f.write("Settings: " + ", ".join(f"`{qualified_setting(n)}` = {v!r}" for n, v in settings.items()) + "\n\n")
-        f.write("| shape | dtype | pair | T | replay µs | floor µs (%) | kernels µs (floor %) | kernels, launch order: GPU µs "
-                "(GEMM bandwidth floor) | gaps µs |\n|---|---|---|---|---|---|---|---|---|\n")
+        f.write("| shape | dtype | pair | T | replay µs | floor µs (%) | kernels µs (floor %) | kernels, launch order: "
+                "GPU µs (GEMM bandwidth floor) | gaps µs |\n|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
             parts, gemm = [], 0
             for name, d in r["kernels"]:
@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> None:
                     parts.append(f"{name} {d:.1f}")
             total, share = kernels_share(r["floor_us"], r["kernels"])
             f.write(f"| {r['shape']} | {'fp8' if r['fp8'] else 'bf16'} | {r['pair']} | {r['T']} | {r['replay_us']:.1f} | "
-                    f"{r['floor_us']:.1f} ({100 * r['floor_us'] / r['replay_us']:.0f}%) | {total:.1f} ({100 * share:.0f}%) | "
-                    f"{' · '.join(parts)} | {r['gaps_us']:.1f} |\n")
+                    f"{r['floor_us']:.1f} ({100 * r['floor_us'] / r['replay_us']:.0f}%) | "
+                    f"{total:.1f} ({100 * share:.0f}%) | {' · '.join(parts)} | {r['gaps_us']:.1f} |\n")
         ab = [r for r in rows if "sort_ab" in r]
         if ab:
             f.write("\n## The decode sort: pairwise ranks (one program per block of slots) vs two passes (one program), "
@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> None:
                 f.write(f"| {r['shape']} | {'fp8' if r['fp8'] else 'bf16'} | {r['T']} | {a['pairwise_us']:.1f} | "
                         f"{a['two_pass_us']:.1f} | {a['pairwise_sort_kernel_us']:.1f} | {a['two_pass_sort_kernel_us']:.1f} |\n")
         f.write("\nGPU µs: mean over a profile of 5 replays. gaps: replay minus the kernels' sum (launch latency and "
-                "idle time inside the graph). kernels µs: the kernels' sum, and the floor's share of it (the layer without "
-                "the latency of launching a one-layer graph).\n")
+                "idle time inside the graph). kernels µs: the kernels' sum, and the floor's share of it (the layer "
+                "without the latency of launching a one-layer graph).\n")
     print("wrote", os.path.join(args.out, stem + ".md"))
 
 

@@ -187,7 +187,8 @@ def test_traced_graph_is_sort_copy_extern_gemms_and_combine(sm90, monkeypatch, f
     from moe_fx.lowering.prepare_finalize import local_contiguous
 
     monkeypatch.setattr(local_contiguous, "prefer", lambda problem, caps: None)
-    monkeypatch.setattr(deepgemm, "LOCAL_FROM_REGIME", {False: 1, True: 1})  # DeepGEMM at this graph's 16 rows per expert
+    # DeepGEMM at this graph's 16 rows per expert
+    monkeypatch.setattr(deepgemm, "LOCAL_FROM_REGIME", {False: 1, True: 1})
     gm = _trace(_experts_fp8 if fp8 else _experts, _inputs(FakeTensorMode(), t=64, fp8=fp8), caps=H200_DG)
     assert gm.code.count("moe_fx_kernels.deepgemm_contiguous_gemm") == 2 and "moe_fx.experts" not in gm.code
     names = [_kernel_name(n) for n in _launches(gm)]

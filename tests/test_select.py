@@ -99,7 +99,8 @@ def test_decode_regime_takes_triton_under_auto_only(fp8):
 def test_measured_preference_per_regime(fp8, regime):
     """The shipped rule: on one GPU fp8 weights take Triton's sorted layout up to 64 rows per expert and DeepGEMM
     above; bf16 weights take Triton at every size; behind EP dispatch (``masked_rows``) DeepGEMM above decode."""
-    assert deepgemm.LOCAL_FROM_REGIME == {False: None, True: 3} and ROW_REGIMES[deepgemm.LOCAL_FROM_REGIME[True] - 1] == 64
+    assert deepgemm.LOCAL_FROM_REGIME == {False: None, True: 3}
+    assert ROW_REGIMES[deepgemm.LOCAL_FROM_REGIME[True] - 1] == 64
     local = experts(problem(7168, 2048, fp8=fp8, regime=regime), H100)
     want = "deepgemm" if fp8 and regime >= 3 else "triton"
     assert (local.kernel, local.error) == (want, None)
