@@ -130,11 +130,12 @@ profile_section() {  # the decode-step section of a generate_cudagraphs --profil
   grep -h -A30 "^## One decode step" "$OUT"/*"$1".md 2>/dev/null | cut -c1-700
 }
 
-peer_run() {  # one layer against .ext/vllm_peer.py (bench/peer_layer.py): $1 the recipe, $2 the shapes
+peer_run() {  # one layer against .ext/vllm_peer.py (bench/peer_layer.py): $1 the recipe, $2 the shapes, then more options
+  local tag=$1 shapes=$2; shift 2
   if [ ! -f .ext/vllm_peer.py ]; then echo "no .ext/vllm_peer.py: build it, then carry .ext"; return 2; fi
-  timeout 590 python3 bench/peer_layer.py --peer .ext/vllm_peer.py --shapes "$2" --budget-s 480 --out "$OUT" \
-    --tag "$1" > "$OUT/log_$1.txt" 2>&1
-  grep -h -E "^\| (qwen3|mixtral|dsv3|gpt_oss)" "$OUT"/peer_layer_*"$1".md | cut -c1-200
+  timeout 590 python3 bench/peer_layer.py --peer .ext/vllm_peer.py --shapes "$shapes" --budget-s 480 --out "$OUT" \
+    --tag "$tag" "$@" > "$OUT/log_$tag.txt" 2>&1
+  grep -h -E "^\| (qwen3|mixtral|dsv3|gpt_oss)" "$OUT"/peer_layer_*"$tag".md | cut -c1-220
 }
 
 need_deepgemm() {  # the dg_* recipes: DeepGEMM must be usable here (this script never builds it: docs/deepgemm.md)
@@ -334,10 +335,7 @@ for name in "$@"; do
       grep -E "FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -20 ;;
     dg_peer)
       need_deepgemm || continue
-      if [ ! -f .ext/vllm_peer.py ]; then echo "no .ext/vllm_peer.py: build it, then carry .ext"; continue; fi
-      timeout 590 python3 bench/peer_layer.py --peer .ext/vllm_peer.py --shapes qwen3,mixtral,dsv3 --auto \
-        --tokens 1024,4096,16384 --rounds 3 --budget-s 480 --out "$OUT" --tag $name > "$OUT/log_$name.txt" 2>&1
-      grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/peer_layer_*$name.md | cut -c1-220 ;;
+      peer_run "$name" qwen3,mixtral,dsv3 --auto --tokens 1024,4096,16384 --rounds 3 ;;
     dg_fwd_fp8)
       need_deepgemm || continue
       timeout 590 python3 ${E2E_FP8/--no-deepgemm/} --tag fp8_checkpoint_dg > "$OUT/log_$name.txt" 2>&1
