@@ -89,6 +89,11 @@
 #   dg_fwd_q8      MoEConfig(quantize="fp8") on the bf16 models against plain bf16, DeepGEMM importable (Qwen3, Mixtral,
 #                  OLMoE, T = 1024 / 4096; the logit error column is the accuracy cost)
 #   dg_fwd         whole 2-layer models with DeepGEMM importable: Qwen3, Mixtral, OLMoE, DeepSeek-V3 at T = 1024 / 4096
+#
+# Mixtral-8x7B at its released 32 layers holds ~93 GB of bf16 weights: an H200 only (the device tool's needs_h200).
+#   full_mixtral   Mixtral-8x7B, 32 layers (one copy of the weights, shared by the sides), T = 16 / 1024 / 4096
+#                  forwards, default mode, Triton only (issue 16: whole models at full depth where they fit)
+#   full_mixtral_gen  the same model, generate() decode, batch 1, 32 new tokens, default mode (issue 16: >= 1.2x)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}
@@ -103,6 +108,8 @@ L2="bench/e2e_model.py --models gpt_oss --tokens 1 --modes default --no-deepgemm
 # 16 of GPT-OSS's 24 layers: three compiled sides (plain, moe_fx, the A/B side) fit one call
 E2E_AB="bench/e2e_model.py --models gpt_oss --layers 16 --share-weights --tokens 32 --no-forward --modes default --no-deepgemm
   --gen-batch 1 --gen-new 32 --gen-rounds 4 --no-layer-host --budget-s 500 --no-plot --out $OUT"
+E2E_FULL="bench/e2e_model.py --models mixtral --layers full --modes default --no-deepgemm --no-layer-host
+  --budget-s 480 --no-plot --out $OUT"
 E2E_COMPILE="bench/e2e_model.py --models gpt_oss --layers 16 --tokens 1 --modes default --no-deepgemm
   --no-layer-host --no-generate --rounds 2 --per-round 2 --budget-s 250 --no-plot --out $OUT"
 E2E_FP8="bench/e2e_model.py --models qwen3,mixtral,olmoe --weights fp8_checkpoint --tokens 1024,4096 --modes default
@@ -324,6 +331,14 @@ for name in "$@"; do
     epilogue_prefill)
       timeout 560 python3 $EPILOGUE --tag prefill > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral)" "$OUT"/fused_activation_*prefill.md 2>/dev/null | cut -c1-220 ;;
+    full_mixtral)
+      timeout 590 python3 $E2E_FULL --tokens 16,1024,4096 --rounds 3 --no-generate --tag full_mixtral \
+        > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| mixtral" "$OUT"/*full_mixtral.md 2>/dev/null | cut -c1-260 ;;
+    full_mixtral_gen)
+      timeout 590 python3 $E2E_FULL --tokens 32 --no-forward --gen-batch 1 --gen-new 32 --gen-rounds 3 \
+        --tag full_mixtral_gen > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| mixtral" "$OUT"/*full_mixtral_gen.md 2>/dev/null | cut -c1-260 ;;
     peer_vllm)
       peer_run "$name" qwen3,mixtral ;;
     peer_vllm_more)

@@ -34,12 +34,14 @@ def test_every_documented_recipe_has_a_branch_and_back():
 def test_every_benchmark_command_parses():
     text = SCRIPT.read_text()
     commands = _variables(text)
-    assert set(commands) == {"E2E_GEN", "E2E_AB", "E2E_COMPILE", "E2E_FP8", "E2E_FLAT", "LAYER", "PASS_TIME",
+    assert set(commands) == {"E2E_GEN", "E2E_AB", "E2E_FULL", "E2E_COMPILE", "E2E_FP8", "E2E_FLAT", "LAYER", "PASS_TIME",
                              "TUNE_FP8", "TUNE_BF16", "L2", "CG", "CG_QWEN3", "SLOT_DOWN", "BREAKDOWN", "EPILOGUE"}
     e2e, cudagraphs = load_bench("e2e_model"), load_bench("generate_cudagraphs")
     for name in ("E2E_GEN", "E2E_AB", "E2E_COMPILE", "L2"):
         args = e2e.parse_args(commands[name][1:])
         assert args.models == "gpt_oss" and args.no_deepgemm
+    full = e2e.parse_args(commands["E2E_FULL"][1:])
+    assert full.models == "mixtral" and full.layers == "full" and full.no_deepgemm  # the one model that needs an H200
     fp8 = e2e.parse_args(commands["E2E_FP8"][1:])
     assert fp8.weights == "fp8_checkpoint" and set(fp8.models.split(",")) <= set(e2e.MODELS) - {"gpt_oss"}
     flat = e2e.parse_args(commands["E2E_FLAT"][1:])
