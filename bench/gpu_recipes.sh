@@ -74,6 +74,10 @@
 #                  sizes (Qwen3, Mixtral; T = 1024, 4096, 16384; masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None on both
 #                  sides so the "on" side fuses at every size, the shipped choice since it won 1.04-1.11x on an H100,
 #                  fused_activation_2026-12-06_prefill_h100.md)
+#   w8a16          fp8 weights with bf16 activations at decode sizes (masked_gemm_kernel's B_FP8, the weight tile
+#                  dequantised into bf16 since 2026-12-06: one accumulator, no per-step product scaling) against the
+#                  quantised W8A8 pipeline, Qwen3, Mixtral, the DeepSeek-V3 shard, GPT-OSS, T = 1 / 4 / 16 / 64 (its first
+#                  form lost 1.45-1.83x on the H200, w8a16_2026-12-04.md); the W8A16 GPU tests first
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
@@ -121,6 +125,8 @@ LAYER="bench/moe_layer.py --shapes qwen3,mixtral,dsv3 --tokens 1,16,64,256,1024,
 BREAKDOWN="bench/kernel_breakdown.py --shapes qwen3,mixtral,gpt_oss --tokens 1024,4096 --out $OUT"
 EPILOGUE="bench/fused_activation.py --switch epilogue --shapes qwen3,mixtral --tokens 1024,4096,16384 --rounds 3
   --set masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None --out $OUT"
+W8A16="bench/fused_activation.py --switch w8a16 --shapes qwen3,mixtral,dsv3,gpt_oss --tokens 1,4,16,64 --rounds 3
+  --out $OUT"
 SLOT_DOWN="bench/fused_activation.py --switch slot_down --shapes qwen3,mixtral,gpt_oss --tokens 1 --rounds 5 --out $OUT"
 PASS_TIME="bench/pass_time.py --real gpt_oss,mixtral --layers 4 --repeats 2 --out $OUT"
 TUNE_BF16="bench/tune_tiles.py --sorted --kinds bf16 --warm 8 --force --ship --out $OUT"
@@ -331,6 +337,12 @@ for name in "$@"; do
     epilogue_prefill)
       timeout 560 python3 $EPILOGUE --tag prefill > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral)" "$OUT"/fused_activation_*prefill.md 2>/dev/null | cut -c1-220 ;;
+    w8a16)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests -k "w8a16 or W8A16 or fp8_weights_at_decode" \
+        > "$OUT/pytest_gpu_$name.log" 2>&1
+      grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -10
+      timeout 390 python3 $W8A16 --tag w8a16_fold > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral|dsv3|gpt_oss)" "$OUT"/*w8a16_fold.md 2>/dev/null | cut -c1-200 ;;
     full_mixtral)
       timeout 590 python3 $E2E_FULL --tokens 16,1024,4096 --rounds 3 --no-generate --tag full_mixtral \
         > "$OUT/log_$name.txt" 2>&1

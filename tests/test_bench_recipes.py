@@ -35,7 +35,7 @@ def test_every_benchmark_command_parses():
     text = SCRIPT.read_text()
     commands = _variables(text)
     assert set(commands) == {"E2E_GEN", "E2E_AB", "E2E_FULL", "E2E_COMPILE", "E2E_FP8", "E2E_FLAT", "LAYER", "PASS_TIME",
-                             "TUNE_FP8", "TUNE_BF16", "L2", "CG", "CG_QWEN3", "SLOT_DOWN", "BREAKDOWN", "EPILOGUE"}
+                             "TUNE_FP8", "TUNE_BF16", "L2", "CG", "CG_QWEN3", "SLOT_DOWN", "W8A16", "BREAKDOWN", "EPILOGUE"}
     e2e, cudagraphs = load_bench("e2e_model"), load_bench("generate_cudagraphs")
     for name in ("E2E_GEN", "E2E_AB", "E2E_COMPILE", "L2"):
         args = e2e.parse_args(commands[name][1:])
@@ -54,6 +54,8 @@ def test_every_benchmark_command_parses():
     assert {"moe_fx_bf16", "moe_fx_fp8", "hf_grouped_mm"} == set(layer.impls.split(","))
     slot_down = load_bench("fused_activation").parse_args(commands["SLOT_DOWN"][1:])
     assert slot_down.switch == "slot_down" and slot_down.tokens == "1" and slot_down.out == "/tmp/out"
+    w8a16 = load_bench("fused_activation").parse_args(commands["W8A16"][1:])
+    assert w8a16.switch == "w8a16" and max(int(t) for t in w8a16.tokens.split(",")) <= 64  # decode sizes
     epilogue = load_bench("fused_activation").parse_args(commands["EPILOGUE"][1:])
     assert epilogue.switch == "epilogue" and epilogue.set == ["masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None"]
     breakdown = load_bench("kernel_breakdown")

@@ -486,14 +486,16 @@ def test_gemm_with_activation_epilogue_compiles_pipelined(form, bm, bn, bk, warp
     ],
 )
 def test_bf16_activations_fp8_weights_gemm_compiles(form, bm, bn, bk, warps, stages, swap_ab, device_tma):
-    """W8A16 (masked_gemm_kernel's B_FP8): fp8 weight tiles converted in registers feed wgmma, loads stay
-    pipelined, no spills; GEMM1 with the activation in its epilogue, GEMM2 without."""
+    """W8A16 (masked_gemm_kernel's B_FP8): fp8 weight tiles dequantised in registers (code times block scale,
+    rounded to bf16) feed bf16 MMAs on one accumulator, loads stay pipelined, no spills; GEMM1 with the activation
+    in its epilogue, GEMM2 without."""
     fn, types, consts = _activation_gemm(form, bm, bn, bk, device_tma, swap_ab, B_FP8=True)
     ptx = _compile(fn, types, consts, warps, stages).asm["ptx"]
-    # wgmma where the MMA's M (the weight rows of a swapped tile, else the rows) is 64 or more; fp16 operands
+    # wgmma where the MMA's M (the weight rows of a swapped tile, else the rows) is 64 or more; bf16 operands only
     assert ("wgmma.mma_async" in ptx) == (swap_ab or bm >= 64), "Hopper MMA expected exactly for 64+ row MMAs"
-    assert re.search(r"(wgmma\.mma_async|mma)\.sync\.aligned\.[\w.]*f16\.f16", ptx), "fp16 MMAs expected"
-    # the weight tile converts once per pair of codes, straight to fp16 (no second conversion to bf16)
-    assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx
+    mmas = set(re.findall(r"(?:wgmma\.mma_async|mma)\.sync\.aligned\.[\w.]+", ptx))
+    assert mmas and all(".bf16.bf16" in m for m in mmas), f"bf16 MMAs expected, got {mmas}"
+    # the codes convert a pair per instruction; the scaled weights go back to bf16 a pair per instruction
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.rn.bf16x2.f32" in ptx
     assert ("cp.async.bulk.tensor" if device_tma else "cp.async") in ptx, "main loop not pipelined"
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"

@@ -210,17 +210,20 @@ def test_sorted_layout_fp8_more_slots_than_experts_and_empty_batch():
     assert empty.shape == (0, h)
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("w8a16_max_rows", [16, 0])
 @pytest.mark.parametrize("form", list(FORMS))
-def test_sorted_layout_fp8_weights_at_decode_size(form, w8a16_max_rows, monkeypatch):
+def test_sorted_layout_fp8_weights_at_decode_size(form, w8a16_max_rows, device, monkeypatch):
     """fp8 weights at decode size: bf16 activations x fp8 weights dequantised in the GEMMs (W8A16, the
     activation in GEMM1's epilogue: no quantisation kernel), and with W8A16 off the quantised pipeline."""
     from moe_fx.lowering.masked_experts import pipeline
 
     monkeypatch.setattr(pipeline, "W8A16_MAX_ROWS", w8a16_max_rows)
     gen = torch.Generator().manual_seed(len(form))
-    t, k, e, h, i = 3, 3, 4, 256 + 64, 128 + 64  # 3 rows per expert (regime 0); K and N tails of 128-wide blocks
-    spec, hidden, ids, w, w13, w2, b13, b2, on_input, identity = _layer(form, t, k, e, h, i, gen)
+    # <= 4 rows per expert (regime 0); K and N tails of 128-wide blocks; on the GPU Qwen3-like widths
+    t, k, e, h, i = (3, 3, 4, 256 + 64, 128 + 64) if device == "cpu" else (4, 8, 64, 2048 + 64, 768 + 64)
+    spec, hidden, ids, w, w13, w2, b13, b2, on_input, identity = (
+        v.to(device) if isinstance(v, torch.Tensor) else v for v in _layer(form, t, k, e, h, i, gen))
     (q13, s13), (q2, s2) = quantize_fp8_blockwise(w13.float()), quantize_fp8_blockwise(w2.float())
     a = bind_experts(hidden, ids, w, q13, q2, spec.name, on_input, s13, s2, kernel_choice="triton", w13_bias=b13,
                      w2_bias=b2, gated=spec.gated, gate_up_layout=spec.gate_up_layout, alpha=spec.alpha,

@@ -193,10 +193,10 @@ def masked_gemm_kernel(
     """c[g, :m_g, :] = a[g, :m_g, :] @ b[g]^T (+ bias[g]), fp32 accumulation, stored in c's dtype.
 
     B_FP8 (fp8 weights, bf16 activations: W8A16): ``b`` is float8_e4m3fn with fp32 128x128 block scales
-    ``bs[g, n // 128, k // 128]``; each k step (BLOCK_K divides 128: one scale group) converts the weight
-    tile to fp16 in registers (exact), the activation tile to fp16 with one scale per row (its largest
-    magnitude in the group to 2^14), and scales their product by row and column scales before it joins
-    the accumulator. The weight bytes are the fp8 ones and the activations are never quantised to fp8.
+    ``bs[g, n // 128, k // 128]``; each k step (BLOCK_K divides 128: one scale group) dequantises the weight
+    tile in registers (code times its block's scale, rounded to ``a``'s dtype, as vLLM's W8A16 Triton kernels
+    do) and multiplies it into the one fp32 accumulator. The weight bytes are the fp8 ones and the activations
+    are never quantised to fp8.
 
     With TMA, ``a_ptr`` / ``b_ptr`` are 3-D tensor descriptors (blocks ``[1, BLOCK_M, BLOCK_K]`` /
     ``[1, BLOCK_N, BLOCK_K]``): the copy engine zero-fills past the tensor's edges, so tails need
@@ -337,20 +337,15 @@ def masked_gemm_kernel(
                 b = b.to(tl.float32)
                 if HALVES:
                     u = u.to(tl.float32)
-            if B_FP8:  # W8A16 (one k group per step): fp16 products, scaled per row and column into the fp32 sums
-                # e4m3 codes are exact in fp16 and convert in one instruction per pair (bf16 would take two);
-                # each row's group is scaled into fp16's range first (its largest magnitude to 2^14)
-                af = a.to(tl.float32)
-                rs = tl.maximum(tl.reduce(tl.abs(af), 1, _maxf), 1e-30) * (1.0 / 16384.0)
-                a16 = (af / rs[:, None]).to(tl.float16)
+            if B_FP8:  # W8A16 (one k group per step): the weight tile dequantised into a's dtype, then a plain MMA
+                # the block scale multiplies the weights, not the product, so the MMAs chain on one accumulator as
+                # the bf16 kernel's do (a product scaled per k step would wait for each MMA before the next)
                 bs_k = bs_ptr + e64 * s_bsg + (k0 // 128) * s_bsk
                 bsc = tl.load(bs_k + (offs_n // 128) * s_bsn, mask=mask_n, other=0.0)
-                bsc = bsc[:, None] * rs[None, :] if SWAP_AB else rs[:, None] * bsc[None, :]
-                acc = tl.fma(_dot(a16, b.to(tl.float16), SWAP_AB, UPCAST), bsc, acc)
+                acc = _mma(acc, a, (b.to(tl.float32) * bsc[None, :]).to(a.dtype), SWAP_AB, IEEE or UPCAST)
                 if HALVES:
                     usc = tl.load(bs_k + ((N + offs_n) // 128) * s_bsn, mask=mask_n, other=0.0)
-                    usc = usc[:, None] * rs[None, :] if SWAP_AB else rs[:, None] * usc[None, :]
-                    acc_u = tl.fma(_dot(a16, u.to(tl.float16), SWAP_AB, UPCAST), usc, acc_u)
+                    acc_u = _mma(acc_u, a, (u.to(tl.float32) * usc[None, :]).to(a.dtype), SWAP_AB, IEEE or UPCAST)
             else:
                 acc = _mma(acc, a, b, SWAP_AB, IEEE or UPCAST)
                 if HALVES:
