@@ -77,7 +77,8 @@
 #   w8a16          fp8 weights with bf16 activations at decode sizes (masked_gemm_kernel's B_FP8, the weight tile
 #                  dequantised into bf16 since 2026-12-06: one accumulator, no per-step product scaling) against the
 #                  quantised W8A8 pipeline, Qwen3, Mixtral, the DeepSeek-V3 shard, GPT-OSS, T = 1 / 4 / 16 / 64 (its first
-#                  form lost 1.45-1.83x on the H200, w8a16_2026-12-04.md); the W8A16 GPU tests first
+#                  form lost 1.45-1.83x on the H200, w8a16_2026-12-04.md); the W8A16 GPU tests first, then where a
+#                  W8A16 decode step's time goes (kernel_breakdown, Qwen3 and GPT-OSS at T = 1 and 16)
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
@@ -341,8 +342,11 @@ for name in "$@"; do
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests -k "w8a16 or W8A16 or fp8_weights_at_decode" \
         > "$OUT/pytest_gpu_$name.log" 2>&1
       grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -10
-      timeout 390 python3 $W8A16 --tag w8a16_fold > "$OUT/log_$name.txt" 2>&1
-      grep -h -E "^\| (qwen3|mixtral|dsv3|gpt_oss)" "$OUT"/*w8a16_fold.md 2>/dev/null | cut -c1-200 ;;
+      timeout 300 python3 $W8A16 --tag w8a16_fold > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral|dsv3|gpt_oss)" "$OUT"/*w8a16_fold.md 2>/dev/null | cut -c1-200
+      timeout 120 python3 $BREAKDOWN --shapes qwen3,gpt_oss --tokens 1,16 --fp8 --tag decode_fp8_w8a16 \
+        --set masked_experts.pipeline.W8A16_MAX_ROWS=16 >> "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|gpt_oss)" "$OUT"/kernel_breakdown_*decode_fp8_w8a16.md 2>/dev/null | cut -c1-400 ;;
     full_mixtral)
       timeout 590 python3 $E2E_FULL --tokens 16,1024,4096 --rounds 3 --no-generate --tag full_mixtral \
         > "$OUT/log_$name.txt" 2>&1
