@@ -76,8 +76,9 @@
 #                  fused_activation_2026-12-06_prefill_h100.md)
 #   w8a16          fp8 weights with bf16 activations at decode sizes (masked_gemm_kernel's B_FP8, the weight tile
 #                  dequantised into bf16 since 2026-12-06: one accumulator, no per-step product scaling) against the
-#                  quantised W8A8 pipeline, Qwen3, Mixtral, the DeepSeek-V3 shard, GPT-OSS, T = 1 / 4 / 16 / 64 (its first
-#                  form lost 1.45-1.83x on the H200, w8a16_2026-12-04.md); the W8A16 GPU tests first, then where a
+#                  quantised W8A8 pipeline up to 64 rows per expert, Qwen3, Mixtral, the DeepSeek-V3 shard, GPT-OSS,
+#                  T = 1 / 4 / 16 / 64 / 256 (its first form lost 1.45-1.83x on the H200, w8a16_2026-12-04.md); the
+#                  W8A16 GPU tests first, then where a
 #                  W8A16 decode step's time goes (kernel_breakdown, Qwen3 and GPT-OSS at T = 1 and 16)
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
@@ -126,7 +127,7 @@ LAYER="bench/moe_layer.py --shapes qwen3,mixtral,dsv3 --tokens 1,16,64,256,1024,
 BREAKDOWN="bench/kernel_breakdown.py --shapes qwen3,mixtral,gpt_oss --tokens 1024,4096 --out $OUT"
 EPILOGUE="bench/fused_activation.py --switch epilogue --shapes qwen3,mixtral --tokens 1024,4096,16384 --rounds 3
   --set masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None --out $OUT"
-W8A16="bench/fused_activation.py --switch w8a16 --shapes qwen3,mixtral,dsv3,gpt_oss --tokens 1,4,16,64 --rounds 3
+W8A16="bench/fused_activation.py --switch w8a16 --on 64 --shapes qwen3,mixtral,dsv3,gpt_oss --tokens 1,4,16,64,256 --rounds 3
   --out $OUT"
 SLOT_DOWN="bench/fused_activation.py --switch slot_down --shapes qwen3,mixtral,gpt_oss --tokens 1 --rounds 5 --out $OUT"
 PASS_TIME="bench/pass_time.py --real gpt_oss,mixtral --layers 4 --repeats 2 --out $OUT"
