@@ -340,7 +340,7 @@ for name in "$@"; do
       timeout 560 python3 $EPILOGUE --tag prefill > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral)" "$OUT"/fused_activation_*prefill.md 2>/dev/null | cut -c1-220 ;;
     w8a16)
-      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests -k "w8a16 or W8A16 or fp8_weights_at_decode" \
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_sorted.py -k fp8_weights_at_decode \
         > "$OUT/pytest_gpu_$name.log" 2>&1
       grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -10
       timeout 280 python3 $W8A16 --tag w8a16_fold > "$OUT/log_$name.txt" 2>&1
