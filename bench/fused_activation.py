@@ -95,8 +95,8 @@ SWITCHES = {
                    ("fp8 weights at decode sizes: the tokens quantised by programs of the sort's launch (on) vs by "
                     "a launch of their own (off)")),
     "w8a16": ("masked_experts.pipeline.W8A16_MAX_ROWS", 16, 0, True,
-              ("fp8 weights: bf16 activations up to 16 rows per expert (on, W8A16) vs activations quantised 1x128 "
-               "at every size (off, W8A8)")),
+              ("fp8 weights: bf16 activations up to the switch's value of rows per expert (on, W8A16; 16 unless "
+               "--on says) vs activations quantised 1x128 at every size (off, W8A8)")),
     "fp8_scales": ("triton.grouped_gemm.PREFETCH_FP8_SCALES", True, False, True,
                    ("fp8 GEMMs: each k step's scales loaded one step ahead (on) vs in the step that uses them (off)")),
     "pair_halves": ("triton.grouped_gemm.PAIR_GATE_UP", True, False, False,

@@ -41,8 +41,9 @@ FUSE_ACTIVATION = True
 FUSE_HALVES_MAX_ROWS: int | None = None
 #: Rows per expert up to which fp8 weights meet unquantised bf16 activations on the sorted layout (W8A16,
 #: see :func:`quantize_activations`). 0: activations are quantised at every size, the measured choice
-#: (W8A16 decode ran 1.3-1.8x slower on the H200, bench/results/w8a16_2026-12-04.md); benchmarks and
-#: tests set it to 16 to run W8A16 (13x lower error against the fp32 reference).
+#: (W8A16 ran 1.08-2.1x slower at up to 64 rows per expert on an H100 in its second form,
+#: bench/results/w8a16_2026-12-06_w8a16_fold_s21_h100.md; 1.3-1.8x in its first on the H200); benchmarks and
+#: tests set it to 16 to run W8A16 (10x lower error against the fp32 reference).
 W8A16_MAX_ROWS = 0
 #: Whether a decode step with fp8 weights and quantised activations quantises its tokens in the sort's launch
 #: (:func:`quantize_tokens_in_sort`). Read when a call runs; bench/fused_activation.py ``--switch sort_quant``
@@ -204,13 +205,14 @@ def run_masked_experts(
 def quantize_activations(fp8: bool, regime: int | None) -> bool:
     """Whether a sorted-layout call with fp8 weights (``fp8``) quantises its activations per 1x128 group
     (W8A8: fp8 tensor-core products) or keeps them unquantised (W8A16: each weight tile converted in the
-    GEMM's registers, fp16 products scaled per row and column).
+    GEMM's registers: code times block scale, rounded to bf16, into one accumulator).
 
     W8A16 (up to :data:`W8A16_MAX_ROWS` rows per expert) moves the same fp8 weight bytes, runs no
     quantisation kernel before either GEMM, lets GEMM1 apply the activation in its epilogue (sort -> GEMM1
     -> GEMM2 -> combine, as bf16 layers run, instead of six launches) and does not round the activations
-    to fp8 (relative error 3e-3 against the fp32 reference where W8A8 has 4e-2). Measured on the H200 it
-    loses at decode sizes all the same (1.3-1.8x slower, bench/results/w8a16_2026-12-04.md): converting
+    to fp8 (relative error 4e-3 against the fp32 reference where W8A8 has 4e-2). Measured, it loses at decode
+    sizes all the same (1.08-2.1x slower on an H100 up to 64 rows per expert,
+    bench/results/w8a16_2026-12-06_w8a16_fold_s21_h100.md; its first form 1.3-1.8x on the H200): converting
     the weight tiles in registers costs more than the two launches it saves, so the bound is 0 (off).
     ``regime`` None (unknown size): quantised.
     """
