@@ -14,7 +14,9 @@ which does not fit one GPU; random
 weights made on the GPU: about 61, 14, 93 and 42 GB of bf16) and implies ``--share-weights``: each side
 gets its own module tree on the one model's tensors (one copy of the weights on the GPU), and the run
 checks at the end that no tensor of that model changed (storage, version counter; meta
-``shared_weights_changed``).
+``shared_weights_changed``). A model whose weights alone exceed the GPU's free memory (a lower bound on their
+bytes: Mixtral-8x7B's 32 layers on an 80 GB H100) is not built; the results say why (meta
+``models_skipped_for_memory``).
 
 ``--weights`` picks what the experts hold (one kind per run; merge runs with ``--merge``):
 ``bf16``; ``fp8_checkpoint``, transformers' fine-grained FP8 experts made from the bf16 model
@@ -241,6 +243,35 @@ def build_model(spec: ModelSpec, layers: int, vocab: int, device: str, dtype, se
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
     model.eval().requires_grad_(False)
     return model
+
+
+def weight_bytes_at_least(spec: ModelSpec, layers: int, vocab: int, itemsize: int) -> int:
+    """A lower bound on the bytes of one copy of the model's weights: its experts (gate, up, down), the router,
+    the q / k / v / o projections at their head counts (none for DeepSeek-V3's low-rank MLA) and the two vocabulary
+    matrices (norms, biases, sinks and shared experts left out, so the bound never overstates what a model needs)."""
+    experts = spec.experts * 3 * spec.hidden * spec.intermediate + spec.experts * spec.hidden
+    mla = spec.family == "deepseek_v3"
+    attention = 0 if mla else 2 * spec.hidden * spec.head_dim * (spec.heads + spec.kv_heads)
+    return itemsize * (layers * (experts + attention) + 2 * vocab * spec.hidden)
+
+
+def memory_refusal(spec: ModelSpec, layers: int, s: Settings) -> str | None:
+    """Why a model is not built on this GPU (its weights alone exceed the free memory), or None.
+
+    The weights are made on the GPU, so a model that cannot fit would otherwise fail minutes into a run (Mixtral-8x7B
+    at its 32 layers holds ~93 GB of bf16: an H200, not an 80 GB H100). Without ``--share-weights`` every side holds a
+    copy of its own beside the model's (three in all)."""
+    import torch
+
+    if s.device != "cuda":
+        return None
+    copies = 1 if s.share_weights else 3
+    need = copies * weight_bytes_at_least(spec, layers, s.vocab, torch.empty((), dtype=s.dtype).element_size())
+    free, total = torch.cuda.mem_get_info()
+    if need <= free:
+        return None
+    return (f"not built: its weights need at least {need / 1e9:.0f} GB ({copies} cop{'y' if copies == 1 else 'ies'}), "
+            f"this GPU has {free / 1e9:.0f} of {total / 1e9:.0f} GB free")
 
 
 def experts_implementation(model) -> str:
@@ -1039,6 +1070,11 @@ def run_benchmark(args: argparse.Namespace) -> None:
             continue
         spec = specs[model_name]
         layers = settings.layers_of(spec)
+        refusal = memory_refusal(spec, layers, settings)
+        if refusal:  # its rows are absent, the meta says why
+            meta.setdefault("models_skipped_for_memory", {})[model_name] = refusal
+            log(f"{model_name}: {refusal}")
+            continue
         tag = {"model": model_name, "deepgemm": dg, "weights": settings.weights}
         base_model = build_model(spec, layers, settings.vocab, settings.device, settings.dtype)
         meta.setdefault("experts_implementation", experts_implementation(base_model))
@@ -1224,8 +1260,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "reduce-overhead >= 1.5x at T >= 1024.",
         "",
     ]
+    no_room = meta.get("models_skipped_for_memory") or {}
     lines.append("Targets met: " + target_summary(rows) + "." + (
-        f" Not measured (time budget): {', '.join(skipped)}." if skipped else ""))
+        f" Not measured (time budget): {', '.join(skipped)}." if skipped else "") + "".join(
+        f" Not measured ({name}): {why}." for name, why in no_room.items()))
     lines.append("")
     lines.append(f"Weights: {meta.get('weights', 'bf16')}: {meta.get('weights_meaning', WEIGHTS['bf16'])}." + (
         " Weights shared: plain and moe_fx run module trees of their own on one model's tensors." if meta.get("share_weights") else ""))

@@ -332,3 +332,39 @@ def test_decode_step_gpu_subtracts_the_one_token_call(monkeypatch):
     assert e2e_model.decode_step_gpu(lambda new: new, 1) == {"step_gpu_us": None, "step_kernels": None}
     monkeypatch.setattr(e2e_model, "gpu_time_per_call", lambda fn, iters: {"gpu_us": None, "kernels": None})
     assert e2e_model.decode_step_gpu(lambda new: new, 9) == {"step_gpu_us": None, "step_kernels": None}
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mixtral", "gpt_oss", "deepseek_v3", "olmoe"])
+def test_weight_bound_is_a_lower_bound_close_to_the_real_model(name):
+    """The pre-flight bound on a model's weight bytes, against the real-size model's parameters (two layers, built
+    on the meta device: nothing allocated): never above them, within 10% of them (the experts dominate)."""
+    import torch
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import e2e_model
+
+    spec = e2e_model.MODELS[name]
+    model = e2e_model.build_model(spec, 2, 32000, "meta", torch.bfloat16)
+    real = sum(p.numel() * p.element_size() for p in model.parameters())
+    bound = e2e_model.weight_bytes_at_least(spec, 2, 32000, 2)
+    assert 0.9 * real <= bound <= real, (bound, real)
+
+
+def test_memory_refusal_names_what_does_not_fit(monkeypatch):
+    """A model whose weights alone exceed the GPU's free memory is refused before it is built (Mixtral-8x7B's 32
+    layers on an 80 GB H100), with what it needs and what is free; shared weights count one copy, else three."""
+    import torch
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import e2e_model
+
+    spec = e2e_model.MODELS["mixtral"]
+    settings = e2e_model.make_settings(e2e_model.parse_args(["--smoke", "--layers", "full"]))
+    assert e2e_model.memory_refusal(spec, 32, settings) is None  # CPU: nothing to check
+    gpu = e2e_model.dataclasses.replace(settings, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (79 * 10**9, 80 * 10**9))
+    why = e2e_model.memory_refusal(spec, 32, gpu)
+    assert why and "at least 93 GB (1 copy)" in why and "79 of 80 GB free" in why, why
+    assert e2e_model.memory_refusal(spec, 2, gpu) is None  # two layers fit
+    three = e2e_model.memory_refusal(spec, 16, e2e_model.dataclasses.replace(gpu, share_weights=False))
+    assert three and "(3 copies)" in three, three
