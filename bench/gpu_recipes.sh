@@ -78,8 +78,8 @@
 #                  dequantised into bf16 since 2026-12-06: one accumulator, no per-step product scaling) against the
 #                  quantised W8A8 pipeline up to 64 rows per expert, Qwen3, Mixtral, the DeepSeek-V3 shard, GPT-OSS,
 #                  T = 1 / 16 / 64 / 256 (its first form lost 1.45-1.83x on the H200, w8a16_2026-12-04.md); the
-#                  W8A16 GPU tests first, then where a
-#                  W8A16 decode step's time goes (kernel_breakdown, Qwen3 and GPT-OSS at T = 1 and 16)
+#                  W8A16 GPU tests first, then where a W8A16 decode step's time goes (kernel_breakdown, Qwen3 and
+#                  GPT-OSS at T = 1 and 16)
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
