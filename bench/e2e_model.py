@@ -258,8 +258,8 @@ def weight_bytes_at_least(spec: ModelSpec, layers: int, vocab: int, itemsize: in
 def memory_refusal(spec: ModelSpec, layers: int, s: Settings) -> str | None:
     """Why a model is not built on this GPU (its weights alone exceed the free memory), or None.
 
-    The weights are made on the GPU, so a model that cannot fit would otherwise fail minutes into a run (Mixtral-8x7B
-    at its 32 layers holds ~93 GB of bf16: an H200, not an 80 GB H100). Without ``--share-weights`` every side holds a
+    The weights are made on the GPU, so a model that cannot fit would otherwise run out of memory while it is built
+    (Mixtral-8x7B at its 32 layers holds ~93 GB of bf16: an H200, not an 80 GB H100). Without ``--share-weights`` every side holds a
     copy of its own beside the model's (three in all)."""
     import torch
 
