@@ -259,14 +259,14 @@ def memory_refusal(spec: ModelSpec, layers: int, s: Settings) -> str | None:
     """Why a model is not built on this GPU (its weights alone exceed the free memory), or None.
 
     The weights are made on the GPU, so a model that cannot fit would otherwise run out of memory while it is built
-    (Mixtral-8x7B at its 32 layers holds ~93 GB of bf16: an H200, not an 80 GB H100). Without ``--share-weights`` every side holds a
-    copy of its own beside the model's (three in all)."""
+    (Mixtral-8x7B at its 32 layers holds ~93 GB of bf16: an H200, not an 80 GB H100). Without ``--share-weights``
+    every side holds a copy of its own beside the model's (three in all)."""
     import torch
 
     if s.device != "cuda":
         return None
     copies = 1 if s.share_weights else 3
-    need = copies * weight_bytes_at_least(spec, layers, s.vocab, torch.empty((), dtype=s.dtype).element_size())
+    need = copies * weight_bytes_at_least(spec, layers, s.vocab, s.dtype.itemsize)
     free, total = torch.cuda.mem_get_info()
     if need <= free:
         return None

@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{limits['copy_tbs']:.2f} TB/s, bf16 {limits['bf16_tflops']:.0f} TFLOP/s\n\n")
         if settings:
             f.write("Settings: " + ", ".join(f"`{qualified_setting(n)}` = {v!r}" for n, v in settings.items()) + "\n\n")
-        f.write("| shape | dtype | pair | T | replay µs | floor µs (%) | kernels µs (floor %) | kernels, launch order: "
-                "GPU µs (GEMM bandwidth floor) | gaps µs |\n|---|---|---|---|---|---|---|---|---|\n")
+        f.write("| shape | dtype | pair | T | replay µs | floor µs (%) | kernels µs (floor %) | "
+                "kernels, launch order: GPU µs (GEMM bandwidth floor) | gaps µs |\n|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
             parts, gemm = [], 0
             for name, d in r["kernels"]:

@@ -251,8 +251,9 @@ def test_explain_says_why_triton_runs_where_deepgemm_could():
     parts = _explain(4096, 1024).regimes.split("; rows per expert ")
     assert [p.split(":")[0].removeprefix("rows per expert ") for p in parts] == ["1..4", "5.."]
     assert "(deepgemm: decode-size batch (<= 4 rows per expert)" in parts[0]
-    assert parts[1].startswith("5..: triton, sorted layout, activation in GEMM1's epilogue (deepgemm: bf16 weights "
-                               f"at every size on one GPU: Triton's sorted layout measured as fast or faster ({source})")
+    assert parts[1].startswith(
+        "5..: triton, sorted layout, activation in GEMM1's epilogue (deepgemm: bf16 weights at every size on one GPU: "
+        f"Triton's sorted layout measured as fast or faster ({source})")
     # without DeepGEMM nothing was passed over: the reasons are the layouts' alone
     no_dg = Capabilities("cuda", (9, 0), "deep_gemm is not installed", None, "x", 132, "NVIDIA H200")
     assert "deepgemm:" not in _explain(4096, 1024, caps=no_dg).regimes
