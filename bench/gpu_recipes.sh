@@ -83,6 +83,8 @@
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
+#   peer_issue     the rows of issue 16's vLLM table, bf16 and fp8, every shape in one call ($PEER_ISSUE_CELLS: the
+#                  call to make first when an H200 is scarce; peer_vllm and peer_vllm_more hold every T)
 #
 # The dg_* recipes need an importable DeepGEMM on the GPU machine (the GPU image has none; docs/deepgemm.md says how
 # to build one against its torch, outside this repository); each stops at once, saying why, where it does not import.
@@ -129,6 +131,9 @@ EPILOGUE="bench/fused_activation.py --switch epilogue --shapes qwen3,mixtral --t
   --set masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None --out $OUT"
 W8A16="bench/fused_activation.py --switch w8a16 --on 64 --shapes qwen3,mixtral,dsv3,gpt_oss --tokens 1,16,64,256 --rounds 3
   --out $OUT"
+# issue 16's vLLM table (Qwen3 T = 1 / 256 / 1024 / 4096, Mixtral 64 / 256 / 4096, the DeepSeek-V3 shard 64 / 4096,
+# GPT-OSS 1 / 256): bench/peer_layer.py --cells
+PEER_ISSUE_CELLS="qwen3:1,256,1024,4096/mixtral:64,256,4096/dsv3:64,4096/gpt_oss:1,256"
 SLOT_DOWN="bench/fused_activation.py --switch slot_down --shapes qwen3,mixtral,gpt_oss --tokens 1 --rounds 5 --out $OUT"
 PASS_TIME="bench/pass_time.py --real gpt_oss,mixtral --layers 4 --repeats 2 --out $OUT"
 TUNE_BF16="bench/tune_tiles.py --sorted --kinds bf16 --warm 8 --force --ship --out $OUT"
@@ -145,10 +150,10 @@ profile_section() {  # the decode-step section of a generate_cudagraphs --profil
   grep -h -A30 "^## One decode step" "$OUT"/*"$1".md 2>/dev/null | cut -c1-700
 }
 
-peer_run() {  # one layer against .ext/vllm_peer.py (bench/peer_layer.py): $1 the recipe, $2 the shapes, then more options
-  local tag=$1 shapes=$2; shift 2
+peer_run() {  # one layer against .ext/vllm_peer.py (bench/peer_layer.py): $1 the recipe, then its options (--shapes or --cells)
+  local tag=$1; shift
   if [ ! -f .ext/vllm_peer.py ]; then echo "no .ext/vllm_peer.py: build it, then carry .ext"; return 2; fi
-  timeout 590 python3 bench/peer_layer.py --peer .ext/vllm_peer.py --shapes "$shapes" --budget-s 480 --out "$OUT" \
+  timeout 590 python3 bench/peer_layer.py --peer .ext/vllm_peer.py --budget-s 480 --out "$OUT" \
     --tag "$tag" "$@" > "$OUT/log_$tag.txt" 2>&1
   grep -h -E "^\| (qwen3|mixtral|dsv3|gpt_oss)" "$OUT"/peer_layer_*"$tag".md | cut -c1-220
 }
@@ -357,9 +362,11 @@ for name in "$@"; do
         --tag full_mixtral_gen > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| mixtral" "$OUT"/*full_mixtral_gen.md 2>/dev/null | cut -c1-260 ;;
     peer_vllm)
-      peer_run "$name" qwen3,mixtral ;;
+      peer_run "$name" --shapes qwen3,mixtral ;;
     peer_vllm_more)
-      peer_run "$name" dsv3,gpt_oss ;;
+      peer_run "$name" --shapes dsv3,gpt_oss ;;
+    peer_issue)
+      peer_run "$name" --cells "$PEER_ISSUE_CELLS" ;;
     dg_tests)
       need_deepgemm || continue
       timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 -rs tests/test_deepgemm_gpu.py \
@@ -367,7 +374,7 @@ for name in "$@"; do
       grep -E "FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -20 ;;
     dg_peer)
       need_deepgemm || continue
-      peer_run "$name" qwen3,mixtral,dsv3 --auto --tokens 1024,4096,16384 --rounds 3 ;;
+      peer_run "$name" --shapes qwen3,mixtral,dsv3 --auto --tokens 1024,4096,16384 --rounds 3 ;;
     dg_fwd_fp8)
       need_deepgemm || continue
       timeout 590 python3 ${E2E_FP8/--no-deepgemm/} --tag fp8_checkpoint_dg > "$OUT/log_$name.txt" 2>&1

@@ -22,6 +22,7 @@ run).
 
     python bench/peer_layer.py --peer .ext/vllm_peer.py [--shapes qwen3,mixtral,dsv3,gpt_oss]
         [--tokens 1,16,64,256,1024,4096,16384] [--dtypes bf16,fp8] [--auto] [--rounds 5] [--tag TAG]
+    python bench/peer_layer.py --peer .ext/vllm_peer.py --cells "qwen3:1,256/mixtral:64,4096"   # chosen cells only
     TRITON_INTERPRET=1 python bench/peer_layer.py --peer .ext/vllm_peer.py --smoke --out /tmp/p   # CPU check
 
 Writes ``peer_layer_<date>[_tag].{md,json}`` to ``--out`` (default bench/results) after every cell, and at the end
@@ -225,12 +226,35 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
+def parse_cells(spec: str, known: dict) -> dict[str, list[int]]:
+    """``--cells``: ``shape:T,T/shape:T`` to the token counts of each shape, in the order given (a GPU call that
+    should hold a few rows of every shape runs them in one process). Unknown shapes and empty or non-positive token
+    lists are refused with the shape named."""
+    cells: dict[str, list[int]] = {}
+    for part in filter(None, spec.split("/")):
+        shape, sep, tokens = part.partition(":")
+        if not sep or shape not in known:
+            raise SystemExit(f"--cells: {part!r} is not SHAPE:T,T with SHAPE one of {', '.join(known)}")
+        try:
+            ts = [int(t) for t in tokens.split(",")]
+        except ValueError:
+            ts = []
+        if not ts or min(ts) < 1:
+            raise SystemExit(f"--cells: {part!r} needs a comma list of positive token counts")
+        cells[shape] = cells.get(shape, []) + ts
+    if not cells:
+        raise SystemExit("--cells: no cells")
+    return cells
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peer", required=True, help="the peer's Python file (git-ignored; see above)")
     ap.add_argument("--shapes", default=None, help=f"comma list of {', '.join(SHAPES)} (default: qwen3,mixtral,dsv3,"
                                                    "gpt_oss; smoke: tiny,tiny_gpt_oss)")
     ap.add_argument("--tokens", default=None, help="comma list of T (default 1 ... 16384; smoke 1,5)")
+    ap.add_argument("--cells", default=None,
+                    help="SHAPE:T,T/SHAPE:T,...: each shape with its own token counts (instead of --shapes, --tokens)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, tiny shapes, wall-clock calls instead of CUDA graphs, moe_fx's op uncompiled with "
                          "kernel_choice='auto' (its reference on CPU), no floors: checks the script and a peer file")
@@ -242,11 +266,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.cells and (args.shapes or args.tokens):
+        raise SystemExit("--cells names the shapes and their token counts: not with --shapes or --tokens")
     args.shapes = args.shapes or ",".join(SMOKE_SHAPES if args.smoke else ("qwen3", "mixtral", "dsv3", "gpt_oss"))
     args.tokens = args.tokens or ("1,5" if args.smoke else ",".join(map(str, TOKENS)))
-    for shape in args.shapes.split(","):
-        if shape not in shapes:
-            raise SystemExit(f"unknown shape {shape!r}; known: {', '.join(shapes)}")
+    if args.cells:
+        cells = parse_cells(args.cells, shapes)
+    else:
+        for shape in args.shapes.split(","):
+            if shape not in shapes:
+                raise SystemExit(f"unknown shape {shape!r}; known: {', '.join(shapes)}")
+        cells = {shape: [int(t) for t in args.tokens.split(",")] for shape in args.shapes.split(",")}
     peer = load_peer(args.peer)
 
     import torch
@@ -282,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
         save()
 
     op = torch.ops.moe_fx.experts
-    for shape in args.shapes.split(","):
+    for shape, tokens in cells.items():
         family, e, k, h, i = shapes[shape]
         g = torch.Generator(device=device).manual_seed(1)
         w13 = torch.randn(e, 2 * i, h, device=device, generator=g, dtype=torch.bfloat16) / h**0.5
@@ -304,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.auto and not args.smoke:
                 fns["moe_fx_auto"] = torch.compile(experts_fn(op, *weights, kernel_choice="auto", **op_kw))
             reference = fp32_reference(w13, w2, **op_kw)
-            for t in map(int, args.tokens.split(",")):
+            for t in tokens:
                 if time.time() - start > args.budget_s:
                     finish({"shape": shape, "T": t, "dtype": dtype, "error": "skipped: time budget"})
                     continue

@@ -129,6 +129,25 @@ def test_main_needs_a_gpu_or_a_peer(peer_layer, tmp_path):
             peer_layer.main(["--peer", _write(tmp_path, "ref2.py", REFERENCE_PEER), "--out", str(tmp_path)])
 
 
+def test_cells_give_each_shape_its_own_token_counts(peer_layer, tmp_path):
+    """``--cells``: each shape with its token counts in the order given (a repeated shape adds its counts); anything
+    else is refused with the part named, and it does not mix with --shapes or --tokens."""
+    known = {"qwen3": (), "mixtral": ()}
+    assert peer_layer.parse_cells("qwen3:1,256/mixtral:64/qwen3:4096", known) == {"qwen3": [1, 256, 4096],
+                                                                                    "mixtral": [64]}
+    for bad, why in (("dsv3:1", "'dsv3:1' is not SHAPE:T,T"), ("qwen3", "'qwen3' is not SHAPE:T,T"),
+                     ("qwen3:", "needs a comma list"), ("qwen3:1,x", "needs a comma list"),
+                     ("qwen3:0", "needs a comma list"), ("/", "no cells")):
+        with pytest.raises(SystemExit, match=why):
+            peer_layer.parse_cells(bad, known)
+    peer = _write(tmp_path, "ref.py", REFERENCE_PEER)
+    for extra in (["--shapes", "qwen3"], ["--tokens", "1"]):
+        with pytest.raises(SystemExit, match="not with --shapes or --tokens"):
+            peer_layer.main(["--peer", peer, "--cells", "qwen3:1", *extra])
+    with pytest.raises(SystemExit, match="'nope:1' is not SHAPE:T,T"):
+        peer_layer.main(["--peer", peer, "--cells", "nope:1"])
+
+
 @pytest.mark.timeout(120)
 def test_smoke_run_end_to_end(peer_layer, tmp_path):
     """``--smoke`` on CPU, the whole script: the dense peer is timed beside moe_fx where it supports the case
@@ -149,10 +168,10 @@ def test_smoke_run_end_to_end(peer_layer, tmp_path):
         assert "not supported: arguments" in by_key[("tiny_gpt_oss", t, "bf16")]["error"]
     md = next(out.glob("peer_layer_*_s.md")).read_text()
     assert "SMOKE: CPU wall-clock calls" in md and next(out.glob("peer_layer_*_s.png")).stat().st_size > 0
-    peer_layer.main(["--peer", _write(tmp_path, "wrong.py", WRONG_PEER), "--smoke", "--shapes", "tiny",
+    peer_layer.main(["--peer", _write(tmp_path, "wrong.py", WRONG_PEER), "--smoke", "--cells", "tiny:5,1",
                      "--dtypes", "bf16", "--out", str(out), "--tag", "w"])
     wrong = json.loads(next(out.glob("peer_layer_*_w.json")).read_text())["rows"]
-    assert len(wrong) == 2 and all("WRONG" in r["error"] and "us" not in r for r in wrong), wrong
+    assert [r["T"] for r in wrong] == [5, 1] and all("WRONG" in r["error"] and "us" not in r for r in wrong), wrong
 
 
 def _with_root_on_path() -> dict[str, str]:
