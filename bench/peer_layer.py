@@ -229,7 +229,7 @@ def _pct(x: float | None) -> str:
 def parse_cells(spec: str, known: dict) -> dict[str, list[int]]:
     """``--cells``: ``shape:T,T/shape:T`` to the token counts of each shape, in the order given (a GPU call that
     should hold a few rows of every shape runs them in one process). Unknown shapes and empty or non-positive token
-    lists are refused with the shape named."""
+    lists are refused, the part named."""
     cells: dict[str, list[int]] = {}
     for part in filter(None, spec.split("/")):
         shape, sep, tokens = part.partition(":")
