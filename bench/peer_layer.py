@@ -266,17 +266,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    if args.cells and (args.shapes or args.tokens):
-        raise SystemExit("--cells names the shapes and their token counts: not with --shapes or --tokens")
-    args.shapes = args.shapes or ",".join(SMOKE_SHAPES if args.smoke else ("qwen3", "mixtral", "dsv3", "gpt_oss"))
-    args.tokens = args.tokens or ("1,5" if args.smoke else ",".join(map(str, TOKENS)))
     if args.cells:
+        if args.shapes or args.tokens:
+            raise SystemExit("--cells names the shapes and their token counts: not with --shapes or --tokens")
         cells = parse_cells(args.cells, shapes)
     else:
-        for shape in args.shapes.split(","):
+        names = (args.shapes or ",".join(SMOKE_SHAPES if args.smoke else ("qwen3", "mixtral", "dsv3", "gpt_oss")))
+        for shape in names.split(","):
             if shape not in shapes:
                 raise SystemExit(f"unknown shape {shape!r}; known: {', '.join(shapes)}")
-        cells = {shape: [int(t) for t in args.tokens.split(",")] for shape in args.shapes.split(",")}
+        counts = [int(t) for t in (args.tokens or ("1,5" if args.smoke else ",".join(map(str, TOKENS)))).split(",")]
+        cells = {shape: counts for shape in names.split(",")}
     peer = load_peer(args.peer)
 
     import torch
