@@ -166,3 +166,29 @@ def test_tail_tiles_only_where_they_apply(monkeypatch):
     monkeypatch.setattr(grouped_gemm, "TAIL_TILES_MIN_BLOCK_M", 1)
     assert tail(TileConfig(32, 64, 64), slots=False, host_tma=False)
     assert not tail(TileConfig(16, 64, 64), slots=False, host_tma=False)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_tail_tiles_on_the_masked_layout(device, monkeypatch):
+    """The masked layout (``[G, M, K]`` groups, ``masked_m`` valid rows each: DeepEP's) with tail tiles: each group's
+    valid rows are its product, the rows past ``masked_m`` stay as they were."""
+    from moe_fx.lowering.triton.grouped_gemm import masked_gemm
+
+    bm = 128 if device == "cuda" else 32
+    counts = _counts(bm)
+    gen = torch.Generator().manual_seed(7)
+    g, m, h, n = len(counts), max(counts) + 5, 128, 64
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    a = torch.randn(g, m, h, generator=gen).to(device, dt)
+    w = (torch.randn(g, n, h, generator=gen) / h**0.5).to(device, dt)
+    masked_m = torch.tensor(counts, dtype=torch.int32, device=device)
+    monkeypatch.setattr(grouped_gemm, "TAIL_TILES_MIN_BLOCK_M", bm)
+    seen = _launches(monkeypatch)
+    out = masked_gemm(a, w, masked_m, torch.full((g, m, n), float("nan"), dtype=dt, device=device),
+                      config=TileConfig(bm, 64, 64, 1, 4, 3 if device == "cuda" else 1, 1))
+    assert [kw["TAIL"] for kw in seen] == [True]
+    tol = 1e-2 if dt == torch.bfloat16 else 1e-5
+    for x, c in enumerate(counts):
+        assert torch.isnan(out[x, c:].float()).all(), x
+        if c:
+            assert rel_err(out[x, :c].float(), a[x, :c].float() @ w[x].float().T) < tol, x
