@@ -17,7 +17,7 @@
   (``pipeline.SLOT_DOWN_COMBINE`` True vs False): only T=1 differs;
 * ``--switch tail_tiles`` / ``tail_tiles_fp8``: bf16 / fp8 weights, an expert's last rows (at most half a tile past its
   whole tiles) in a tile of half the height vs a whole tile (``moe_fx.lowering.triton.grouped_gemm.TAIL_TILES_MIN_BLOCK_M``
-  128 vs None): prefill sizes differ;
+  128 vs 0): prefill sizes differ;
 * ``--switch bitonic_sort``: bf16 weights, the one-launch sort's program 0 sorting up to 1024 slots by a bitonic
   network vs blocks of pairwise ranks (``moe_fx.lowering.triton.sort.BITONIC_SORT_SLOTS`` 1024 vs 0): T * K
   between the pairwise tile (128 slots at 128 experts) and 1024 differs.
@@ -105,10 +105,10 @@ SWITCHES = {
     "pair_halves": ("triton.grouped_gemm.PAIR_GATE_UP", True, False, False,
                     ("gate/up halves in GEMM1's epilogue as one tile of gate and up rows (on) vs two accumulators of "
                      "half the tile (off), bf16 (rows per expert up to 64, where halves take the epilogue)")),
-    "tail_tiles": ("triton.grouped_gemm.TAIL_TILES_MIN_BLOCK_M", 128, None, False,
+    "tail_tiles": ("triton.grouped_gemm.TAIL_TILES_MIN_BLOCK_M", 128, 0, False,
                    ("an expert's last rows, at most half a tile past its whole tiles, in a half-height tile (on) vs a "
                     "whole tile (off), bf16 (tiles of 128+ rows: prefill sizes)")),
-    "tail_tiles_fp8": ("triton.grouped_gemm.TAIL_TILES_MIN_BLOCK_M", 128, None, True,
+    "tail_tiles_fp8": ("triton.grouped_gemm.TAIL_TILES_MIN_BLOCK_M", 128, 0, True,
                        ("an expert's last rows, at most half a tile past its whole tiles, in a half-height tile (on) vs "
                         "a whole tile (off), fp8 weights (tiles of 128+ rows: prefill sizes)")),
     "bitonic_sort": ("triton.sort.BITONIC_SORT_SLOTS", 1024, 0, False,

@@ -81,7 +81,7 @@
 #                  W8A16 GPU tests first, then where a W8A16 decode step's time goes (kernel_breakdown, Qwen3 and
 #                  GPT-OSS at T = 1 and 16)
 #   tail_tiles     an expert's last rows (at most half a tile past its whole tiles) in a half-height tile against a whole
-#                  tile (grouped_gemm.TAIL_TILES_MIN_BLOCK_M 128 vs None): its GPU tests, then Qwen3, Mixtral and the
+#                  tile (grouped_gemm.TAIL_TILES_MIN_BLOCK_M 128 vs 0): its GPU tests, then Qwen3, Mixtral and the
 #                  DeepSeek-V3 shard, bf16 at T = 1024 / 2048 / 4096 / 16384 and fp8 at T = 1024 / 4096 (the tile padding
 #                  of docs/performance.md: 21% of Qwen3's tile rows at T=4096)
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md

@@ -143,13 +143,13 @@ def test_tail_tiles_with_the_activation_epilogue(form, monkeypatch):
     cfg = TileConfig(32, 32, 64, 1, 4, 1, 1)
     outs = {}
     seen = _launches(monkeypatch)
-    for least in (None, 32):
+    for least in (0, 32):
         monkeypatch.setattr(grouped_gemm, "TAIL_TILES_MIN_BLOCK_M", least)
         outs[least] = sorted_gemm(x, w13, rows, torch.full((1, t * k, i), float("nan")), gather=True,
                                   activation=spec, config=cfg)[0]
     assert [kw["TAIL"] for kw in seen] == [False, True]
     assert torch.isfinite(outs[32]).all()
-    torch.testing.assert_close(outs[32], outs[None], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[32], outs[0], rtol=1e-5, atol=1e-5)
 
 
 def test_tail_tiles_only_where_they_apply(monkeypatch):
@@ -157,7 +157,7 @@ def test_tail_tiles_only_where_they_apply(monkeypatch):
     MMA); never swapped tiles, rows in slot order or a host-made descriptor; off by default."""
     tail = grouped_gemm._tail_tiles
     big, small = TileConfig(128, 128, 64), TileConfig(64, 128, 64)
-    monkeypatch.setattr(grouped_gemm, "TAIL_TILES_MIN_BLOCK_M", None)
+    monkeypatch.setattr(grouped_gemm, "TAIL_TILES_MIN_BLOCK_M", 0)
     assert not tail(big, slots=False, host_tma=False)
     monkeypatch.setattr(grouped_gemm, "TAIL_TILES_MIN_BLOCK_M", 128)
     assert tail(big, slots=False, host_tma=False) and not tail(small, slots=False, host_tma=False)

@@ -35,10 +35,10 @@ PREFETCH_FP8_SCALES = False
 PAIR_GATE_UP = True
 #: tiles of at least this many rows (``block_m``) compute an expert's last rows, where at most half a tile of them is
 #: left after its whole tiles, in a tile of half the height (the GEMM kernels' TAIL) instead of a tile that is half
-#: padding or more; None: off. Read at every launch, so ``bench/fused_activation.py --switch tail_tiles`` times both
+#: padding or more; 0: off. Read at every launch, so ``bench/fused_activation.py --switch tail_tiles`` times both
 #: sides in one process. Random top-8 routing over 128 experts at T = 4096 leaves 21% of Qwen3's 128-row tile rows as
 #: padding (docs/performance.md, "Tile padding").
-TAIL_TILES_MIN_BLOCK_M: int | None = None
+TAIL_TILES_MIN_BLOCK_M = 0
 _FP8 = FP8_DTYPE
 
 
@@ -354,7 +354,7 @@ def _tail_tiles(cfg: configs.TileConfig, *, slots: bool, host_tma: bool) -> bool
     the kernels' TAIL): not for swapped tiles (decode: a tile's rows are the MMA's N), rows in slot order (one row a
     group) or a host-made descriptor of ``a`` (its box is one tile height)."""
     least = TAIL_TILES_MIN_BLOCK_M
-    return least is not None and cfg.block_m >= max(least, 32) and not (cfg.swap_ab or slots or host_tma)
+    return least > 0 and cfg.block_m >= max(least, 32) and not (cfg.swap_ab or slots or host_tma)
 
 
 def _check_operands(name: str, a: torch.Tensor, b: torch.Tensor, fp8: bool, a_dim: int, grouped: bool = True,
