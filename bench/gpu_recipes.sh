@@ -350,7 +350,7 @@ for name in "$@"; do
       timeout 560 python3 $EPILOGUE --tag prefill > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral)" "$OUT"/fused_activation_*prefill.md 2>/dev/null | cut -c1-220 ;;
     tail_tiles)
-      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_tail_tiles.py \
+      timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_tail_tiles.py \
         > "$OUT/pytest_gpu_$name.log" 2>&1
       grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -5
       timeout 230 python3 $TAIL --switch tail_tiles --tokens 1024,2048,4096,16384 --tag bf16 > "$OUT/log_$name.txt" 2>&1
