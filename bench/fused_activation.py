@@ -89,6 +89,9 @@ def layer(shape: str, dims: tuple, device: str, seed: int = 0, fp8: bool = False
     return w, kw
 
 
+#: the tail-tile switches' title (bf16 / fp8 weights)
+TAIL_TITLE = ("an expert's last rows, at most half a tile past its whole tiles, in a half-height tile (on) vs a whole "
+              "tile (off), {} (tiles of 128+ rows: prefill sizes)")
 #: the switches this bench times: name -> (module attribute under moe_fx.lowering, value on, value off, fp8 weights,
 #: title)
 SWITCHES = {
@@ -105,12 +108,8 @@ SWITCHES = {
     "pair_halves": ("triton.grouped_gemm.PAIR_GATE_UP", True, False, False,
                     ("gate/up halves in GEMM1's epilogue as one tile of gate and up rows (on) vs two accumulators of "
                      "half the tile (off), bf16 (rows per expert up to 64, where halves take the epilogue)")),
-    "tail_tiles": ("triton.grouped_gemm.TAIL_TILES_MIN_BLOCK_M", 128, 0, False,
-                   ("an expert's last rows, at most half a tile past its whole tiles, in a half-height tile (on) vs a "
-                    "whole tile (off), bf16 (tiles of 128+ rows: prefill sizes)")),
-    "tail_tiles_fp8": ("triton.grouped_gemm.TAIL_TILES_MIN_BLOCK_M", 128, 0, True,
-                       ("an expert's last rows, at most half a tile past its whole tiles, in a half-height tile (on) vs "
-                        "a whole tile (off), fp8 weights (tiles of 128+ rows: prefill sizes)")),
+    "tail_tiles": ("triton.grouped_gemm.TAIL_TILES_MIN_BLOCK_M", 128, 0, False, TAIL_TITLE.format("bf16")),
+    "tail_tiles_fp8": ("triton.grouped_gemm.TAIL_TILES_MIN_BLOCK_M", 128, 0, True, TAIL_TITLE.format("fp8 weights")),
     "bitonic_sort": ("triton.sort.BITONIC_SORT_SLOTS", 1024, 0, False,
                      ("decode-sized sort: program 0 sorts up to 1024 slots by a bitonic network (on) vs blocks of "
                       "pairwise ranks (off), bf16 (T * K from 129 to 1024 slots at 128 experts)")),

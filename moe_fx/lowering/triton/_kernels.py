@@ -110,6 +110,15 @@ def _phase_tiles(rows, PH: tl.constexpr, BLOCK_M: tl.constexpr, TAIL: tl.constex
 
 
 @triton.jit
+def _phase_first_tile(pid, nprog, done, PH: tl.constexpr):
+    """Program ``pid``'s first tile of phase ``PH`` (of ``nprog`` programs, ``done`` tiles in the phase before): the
+    programs that the phase before left a tile short take this phase's first tiles."""
+    if PH == 0:
+        return pid
+    return (pid + nprog - done % nprog) % nprog
+
+
+@triton.jit
 def _first_row(e, offs_e, first, pid_m, BM: tl.constexpr, PH: tl.constexpr):
     """Row of expert ``e`` where row tile ``pid_m`` of phase ``PH`` (tiles of BM rows) begins
     (:func:`_phase_tiles`' ``first``: 0 in phase 0)."""
@@ -319,10 +328,7 @@ def masked_gemm_kernel(
                                                    block_shape=[1, BLOCK_M >> PH, BLOCK_K])
         elif TMA and not GATHER_A:  # the host's descriptor (no TAIL: its box is BLOCK_M rows)
             a_desc = a_ptr
-        if PH == 0:
-            t0 = pid
-        else:  # the programs that the phase before left a tile short take this phase's first tiles
-            t0 = (pid + nprog - done % nprog) % nprog
+        t0 = _phase_first_tile(pid, nprog, done, PH)
         done = total
         # FLATTEN: the tile loop and the k loop become one software-pipelined loop (Triton's loop flattening), so
         # the loads of a program's next tile are in flight while this tile's epilogue runs, instead of a pipeline
@@ -533,10 +539,7 @@ def masked_gemm_fp8_kernel(
                                                    block_shape=[1, BLOCK_M >> PH, BLOCK_K])
         elif TMA and not GATHER_A:  # the host's descriptor (no TAIL: its box is BLOCK_M rows)
             a_desc = a_ptr
-        if PH == 0:
-            t0 = pid
-        else:  # the programs that the phase before left a tile short take this phase's first tiles
-            t0 = (pid + nprog - done % nprog) % nprog
+        t0 = _phase_first_tile(pid, nprog, done, PH)
         done = total
         for t in tl.range(t0, total, nprog, flatten=FLATTEN):  # FLATTEN: see masked_gemm_kernel
             e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
