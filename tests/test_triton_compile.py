@@ -453,10 +453,8 @@ def test_tail_tiles_compile_to_two_pipelined_loops(fp8, gather):
     compiled = _compile(fn, types, consts, cfg.num_warps, cfg.num_stages)
     ptx = compiled.asm["ptx"]
     assert "Depth=2" not in ptx, "a tile loop still holds a k loop"
-    mma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)", ptx))
-    plain_mma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)", plain.asm["ptx"]))
-    assert plain_mma < mma or len(mma) > len(plain_mma) or ptx.count("wgmma.mma_async") > plain.asm["ptx"].count(
-        "wgmma.mma_async"), (mma, plain_mma)
+    # the second loop's MMAs and loads come beside the first loop's (a dropped or unpipelined tail loop adds none)
+    assert ptx.count("wgmma.mma_async") > plain.asm["ptx"].count("wgmma.mma_async"), "no MMA in the tail loop"
     copies = "cp.async.bulk.tensor" if cfg.tma else "cp.async.cg"
     assert ptx.count(copies) > plain.asm["ptx"].count(copies), "the tail loop's loads are not pipelined"
     _assert_fits(compiled, cfg, fp8)
