@@ -60,10 +60,10 @@ def test_tail_tiles_compute_every_row_once(fp8, tma, device, monkeypatch):
     bm = 128 if device == "cuda" else 32
     gen = torch.Generator().manual_seed(21 + fp8 + 2 * tma)
     k, h, n = 2, 256, 192
-    ids = _routing(_counts(bm), k, gen)
-    counts = torch.bincount(ids.flatten().long(), minlength=len(_counts(bm)))
-    assert counts.tolist() == _counts(bm)
-    e, t = len(_counts(bm)), ids.shape[0]
+    counts = _counts(bm)
+    ids = _routing(counts, k, gen)
+    assert torch.bincount(ids.flatten().long(), minlength=len(counts)).tolist() == counts
+    e, t = len(counts), ids.shape[0]
     x = torch.randn(t, h, generator=gen)
     a2 = torch.randn(1, t * k, h, generator=gen)
     w = torch.randn(e, n, h, generator=gen) / h**0.5

@@ -51,8 +51,8 @@ def _valid_tiles(rows, M, BLOCK_M: tl.constexpr):
     to a helper would mark ``masked_m`` as written (and make Inductor copy it before every launch).
     """
     rows = _clamped_rows(rows, M)
-    tiles = (rows + BLOCK_M - 1) // BLOCK_M
-    return rows, tiles, tl.associative_scan(tiles, 0, _add)
+    tiles, _, cum = _phase_tiles(rows, 0, BLOCK_M, False)
+    return rows, tiles, cum
 
 
 @triton.jit
@@ -110,12 +110,17 @@ def _phase_tiles(rows, PH: tl.constexpr, BLOCK_M: tl.constexpr, TAIL: tl.constex
 
 
 @triton.jit
-def _phase_first_tile(pid, nprog, done, PH: tl.constexpr):
-    """Program ``pid``'s first tile of phase ``PH`` (of ``nprog`` programs, ``done`` tiles in the phase before): the
-    programs that the phase before left a tile short take this phase's first tiles."""
+def _phase_walk(rows, num_n, pid, nprog, done, PH: tl.constexpr, BLOCK_M: tl.constexpr, TAIL: tl.constexpr):
+    """One tile phase's walk for program ``pid`` of ``nprog``: (row tiles of each expert, the first row they cover,
+    their inclusive cumsum, the phase's tiles with ``num_n`` column tiles each, this program's first tile).
+    ``done``: the tiles of the phase before; the programs it left a tile short take this phase's first tiles."""
+    tiles, first, cum = _phase_tiles(rows, PH, BLOCK_M, TAIL)
+    total = tl.reduce(tiles, 0, _add) * num_n
     if PH == 0:
-        return pid
-    return (pid + nprog - done % nprog) % nprog
+        t0 = pid
+    else:
+        t0 = (pid + nprog - done % nprog) % nprog
+    return tiles, first, cum, total, t0
 
 
 @triton.jit
@@ -317,8 +322,8 @@ def masked_gemm_kernel(
     # loop of its own (one tile height a loop keeps the loop flattening)
     for PH in tl.static_range(1 + TAIL):  # phase PH's tiles are BLOCK_M >> PH rows high (written out: a name bound
         # to it in the unrolled loop would be a runtime value, and a constexpr name cannot be bound twice)
-        tiles, first, cum = _phase_tiles(rows, PH, BLOCK_M, TAIL)
-        total = tl.reduce(tiles, 0, _add) * num_n
+        tiles, first, cum, total, t0 = _phase_walk(rows, num_n, pid, nprog, done, PH, BLOCK_M, TAIL)
+        done = total
         if TMA and not GATHER_A and DEVICE_TMA:  # a's rows through TMA, in boxes of this phase's tile height
             if SORTED:  # one group of rows (its group stride is never used)
                 a_desc = tl.make_tensor_descriptor(a_ptr, shape=[1, M, K], strides=[M * s_am, s_am, 1],
@@ -328,8 +333,6 @@ def masked_gemm_kernel(
                                                    block_shape=[1, BLOCK_M >> PH, BLOCK_K])
         elif TMA and not GATHER_A:  # the host's descriptor (no TAIL: its box is BLOCK_M rows)
             a_desc = a_ptr
-        t0 = _phase_first_tile(pid, nprog, done, PH)
-        done = total
         # FLATTEN: the tile loop and the k loop become one software-pipelined loop (Triton's loop flattening), so
         # the loads of a program's next tile are in flight while this tile's epilogue runs, instead of a pipeline
         # that fills and drains per tile (short-K GEMMs pay that per tile)
@@ -528,8 +531,8 @@ def masked_gemm_fp8_kernel(
     done = 0  # tiles of the phases before (TAIL, as in masked_gemm_kernel)
     for PH in tl.static_range(1 + TAIL):  # phase PH's tiles are BLOCK_M >> PH rows high (written out: a name bound
         # to it in the unrolled loop would be a runtime value, and a constexpr name cannot be bound twice)
-        tiles, first, cum = _phase_tiles(rows, PH, BLOCK_M, TAIL)
-        total = tl.reduce(tiles, 0, _add) * num_n
+        tiles, first, cum, total, t0 = _phase_walk(rows, num_n, pid, nprog, done, PH, BLOCK_M, TAIL)
+        done = total
         if TMA and not GATHER_A and DEVICE_TMA:  # a's rows through TMA, in boxes of this phase's tile height
             if SORTED:  # one group of rows (its group stride is never used)
                 a_desc = tl.make_tensor_descriptor(a_ptr, shape=[1, M, K], strides=[M * s_am, s_am, 1],
@@ -539,8 +542,6 @@ def masked_gemm_fp8_kernel(
                                                    block_shape=[1, BLOCK_M >> PH, BLOCK_K])
         elif TMA and not GATHER_A:  # the host's descriptor (no TAIL: its box is BLOCK_M rows)
             a_desc = a_ptr
-        t0 = _phase_first_tile(pid, nprog, done, PH)
-        done = total
         for t in tl.range(t0, total, nprog, flatten=FLATTEN):  # FLATTEN: see masked_gemm_kernel
             e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
             e64 = e.to(tl.int64)
