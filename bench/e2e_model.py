@@ -111,6 +111,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # bench/moe_layer.py's helpers
 
 from moe_layer import (  # noqa: E402
+    allow_many_compiles,
     apply_settings,
     current_settings,
     layer_floor,
@@ -1007,10 +1008,7 @@ def run_benchmark(args: argparse.Namespace) -> None:
             raise SystemExit(f"unknown mode {mode!r}: default or reduce-overhead")
     if args.specialize_float:  # floats become constants: no restart of the whole compile (see the docstring)
         torch._dynamo.config.specialize_float = True
-    cache_limit = 256
-    for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), cache_limit))
+    allow_many_compiles()
     dg = deepgemm_state(args.no_deepgemm)
     # moe_fx constants (--set; --static-launch is one): moe_fx's side only, plain's graphs hold no moe_fx op or
     # user-defined Triton kernel

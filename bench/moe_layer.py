@@ -336,6 +336,27 @@ def row_metrics(us: float, sets, e: int, k: int, h: int, i: int, fp8: bool, limi
     }
 
 
+#: Dynamo's per-code-object limits while a bench compiles its sides (its default is 8 entries).
+COMPILE_LIMIT = 256
+
+
+def allow_many_compiles(limit: int = COMPILE_LIMIT) -> None:
+    """Let one bench process compile every side it times, and never time one uncompiled.
+
+    Every compiled moe_fx side is ``torch.compile`` of the same code object (:func:`experts_fn`'s ``fn``) with its own
+    weights, and each recompiles per row regime (the guards of ``moe_fx.lowering.problem.row_regime``). Past
+    Dynamo's limit (8 entries a code object by default) the later calls run the frame uncompiled: the op's eager
+    path, timed as if it were the compiled one. This raises the limits to ``limit`` and makes a hit an error.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(dynamo_config, knob):
+            setattr(dynamo_config, knob, max(getattr(dynamo_config, knob), limit))
+    if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
+        dynamo_config.fail_on_recompile_limit_hit = True
+
+
 def experts_fn(op, w13, w2, s13=None, s2=None, **kw):
     """``fn(hidden, ids, weights)`` running ``op`` with these expert weights (bound now, not late)."""
 
@@ -414,6 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     from moe_fx.lowering.problem import rows_per_expert
     from moe_fx.lowering.quant import quantize_fp8_blockwise
 
+    allow_many_compiles()
     global CELL_ERRORS
     # torch (and Dynamo / Inductor) errors are RuntimeErrors; triton's compile errors are not.
     CELL_ERRORS = (RuntimeError, ValueError, TypeError, AssertionError, OutOfResources, CompilationError)

@@ -85,6 +85,47 @@ def test_check_side_tells_a_wrong_peer(peer_layer, tmp_path):
     assert 0 < good <= peer_layer.MAX_REL_ERR["bf16"] < bad, (good, bad)
 
 
+def _sides(moe_layer, count: int) -> tuple[list[tuple[torch.Tensor, object]], object]:
+    """``count`` compiled sides as the benches make them (``experts_fn`` of one op, each with weights of a shape of
+    its own, so each needs its own compile) and the counter of their compiles."""
+    from torch._dynamo.testing import CompileCounter
+
+    def op(x, ids, w, w13, w2, **kw):
+        return x * w13.sum() + w2.sum()
+
+    counter = CompileCounter()
+    sides = [(torch.full((n + 1,), float(n)), torch.compile(moe_layer.experts_fn(op, torch.ones(n + 1), torch.ones(2)),
+                                                          backend=counter, dynamic=False)) for n in range(count)]
+    return sides, counter
+
+
+def test_allow_many_compiles_times_every_side_compiled():
+    """Past Dynamo's default limit (8 entries a code object) the benches' later sides ran uncompiled; the helper
+    lets each compile and turns a hit into an error instead of a silent eager run."""
+    moe_layer = load_bench("moe_layer")
+    ids, w = torch.zeros(1, dtype=torch.long), torch.ones(1)
+    with torch._dynamo.config.patch(recompile_limit=8, cache_size_limit=8, fail_on_recompile_limit_hit=False):
+        torch._dynamo.reset()
+        sides, counter = _sides(moe_layer, 12)
+        for x, fn in sides:  # Dynamo's defaults: 8 compiles, then the frame runs uncompiled
+            fn(x, ids, w)
+        assert counter.frame_count == 8
+        torch._dynamo.reset()
+        moe_layer.allow_many_compiles()
+        sides, counter = _sides(moe_layer, 12)
+        for n, (x, fn) in enumerate(sides):
+            torch.testing.assert_close(fn(x, ids, w), x * (n + 1) + 2)
+        assert counter.frame_count == 12
+        torch._dynamo.reset()
+        torch._dynamo.config.recompile_limit = torch._dynamo.config.cache_size_limit = 2  # the helper's error, sooner
+        sides, counter = _sides(moe_layer, 3)
+        sides[0][1](sides[0][0], ids, w)
+        sides[1][1](sides[1][0], ids, w)
+        with pytest.raises(Exception, match="(?i)limit"):
+            sides[2][1](sides[2][0], ids, w)
+    torch._dynamo.reset()
+
+
 def test_alternate_graph_us_alternates_and_takes_medians(peer_layer):
     """Each side's graphs are captured once; the sides alternate over the rounds, the first side alternating
     too; each side's figure is the median of its rounds."""
