@@ -1401,13 +1401,20 @@ def compile_table(fw: list[dict], gen: list[dict]) -> list[str]:
     def first(r: dict, b: str) -> float:
         return r[b]["first_call_s"] if r["kind"] == "forward" else r[b]["warmup_s"]
 
+    def ratio(r: dict) -> str:
+        # a side that compiled nothing for the row (its dynamic graph ran the new T) has no compile time to divide by
+        if not r["plain"]["compile"]["backend_calls"]:
+            return "plain compiled nothing"
+        return f"{first(r, 'moe_fx') / first(r, 'plain'):.2f}x"
+
     return md_table(
         "Compile time",
         "first call = the wall seconds of the row's first call (forward) or of its warm-up generate() calls: "
         "Dynamo tracing + the backend + one run; split from `torch._dynamo.utils.compile_times()`: tracing = "
         "Dynamo minus the backend, passes = the moe_fx passes (`moe_fx_passes`), Inductor = the backend minus "
         "the passes; a restart = Dynamo traced the frame again and handed its graph to the backend again. Only "
-        "rows where something compiled (a new graph or shape). Plain compiles first in the process and pays "
+        "rows where something compiled (a new graph or shape); under dynamic=True moe_fx compiles one graph per "
+        "row regime (docs/lowering.md), where plain's first graph may run the new T. Plain compiles first in the process and pays "
         "its one-time costs (Inductor's imports, cache keys, compiler checks: seconds), so a small model's "
         "ratio favours moe_fx; at depth the per-layer work dominates.",
         ["model", "weights", "layers", "mode", "DeepGEMM", "T", "plain first call s", "moe_fx first call s",
@@ -1416,7 +1423,7 @@ def compile_table(fw: list[dict], gen: list[dict]) -> list[str]:
         timed, lambda r: [r["model"], r.get("weights", "bf16"), str(r.get("layers", "?")), r["mode"], r["deepgemm"],
                           str(r["T"]) if r["kind"] == "forward" else "generate"],
         lambda r: [
-            f"{first(r, 'plain'):.1f}", f"{first(r, 'moe_fx'):.1f}", f"{first(r, 'moe_fx') / first(r, 'plain'):.2f}x",
+            f"{first(r, 'plain'):.1f}", f"{first(r, 'moe_fx'):.1f}", ratio(r),
             f"{r['plain']['compile']['tracing_s']:.1f} / {r['plain']['compile']['inductor_s']:.1f}",
             " / ".join(f"{r['moe_fx']['compile'][k]:.1f}" for k in ("tracing_s", "passes_s", "inductor_s")),
             " / ".join(f"{r[b]['compile']['backend_calls']} ({r[b]['compile']['restarts']})" for b in BACKENDS),

@@ -199,6 +199,24 @@ def test_gpu_tally_ranks_kernels_and_the_markdown_lists_them():
         {"date": "d", "gpu": "g", "torch": "t", "triton": "tr", "transformers": "tf"}, [cpu_row])
 
 
+def test_compile_table_ratio_only_where_plain_compiled():
+    """The compile-time table divides moe_fx's first call by plain's only where plain compiled something: under
+    dynamic=True plain's first graph can run a new T while moe_fx compiles its next row regime (plain's first call
+    is then a plain forward, and the quotient a meaningless 1000x)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import e2e_model
+
+    def side(first_s: float, calls: int) -> dict:
+        return {"first_call_s": first_s, "compile": {"backend_calls": calls, "restarts": 0, "tracing_s": 1.0,
+                                                      "passes_s": 0.1, "inductor_s": 2.0}}
+
+    rows = [{"kind": "forward", "model": "qwen3", "mode": "default", "deepgemm": "disabled", "T": t, "layers": 2,
+             "plain": side(p_s, p_calls), "moe_fx": side(12.0, 1)}
+            for t, p_s, p_calls in ((1024, 10.0, 1), (4096, 0.01, 0))]
+    lines = [ln for ln in e2e_model.compile_table(rows, []) if ln.startswith("| qwen3")]
+    assert [ln.split(" | ")[8] for ln in lines] == ["1.20x", "plain compiled nothing"], lines
+
+
 @pytest.mark.timeout(120)
 def test_e2e_model_no_forward_runs_no_forward_cell(tmp_path):
     """``--no-forward`` (for generate()-only runs): the model is built and explained at the first T of --tokens,
