@@ -102,6 +102,8 @@
 #   full_mixtral   Mixtral-8x7B, 32 layers (one copy of the weights, shared by the sides), T = 16 / 1024 / 4096
 #                  forwards, default mode, Triton only (issue 16: whole models at full depth where they fit)
 #   full_mixtral_gen  the same model, generate() decode, batch 1, 32 new tokens, default mode (issue 16: >= 1.2x)
+#   full_qwen3_gen  Qwen3-30B-A3B, 48 layers (61 GB: fits an H100), generate() decode, batch 1, 32 new tokens,
+#                  default mode (issue 16: >= 1.2x; GPT-OSS's 24 layers took 390 s, so this may need the whole call)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}
@@ -361,6 +363,9 @@ for name in "$@"; do
       timeout 590 python3 $E2E_FULL --tokens 32 --no-forward --gen-batch 1 --gen-new 32 --gen-rounds 3 \
         --tag full_mixtral_gen > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| mixtral" "$OUT"/*full_mixtral_gen.md 2>/dev/null | cut -c1-260 ;;
+    full_qwen3_gen)
+      timeout 590 python3 ${E2E_GEN/--models gpt_oss/--models qwen3} --tag full_qwen3_gen > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| qwen3" "$OUT"/*full_qwen3_gen.md 2>/dev/null | cut -c1-260 ;;
     peer_vllm)
       peer_run "$name" --shapes qwen3,mixtral ;;
     peer_vllm_more)
