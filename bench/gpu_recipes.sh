@@ -54,7 +54,8 @@
 #                  2026-12-06, which lost 1.10-1.34x everywhere on an H100); the new table comes back as
 #                  tuned_tiles_bf16_qwen3.json, the working tree keeps its own
 #   layer          bench/moe_layer.py with its roofline column: Qwen3, Mixtral and the DeepSeek-V3 shard, T = 1 ... 16384,
-#                  moe_fx bf16 and fp8 beside transformers' grouped_mm experts under plain torch.compile
+#                  moe_fx bf16 and fp8 beside transformers' grouped_mm experts under plain torch.compile; T <= 16 also
+#                  in chain mode (8 calls in one CUDA graph, per call: a layer in a model's graph, since 2026-12-07)
 #   fwd_flat       whole 2-layer models (Qwen3, Mixtral, OLMoE, GPT-OSS, DeepSeek-V3; weights shared by the sides),
 #                  T = 1 / 16 / 1024 / 4096 forwards, Triton only, moe_fx against plain with the GPU ceiling column
 #   fwd_flat_1, fwd_flat_2  fwd_flat in two calls (Qwen3, Mixtral, OLMoE; then GPT-OSS and DeepSeek-V3): on the H200 VM,

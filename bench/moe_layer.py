@@ -11,7 +11,10 @@ For each shape (Mixtral-8x7B, Qwen3-30B-A3B, a DeepSeek-V3 EP-8 shard) and token
 * with ``--deepgemm`` and ``deep_gemm`` importable: the same with ``kernel_choice="deepgemm"``.
 
 Decode rows (T <= 256) are timed as plain calls and as CUDA-graph replays (``*_graph`` columns;
-an implementation that cannot be captured, e.g. one that synchronises with the host, gets none).
+an implementation that cannot be captured, e.g. one that synchronises with the host, gets none). Rows with
+T <= 16 are also timed in ``chain`` mode: one CUDA graph of ``--chain-layers`` calls on as many routing sets, the
+way consecutive MoE layers sit in a model's graph, reported per call; a one-call graph's replay also pays the
+graph's launch, which a model pays once for all its layers.
 Inputs rotate over several routing/activation sets so caches do not flatter small cases. Times are
 medians (``triton.testing.do_bench``). The same run measures the H200 limits: a large device copy
 (TB/s, read + write), an 8192^3 bf16 matmul and an 8192^3 fp8 ``torch._scaled_mm`` (TFLOP/s).
@@ -61,6 +64,10 @@ FAMILY_IMPLS = {"gpt_oss": ("eager",)}
 TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 HF_IMPLS = ("eager", "grouped_mm", "batched_mm")
 ROTATE = 4
+#: Calls in a chain-mode graph (one routing set each), and the seed offset that keeps their sets apart from the
+#: rotating ones of the same T.
+CHAIN_LAYERS = 8
+CHAIN_SEED = 7919
 CELL_ERRORS: tuple = (RuntimeError,)
 
 
@@ -304,6 +311,30 @@ def time_graph(fn, sets) -> float:
     return replay_us(capture_graphs(fn, sets)[0])
 
 
+def capture_chain(fn, sets):
+    """One CUDA graph of ``fn`` called on every input set in turn (warmed up outside the capture), as a model's
+    graph holds its MoE layers one after another; its replay times ``len(sets)`` calls and one graph launch."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in sets:
+            fn(*s)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for s in sets:
+            fn(*s)
+    return graph
+
+
+def time_graph_chain(fn, sets) -> float:
+    """Median µs per call of a :func:`capture_chain` graph's replays. Every call reads the same weights (a model's
+    layers have their own), so an expert two consecutive routing sets share may be read from L2 the second time:
+    at T=1, a share of about K / E of the experts, when they fit in L2 at all."""
+    return replay_us([capture_chain(fn, sets)]) / len(sets)
+
+
 def layer_floor(t: int, hit: float, k: int, h: int, i: int, fp8: bool, limits: dict) -> tuple[float, int, float]:
     """(bytes, flops, floor µs) of one gated MoE layer of ``t`` tokens with ``hit`` experts hit: bytes = the hit
     experts' weights (and fp8 128x128 scales) + hidden in and out; floor = max(bytes / copy rate, flops / matmul
@@ -409,6 +440,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--deepgemm", action="store_true", help="add torch.ops.moe_fx.experts(kernel_choice='deepgemm') rows")
     ap.add_argument("--graph-max-t", type=int, default=256)
+    ap.add_argument("--chain-max-t", type=int, default=16, help="largest T timed in chain mode (0: none)")
+    ap.add_argument("--chain-layers", type=int, default=CHAIN_LAYERS, help="calls (routing sets) in a chain graph")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cells after this many seconds")
     ap.add_argument("--tune", action="store_true", help="tune the Triton tiles of each shape first (cached)")
@@ -513,6 +546,8 @@ def main(argv: list[str] | None = None) -> None:
         for t in map(int, args.tokens.split(",")):
             sets = routing_sets(t, e, k, h, ROTATE, seed=t)
             modes = ["plain"] + (["graph"] if t <= args.graph_max_t else [])
+            modes += ["chain"] if t <= args.chain_max_t else []
+            chain_sets = routing_sets(t, e, k, h, args.chain_layers, seed=CHAIN_SEED + t) if "chain" in modes else []
             for impl in impls:
                 if impl not in fns:
                     continue
@@ -522,7 +557,7 @@ def main(argv: list[str] | None = None) -> None:
                         row["error"] = "skipped: time budget"
                         results.append(row)
                         continue
-                    if impl == "hf_eager" and mode == "graph":
+                    if impl == "hf_eager" and mode in ("graph", "chain"):
                         row["error"] = "not capturable: synchronises with the host (nonzero)"
                         results.append(row)
                         continue
@@ -534,8 +569,10 @@ def main(argv: list[str] | None = None) -> None:
                     t0 = time.time()
                     try:
                         with torch.no_grad():
-                            us = (time_graph if mode == "graph" else time_rotating)(fns[impl], sets)
-                        row.update(row_metrics(us, sets, e, k, h, i, fp8, limits))
+                            timer = {"plain": time_rotating, "graph": time_graph, "chain": time_graph_chain}[mode]
+                            mode_sets = chain_sets if mode == "chain" else sets
+                            us = timer(fns[impl], mode_sets)
+                        row.update(row_metrics(us, mode_sets, e, k, h, i, fp8, limits))
                     except CELL_ERRORS as err:  # recorded in the row and printed; the run carries on
                         msg = str(err).splitlines()[0][:160] if str(err) else ""
                         row["error"] = f"{type(err).__name__}: {msg}"
@@ -612,7 +649,10 @@ def write_markdown(path: str, meta: dict, rows: list[dict]) -> None:
         "",
         (
             "frac = floor / time, floor = max(bytes / copy rate, flops / matmul rate of the row's dtype); "
-            "bytes = experts hit + hidden in and out; %copy and %mm = achieved TB/s and TFLOP/s over the limits."
+            "bytes = experts hit + hidden in and out; %copy and %mm = achieved TB/s and TFLOP/s over the limits. "
+            "mode: plain = calls without CUDA graphs; graph = one call per CUDA graph, its launch included; chain = "
+            "one CUDA graph of consecutive calls on different routing sets (as a model's graph holds its MoE layers), "
+            "µs per call."
         ),
         "",
         "| shape | T | impl | mode | µs | TB/s | %copy | TFLOP/s | %mm | floor µs | frac |",
