@@ -262,6 +262,18 @@ def time_rotating(fn, sets) -> float:
     return bench_us(step)
 
 
+def warm_up(fn, sets) -> None:
+    """``fn`` once on every set, on a side stream, before a capture: its compiles and first allocations stay out of
+    the graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in sets:
+            fn(*s)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+
 def capture_graphs(fn, sets) -> tuple[list, list]:
     """CUDA graphs of ``fn`` on each input set (warmed up outside the capture, one memory pool) and the
     outputs each graph writes.
@@ -270,13 +282,7 @@ def capture_graphs(fn, sets) -> tuple[list, list]:
     ``outs[s]`` holds set s's result only right after ``graphs[s]`` replays (:func:`replayed_outputs`).
     """
     graphs, outs = [], []
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for s in sets:  # warm up (compiles, allocator) outside the capture
-            fn(*s)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
+    warm_up(fn, sets)
     pool = torch.cuda.graph_pool_handle()
     for s in sets:
         gr = torch.cuda.CUDAGraph()
@@ -314,13 +320,7 @@ def time_graph(fn, sets) -> float:
 def capture_chain(fn, sets):
     """One CUDA graph of ``fn`` called on every input set in turn (warmed up outside the capture), as a model's
     graph holds its MoE layers one after another; its replay times ``len(sets)`` calls and one graph launch."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for s in sets:
-            fn(*s)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
+    warm_up(fn, sets)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for s in sets:
