@@ -1414,8 +1414,8 @@ def compile_table(fw: list[dict], gen: list[dict]) -> list[str]:
         "Dynamo minus the backend, passes = the moe_fx passes (`moe_fx_passes`), Inductor = the backend minus "
         "the passes; a restart = Dynamo traced the frame again and handed its graph to the backend again. Only "
         "rows where something compiled (a new graph or shape); under dynamic=True moe_fx compiles one graph per "
-        "row regime (docs/lowering.md), where plain's first graph may run the new T. Plain compiles first in the process and pays "
-        "its one-time costs (Inductor's imports, cache keys, compiler checks: seconds), so a small model's "
+        "row regime (docs/lowering.md), where plain's first graph may run the new T. Plain compiles first in the "
+        "process and pays its one-time costs (Inductor's imports, cache keys, compiler checks: seconds), so a small model's "
         "ratio favours moe_fx; at depth the per-layer work dominates.",
         ["model", "weights", "layers", "mode", "DeepGEMM", "T", "plain first call s", "moe_fx first call s",
          "moe_fx / plain", "plain tracing / Inductor s", "moe_fx tracing / passes / Inductor s",
