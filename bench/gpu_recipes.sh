@@ -94,6 +94,10 @@
 #   dg_peer        one layer against the peer with kernel_choice='auto' beside Triton (bench/peer_layer.py --auto):
 #                  Qwen3, Mixtral and the DeepSeek-V3 shard, bf16 and fp8, T = 1024 / 4096 / 16384 (issue 16: >= 75%
 #                  of the roofline at T >= 1024 with DeepGEMM)
+#   dg_breakdown_fp8  where an fp8 layer's time goes under kernel_choice='auto' (bench/kernel_breakdown.py
+#                  --kernel-choice auto): each kernel of the DeepGEMM path (sort, row copy and quantisation, the GEMMs,
+#                  the activation, the combine) beside its GEMMs' floors; the DeepSeek-V3 shard, Mixtral and Qwen3 at
+#                  T = 1024 / 4096 / 16384 (issue 16: what keeps DeepGEMM rows under 75% of the roofline)
 #   dg_fwd_fp8     fwd_fp8 with DeepGEMM importable (issue 16: fp8 checkpoint rows >= 1.5x at T >= 1024)
 #   dg_fwd_q8      MoEConfig(quantize="fp8") on the bf16 models against plain bf16, DeepGEMM importable (Qwen3, Mixtral,
 #                  OLMoE, T = 1024 / 4096; the logit error column is the accuracy cost)
@@ -381,6 +385,11 @@ for name in "$@"; do
     dg_peer)
       need_deepgemm || continue
       peer_run "$name" --shapes qwen3,mixtral,dsv3 --auto --tokens 1024,4096,16384 --rounds 3 ;;
+    dg_breakdown_fp8)
+      need_deepgemm || continue
+      timeout 400 python3 $BREAKDOWN --shapes dsv3,mixtral,qwen3 --tokens 1024,4096,16384 --fp8 --kernel-choice auto \
+        --tag prefill_fp8_dg > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/kernel_breakdown_*prefill_fp8_dg.md 2>/dev/null | cut -c1-600 ;;
     dg_fwd_fp8)
       need_deepgemm || continue
       timeout 590 python3 ${E2E_FP8/--no-deepgemm/} --tag fp8_checkpoint_dg > "$OUT/log_$name.txt" 2>&1

@@ -54,6 +54,11 @@ def kernels_share(floor_us: float, kernels: list[tuple[str, float]]) -> tuple[fl
     return total, (floor_us / total if total > 0 else float("nan"))
 
 
+def choice_label(kernel_choice: str) -> str:
+    """The ``pair`` column of a row whose kernel and layout the op chose under ``kernel_choice``."""
+    return "op's choice" if kernel_choice == "triton" else f"op's choice ({kernel_choice})"
+
+
 def per_launch_us(events: list[tuple[str, float, float]], replays: int) -> list[tuple[str, float]]:
     """Mean GPU µs of each launch of one replay, in launch order, from the events ``(name, start, end)`` of
     ``replays`` identical replays (each launches the same kernels in the same order)."""
@@ -148,6 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "passes against its pairwise ranks (alternating rounds)")
     ap.add_argument("--pair", default=None, help="kernel/layout forced as in bench/layouts.py, e.g. "
                     "deepgemm/local_contiguous (default: the op's own choice)")
+    ap.add_argument("--kernel-choice", default="triton", choices=("triton", "auto"),
+                    help="the op's kernel_choice: auto takes DeepGEMM where the lowering would (it must be importable)")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
                     help="a lowering constant for the whole run, e.g. masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS=4 "
                          "(repeatable)")
@@ -167,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         dims = SHAPES[shape]
         _, e, k, h, i = dims
         w, kw = layer(shape, dims, "cuda", fp8=args.fp8)
+        kw["kernel_choice"] = args.kernel_choice
 
         def fn(x, ids, rw):
             return torch.ops.moe_fx.experts(x, ids, rw, w["w13"], w["w2"], **kw)
@@ -186,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
             launches = per_launch_us(_profile(graphs[0]), PROFILED_REPLAYS)
             metrics = row_metrics(us, sets[:1], e, k, h, i, args.fp8, limits)
             g1, g2 = gemm_floors_us(metrics["experts_hit"], h, i, args.fp8, limits["copy_tbs"])
-            row = {"shape": shape, "T": t, "fp8": args.fp8, "pair": args.pair or "op's choice", "replay_us": us, "floor_us": metrics["floor_us"],
+            row = {"shape": shape, "T": t, "fp8": args.fp8, "pair": args.pair or choice_label(args.kernel_choice),
+                   "replay_us": us, "floor_us": metrics["floor_us"],
                    "kernels": [(short(n), d) for n, d in launches], "gemm1_floor_us": g1, "gemm2_floor_us": g2,
                    "gaps_us": us - sum(d for _, d in launches), "experts_hit": metrics["experts_hit"]}
             if args.sort_ab:

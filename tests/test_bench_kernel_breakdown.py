@@ -100,3 +100,12 @@ def test_kernels_share_is_the_floor_over_the_kernels_sum(mod):
     assert total == pytest.approx(34.5) and share == pytest.approx(25.1 / 34.5)
     total, share = mod.kernels_share(25.1, [])
     assert total == 0 and share != share  # no kernels: no share (NaN), not a division error
+
+
+def test_kernel_choice_reaches_the_op_and_names_the_rows(mod):
+    assert mod.parse_args([]).kernel_choice == "triton"
+    assert mod.parse_args(["--kernel-choice", "auto"]).kernel_choice == "auto"
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--kernel-choice", "deepgemm"])  # not a choice the op takes from here
+    assert mod.choice_label("triton") == "op's choice"  # the label of every earlier results file
+    assert mod.choice_label("auto") == "op's choice (auto)"

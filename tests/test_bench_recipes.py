@@ -68,6 +68,11 @@ def test_every_benchmark_command_parses():
     bd = breakdown.parse_args(commands["BREAKDOWN"][1:] + ["--fp8"])
     assert set(bd.shapes.split(",")) <= set(breakdown.SHAPES) and bd.fp8 and bd.out == "/tmp/out"
     assert all(int(t) >= 1024 for t in bd.tokens.split(","))  # prefill sizes only
+    # dg_breakdown_fp8: $BREAKDOWN with its own shapes and tokens, the op's choice under auto
+    (extra,) = re.findall(r"\$BREAKDOWN (--shapes .*--kernel-choice auto) \\", text)
+    dg = breakdown.parse_args(commands["BREAKDOWN"][1:] + extra.split())
+    assert dg.kernel_choice == "auto" and dg.fp8 and set(dg.shapes.split(",")) == {"dsv3", "mixtral", "qwen3"}
+    assert all(int(t) >= 1024 for t in dg.tokens.split(","))
     pass_time = load_bench("pass_time").parse_args(commands["PASS_TIME"][1:])
     assert pass_time.real and set(pass_time.real.split(",")) <= set(e2e.MODELS) and str(pass_time.out) == "/tmp/out"
     tune = load_bench("tune_tiles").parse_args(commands["TUNE_FP8"][1:])
