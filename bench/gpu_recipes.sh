@@ -71,6 +71,10 @@
 #                  on an H100 where T=1024 ran at 79%), then Qwen3 with fp8 weights
 #   breakdown_decode  the same at decode sizes: Qwen3 and GPT-OSS at T = 1 and 16, bf16 then fp8 (issue 16: >= 80% of
 #                  the floor at T <= 16; T=1 ran at 53% / 34% for Qwen3 bf16 / fp8 on an H100)
+#   breakdown_plain  one layer at T = 1 and 16 as a CUDA graph and as plain calls, each profiled (kernel_breakdown
+#                  --plain), Mixtral, the DeepSeek-V3 shard and Qwen3, bf16 then fp8: on H100s the bf16 graph rows of
+#                  Mixtral and the shard at T=1 ran ~40 µs slower than their plain calls (294 against 255 µs, 80 against
+#                  92% of the floor, every H100 run since 2026-12-05; within 3% on the H200): kernels or gaps
 #   epilogue_prefill  gate/up halves' activation in GEMM1's epilogue against the separate activation kernel at prefill
 #                  sizes (Qwen3, Mixtral; T = 1024, 4096, 16384; masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None on both
 #                  sides so the "on" side fuses at every size, the shipped choice since it won 1.04-1.11x on an H100,
@@ -348,6 +352,11 @@ for name in "$@"; do
       timeout 150 python3 $BREAKDOWN --shapes qwen3,gpt_oss --tokens 1,16 --tag decode > "$OUT/log_$name.txt" 2>&1
       timeout 150 python3 $BREAKDOWN --shapes qwen3,gpt_oss --tokens 1,16 --fp8 --tag decode_fp8 >> "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|gpt_oss)" "$OUT"/kernel_breakdown_*decode*.md 2>/dev/null | cut -c1-400 ;;
+    breakdown_plain)
+      timeout 200 python3 $BREAKDOWN --shapes mixtral,dsv3,qwen3 --tokens 1,16 --plain --tag plain > "$OUT/log_$name.txt" 2>&1
+      timeout 200 python3 $BREAKDOWN --shapes mixtral,dsv3,qwen3 --tokens 1,16 --plain --fp8 --tag plain_fp8 \
+        >> "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/kernel_breakdown_*plain*.md 2>/dev/null | cut -c1-400 ;;
     epilogue_prefill)
       timeout 560 python3 $EPILOGUE --tag prefill > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral)" "$OUT"/fused_activation_*prefill.md 2>/dev/null | cut -c1-220 ;;

@@ -41,6 +41,8 @@ from moe_layer import (
     results_stem,
     routing_sets,
     row_metrics,
+    time_rotating,
+    warm_up,
 )
 
 SETS = 3
@@ -79,22 +81,47 @@ def gemm_floors_us(hit: int, h: int, i: int, fp8: bool, copy_tbs: float) -> tupl
     return hit * 2 * i * h * per / copy_tbs / 1e6, hit * h * i * per / copy_tbs / 1e6
 
 
+def kernels_cell(row: dict, kernels: list[tuple[str, float]]) -> str:
+    """``kernels`` (name, GPU µs) in launch order as one table cell, each GEMM with its bandwidth floor from ``row``
+    (the first GEMM launched is GEMM1)."""
+    parts, gemm = [], 0
+    for name, d in kernels:
+        if "gemm" in name:
+            gemm += 1
+            floor = row["gemm1_floor_us"] if gemm == 1 else row["gemm2_floor_us"]
+            parts.append(f"{name} {d:.1f} ({floor:.1f})")
+        else:
+            parts.append(f"{name} {d:.1f}")
+    return " · ".join(parts)
+
+
 def short(name: str) -> str:
     """A kernel's name without template arguments and signature (``void at::native::foo<...>(...)`` -> ``foo``)."""
     name = name.split("(")[0].split("<")[0].replace("void ", "")
     return name.split("::")[-1]
 
 
-def _profile(graph) -> list[tuple[str, float, float]]:
+def _profile(step) -> list[tuple[str, float, float]]:
+    """GPU events ``(name, start, end)`` of ``PROFILED_REPLAYS`` calls of ``step`` (a graph's replay, or a plain call)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(PROFILED_REPLAYS):
-            graph.replay()
+            step()
         torch.cuda.synchronize()
     return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
             if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def plain_calls(run, sets) -> dict:
+    """The same layer called from Python, no CUDA graph (the op's compiled kernels launched one by one): µs per call
+    over the rotating sets, each kernel's mean GPU µs and the gaps, to set beside the graph's replay."""
+    warm_up(run, sets)
+    us = time_rotating(run, sets)
+    launches = per_launch_us(_profile(lambda: run(*sets[0])), PROFILED_REPLAYS)
+    return {"call_us": us, "kernels": [(short(n), d) for n, d in launches],
+            "gaps_us": us - sum(d for _, d in launches)}
 
 
 def two_pass_sort():
@@ -153,6 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "passes against its pairwise ranks (alternating rounds)")
     ap.add_argument("--pair", default=None, help="kernel/layout forced as in bench/layouts.py, e.g. "
                     "deepgemm/local_contiguous (default: the op's own choice)")
+    ap.add_argument("--plain", action="store_true", help="also profile the layer called without a CUDA graph "
+                    "(same kernels, launched one by one), beside its graph replay")
     ap.add_argument("--kernel-choice", default="triton", choices=("triton", "auto"),
                     help="the op's kernel_choice: auto takes DeepGEMM where the lowering would (it must be importable)")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
@@ -191,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue
             graphs, _ = capture_graphs(run, sets)
             us = replay_us(graphs)
-            launches = per_launch_us(_profile(graphs[0]), PROFILED_REPLAYS)
+            launches = per_launch_us(_profile(graphs[0].replay), PROFILED_REPLAYS)
             metrics = row_metrics(us, sets[:1], e, k, h, i, args.fp8, limits)
             g1, g2 = gemm_floors_us(metrics["experts_hit"], h, i, args.fp8, limits["copy_tbs"])
             row = {"shape": shape, "T": t, "fp8": args.fp8, "pair": args.pair or choice_label(args.kernel_choice),
@@ -200,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
                    "gaps_us": us - sum(d for _, d in launches), "experts_hit": metrics["experts_hit"]}
             if args.sort_ab:
                 row["sort_ab"] = sort_ab(run, sets)
+            if args.plain:
+                row["plain"] = plain_calls(run, sets)
             rows.append(row)
             print(json.dumps(row), flush=True)
             del graphs
@@ -216,18 +247,22 @@ def main(argv: list[str] | None = None) -> None:
         f.write("| shape | dtype | pair | T | replay µs | floor µs (%) | kernels µs (floor %) | "
                 "kernels, launch order: GPU µs (GEMM bandwidth floor) | gaps µs |\n|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
-            parts, gemm = [], 0
-            for name, d in r["kernels"]:
-                if "gemm" in name:
-                    gemm += 1
-                    floor = r["gemm1_floor_us"] if gemm == 1 else r["gemm2_floor_us"]
-                    parts.append(f"{name} {d:.1f} ({floor:.1f})")
-                else:
-                    parts.append(f"{name} {d:.1f}")
             total, share = kernels_share(r["floor_us"], r["kernels"])
             f.write(f"| {r['shape']} | {'fp8' if r['fp8'] else 'bf16'} | {r['pair']} | {r['T']} | {r['replay_us']:.1f} | "
                     f"{r['floor_us']:.1f} ({100 * r['floor_us'] / r['replay_us']:.0f}%) | "
-                    f"{total:.1f} ({100 * share:.0f}%) | {' · '.join(parts)} | {r['gaps_us']:.1f} |\n")
+                    f"{total:.1f} ({100 * share:.0f}%) | {kernels_cell(r, r['kernels'])} | {r['gaps_us']:.1f} |\n")
+        plain = [r for r in rows if "plain" in r]
+        if plain:
+            f.write("\n## The same layer called without a CUDA graph (its kernels launched one by one), same run\n\n"
+                    "| shape | dtype | T | graph replay µs | plain call µs | graph kernels µs | plain kernels µs | "
+                    "plain kernels, launch order: GPU µs (GEMM bandwidth floor) | plain gaps µs |\n"
+                    "|---|---|---|---|---|---|---|---|---|\n")
+            for r in plain:
+                p = r["plain"]
+                f.write(f"| {r['shape']} | {'fp8' if r['fp8'] else 'bf16'} | {r['T']} | {r['replay_us']:.1f} | "
+                        f"{p['call_us']:.1f} | {sum(d for _, d in r['kernels']):.1f} | "
+                        f"{sum(d for _, d in p['kernels']):.1f} | {kernels_cell(r, p['kernels'])} | "
+                        f"{p['gaps_us']:.1f} |\n")
         ab = [r for r in rows if "sort_ab" in r]
         if ab:
             f.write("\n## The decode sort: pairwise ranks (one program per block of slots) vs two passes (one program), "

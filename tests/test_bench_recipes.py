@@ -73,6 +73,10 @@ def test_every_benchmark_command_parses():
     dg = breakdown.parse_args(commands["BREAKDOWN"][1:] + extra.split())
     assert dg.kernel_choice == "auto" and dg.fp8 and set(dg.shapes.split(",")) == {"dsv3", "mixtral", "qwen3"}
     assert all(int(t) >= 1024 for t in dg.tokens.split(","))
+    # breakdown_plain: decode sizes, each row also profiled as plain calls
+    for extra in re.findall(r"\$BREAKDOWN (--shapes \S+ --tokens \S+ --plain[^>\\]*)", text):
+        plain = breakdown.parse_args(commands["BREAKDOWN"][1:] + extra.split())
+        assert plain.plain and max(int(t) for t in plain.tokens.split(",")) <= 16
     pass_time = load_bench("pass_time").parse_args(commands["PASS_TIME"][1:])
     assert pass_time.real and set(pass_time.real.split(",")) <= set(e2e.MODELS) and str(pass_time.out) == "/tmp/out"
     tune = load_bench("tune_tiles").parse_args(commands["TUNE_FP8"][1:])
