@@ -13,6 +13,12 @@ moe_layer's (``max(bytes / copy rate, flops / matmul rate)``).
 
     python bench/kernel_breakdown.py [--shapes qwen3,gpt_oss,mixtral] [--tokens 1,4,16] [--fp8]
                                      [--set masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS=4 ...]
+                                     [--plain] [--kernel-choice auto]
+
+``--plain`` also profiles each row's layer called without a graph (the same compiled kernels launched one by one):
+a second table sets its call time, kernels and gaps beside the replay's, to tell slower kernels from longer gaps.
+``--kernel-choice auto`` lets the op take DeepGEMM where its lowering would (DeepGEMM must import); the default runs
+moe_fx's Triton kernels.
 
 ``--set`` runs every row with a lowering constant changed (a switch of docs/triton.md's table), to see where a
 switch moves the time; the settings are written beside the results.
