@@ -50,6 +50,10 @@
 #                  2026-12-06, after the H200's table was tuned); the new table stays in the working tree, so a
 #                  recipe after this one in the same call (layer, peer_vllm) runs it, and comes back as
 #                  tuned_tiles_bf16_prefill.json, the reports and logs as tune_bf16_prefill.tgz
+#   tune_decode_bf16, tune_decode_fp8  tune the decode regimes (at most 16 rows per expert) of every bench shape
+#                  on this GPU, one kind a recipe (one call each), with their static-size entries (an H100 reads the H200's decode tiles until it has its own; on an
+#                  H100 Qwen3's T=1 GEMM2 ran at 69% of its floor with them, 12.2 against 8.4 µs); the merged table
+#                  comes back as tuned_tiles_decode_<kind>.json, the tree keeps its own
 #   tune_bf16_qwen3  tune_bf16_prefill for Qwen3 only (its two prefill regimes, with the 64x256 candidate of
 #                  2026-12-06, which lost 1.10-1.34x everywhere on an H100); the new table comes back as
 #                  tuned_tiles_bf16_qwen3.json, the working tree keeps its own
@@ -313,6 +317,16 @@ for name in "$@"; do
       # one archive of the reports and logs: the device tool brings back at most 8 files a call
       (cd "$OUT" && tar czf $name.tgz tune_tiles_sorted_*bf16_prefill* log_${name}_* \
         && rm tune_tiles_sorted_*bf16_prefill* log_${name}_*) ;;
+    tune_decode_bf16|tune_decode_fp8)
+      # per shape the token counts of regimes 0 and 1 only (rows per expert = ceil(T * K / E) <= 16)
+      tune_begin aside
+      kind=${name#tune_decode_}
+      for cell in qwen3:1,2,4,8,16,32,64,128,256 mixtral,dsv3:1,2,4,8,16,32,64 gpt_oss:1,2,4,8,16,32,64,128; do
+        timeout 170 python3 bench/tune_tiles.py --sorted --kinds $kind --warm 8 --budget-s 120 --ship --out $OUT \
+          --shapes ${cell%%:*} --tokens ${cell#*:} --tag decode_${kind}_${cell%%[:,]*} >> "$OUT/log_$name.txt" 2>&1
+      done
+      tune_end tuned_tiles_decode_$kind.json restore
+      grep -h "worst chosen\|shipped\|budget spent\|Error" "$OUT/log_$name.txt" ;;
     tune_bf16_qwen3)
       # the Qwen3 third of tune_bf16_prefill (T > 1024), where 21% of the 128-row tiles' rows are padding: the
       # 64x256 candidate (configs.regime_candidates) beside the others; the table comes back, the tree keeps its own

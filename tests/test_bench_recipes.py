@@ -91,6 +91,17 @@ def test_every_benchmark_command_parses():
         for shape in shapes.split(","):
             _, e, k, _, _ = layer_shapes[shape]
             assert all(row_regime(rows_per_expert(int(t), k, e)) >= 2 for t in tokens.split(",")), (shape, tokens)
+    # tune_decode_*: every cell's token counts fall in the decode regimes (at most 16 rows per expert), every bench
+    # shape has a cell
+    (cells,) = re.findall(r"for cell in ((?:\S+:\S+ ?)+); do", text)
+    decode_shapes = set()
+    for cell in cells.split():
+        shapes, tokens = cell.split(":")
+        for shape in shapes.split(","):
+            decode_shapes.add(shape)
+            _, e, k, _, _ = layer_shapes[shape]
+            assert all(row_regime(rows_per_expert(int(t), k, e)) <= 1 for t in tokens.split(",")), (shape, tokens)
+    assert decode_shapes == set(layer_shapes) - {"olmoe"}
     bf16 = load_bench("tune_tiles").parse_args(commands["TUNE_BF16"][1:] + ["--budget-s", "1"])
     assert bf16.sorted and bf16.kinds == "bf16" and bf16.ship and bf16.force and bf16.out == "/tmp/out"
     # the bf16 retune covers the two prefill regimes (above 64 rows per expert) of every bench shape, nothing below
