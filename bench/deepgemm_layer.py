@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/moe_layer.py's helpers
-from moe_layer import allow_many_compiles
+from moe_layer import allow_many_compiles, salt_compile_cache
 
 SHAPES = {  # name: (E, K, H, I)
     "mixtral": (8, 2, 4096, 14336),
@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     allow_many_compiles()  # one lambda compiled per shape, dtype and kernel: past 8 they ran uncompiled
+    salt_compile_cache()
     rate = fp8_matmul_rate()
     lines = [
         f"# DeepGEMM experts layer, {torch.cuda.get_device_name()}, torch {torch.__version__}, "

@@ -322,7 +322,7 @@ for name in "$@"; do
       tune_begin aside
       kind=${name#tune_decode_}
       for cell in qwen3:1,2,4,8,16,32,64,128,256 mixtral,dsv3:1,2,4,8,16,32,64 gpt_oss:1,2,4,8,16,32,64,128; do
-        timeout 170 python3 bench/tune_tiles.py --sorted --kinds $kind --warm 8 --budget-s 120 --ship --out $OUT \
+        timeout 170 python3 bench/tune_tiles.py --sorted --kinds $kind --warm 4 --budget-s 120 --ship --out $OUT \
           --shapes ${cell%%:*} --tokens ${cell#*:} --tag decode_${kind}_${cell%%[:,]*} >> "$OUT/log_$name.txt" 2>&1
       done
       tune_end tuned_tiles_decode_$kind.json restore

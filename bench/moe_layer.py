@@ -367,6 +367,22 @@ def row_metrics(us: float, sets, e: int, k: int, h: int, i: int, fp8: bool, limi
     }
 
 
+def salt_compile_cache() -> None:
+    """Give this process's plain ``torch.compile`` of moe_fx's ops the moe_fx backend's cache salt.
+
+    The benches compile ``torch.ops.moe_fx.experts`` with Inductor itself, whose FX graph cache keys a graph by its
+    code, not by what moe_fx's lowering plans in it: on a machine whose cache outlived a change of the shipped tile
+    table or of a lowering setting, a bench would time the old kernels. The salt (``moe_fx.backend``'s do-nothing
+    post-grad pass) puts moe_fx's source, tile table and settings in the key, as ``backend="moe_fx"`` does.
+    """
+    import torch._inductor.config as inductor_config
+
+    from moe_fx.backend import _cache_salt
+
+    if inductor_config.post_grad_custom_post_pass is None:
+        inductor_config.post_grad_custom_post_pass = _cache_salt()
+
+
 #: Dynamo's per-code-object limits while a bench compiles its sides (its default is 8 entries).
 COMPILE_LIMIT = 256
 
@@ -469,6 +485,7 @@ def main(argv: list[str] | None = None) -> None:
     from moe_fx.lowering.quant import quantize_fp8_blockwise
 
     allow_many_compiles()
+    salt_compile_cache()
     global CELL_ERRORS
     # torch (and Dynamo / Inductor) errors are RuntimeErrors; triton's compile errors are not.
     CELL_ERRORS = (RuntimeError, ValueError, TypeError, AssertionError, OutOfResources, CompilationError)

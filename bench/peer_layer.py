@@ -61,6 +61,7 @@ from moe_layer import (
     replay_us,
     results_stem,
     routing_sets,
+    salt_compile_cache,
 )
 
 TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
@@ -288,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     from moe_fx.lowering.quant import quantize_fp8_blockwise
 
     allow_many_compiles()  # every moe_fx row compiled: none past Dynamo's limit timed uncompiled
+    salt_compile_cache()
     device = "cpu" if args.smoke else "cuda"
     start = time.time()
     limits = None if args.smoke else measure_limits()

@@ -251,9 +251,16 @@ def _warn_uncaptured(config: MoEConfig) -> None:
     )
 
 
+#: The files of the package whose content a compiled graph depends on: its source, and the data the lowering reads
+#: while it plans (the shipped tile table, ``lowering/triton/tuned_tiles.json``: an upgrade that only retunes tiles
+#: must not replay a cached graph's old tiles)
+FINGERPRINTED = ("*.py", "*.json")
+
+
 def _fingerprint_of(root: Path, version: str) -> str:
+    """A hash of ``version`` and every :data:`FINGERPRINTED` file under ``root`` (names and contents)."""
     digest = hashlib.sha256(version.encode())
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(p for pattern in FINGERPRINTED for p in root.rglob(pattern)):
         digest.update(path.relative_to(root).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
@@ -261,7 +268,8 @@ def _fingerprint_of(root: Path, version: str) -> str:
 
 @functools.cache
 def passes_fingerprint() -> str:
-    """A hash of moe_fx's own source (passes, ops, lowering): changes whenever the rewrite may change."""
+    """A hash of moe_fx's own source (passes, ops, lowering) and of its shipped tile table: changes whenever the
+    rewrite or the kernels it plans may change."""
     from moe_fx._version import __version__
 
     return _fingerprint_of(Path(__file__).parent, __version__)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -60,7 +61,14 @@ def test_cache_key_follows_pass_sources(tmp_path, monkeypatch):
     before = backend._fingerprint_of(copy, moe_fx.__version__)
     assert before == passes_fingerprint()
     (copy / "passes" / "rewrite_moe.py").write_text((copy / "passes" / "rewrite_moe.py").read_text() + "\n# changed\n")
-    assert backend._fingerprint_of(copy, moe_fx.__version__) != before
+    changed_source = backend._fingerprint_of(copy, moe_fx.__version__)
+    assert changed_source != before
+    # so does one whose shipped tile table differs (an upgrade that only retunes tiles: the lowering plans with it)
+    table = copy / "lowering" / "triton" / "tuned_tiles.json"
+    entries = json.loads(table.read_text())
+    entries.pop(next(iter(entries)))
+    table.write_text(json.dumps(entries))
+    assert backend._fingerprint_of(copy, moe_fx.__version__) not in (before, changed_source)
 
 
 def _clear_moe_fx_environment(monkeypatch) -> None:

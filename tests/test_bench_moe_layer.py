@@ -124,3 +124,18 @@ def test_layer_script_writes_chain_rows(tmp_path):
     by_mode = {r["mode"]: r for r in rows if r["impl"] == "moe_fx_bf16"}
     assert set(by_mode) == {"plain", "graph", "chain"}, rows
     assert all(r.get("us", 0) > 0 and r["experts_hit"] == 8 for r in by_mode.values()), rows
+
+
+def test_salt_compile_cache_puts_moe_fx_in_inductors_key(moe_layer, monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    from moe_fx.backend import passes_fingerprint
+
+    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", None)
+    moe_layer.salt_compile_cache()
+    salt = inductor_config.post_grad_custom_post_pass
+    assert salt is not None and passes_fingerprint() in salt.uuid()  # source and tile table in the key
+    mine = object()  # a caller's own pass is left alone
+    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", mine)
+    moe_layer.salt_compile_cache()
+    assert inductor_config.post_grad_custom_post_pass is mine
