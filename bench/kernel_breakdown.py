@@ -101,6 +101,21 @@ def kernels_cell(row: dict, kernels: list[tuple[str, float]]) -> str:
     return " · ".join(parts)
 
 
+def dtype(row: dict) -> str:
+    """A row's weight dtype as the tables write it."""
+    return "fp8" if row["fp8"] else "bf16"
+
+
+def section(heading: str, columns: list[str], cells: list[list]) -> str:
+    """A markdown section: ``heading`` and a table of ``columns`` with one row per entry of ``cells``; nothing
+    when there are no rows (the run did not measure what the section shows)."""
+    if not cells:
+        return ""
+    lines = [f"\n## {heading}\n", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in cells]
+    return "\n".join(lines) + "\n"
+
+
 def short(name: str) -> str:
     """A kernel's name without template arguments and signature (``void at::native::foo<...>(...)`` -> ``foo``)."""
     name = name.split("(")[0].split("<")[0].replace("void ", "")
@@ -257,28 +272,21 @@ def main(argv: list[str] | None = None) -> None:
             f.write(f"| {r['shape']} | {'fp8' if r['fp8'] else 'bf16'} | {r['pair']} | {r['T']} | {r['replay_us']:.1f} | "
                     f"{r['floor_us']:.1f} ({100 * r['floor_us'] / r['replay_us']:.0f}%) | "
                     f"{total:.1f} ({100 * share:.0f}%) | {kernels_cell(r, r['kernels'])} | {r['gaps_us']:.1f} |\n")
-        plain = [r for r in rows if "plain" in r]
-        if plain:
-            f.write("\n## The same layer called without a CUDA graph (its kernels launched one by one), same run\n\n"
-                    "| shape | dtype | T | graph replay µs | plain call µs | graph kernels µs | plain kernels µs | "
-                    "plain kernels, launch order: GPU µs (GEMM bandwidth floor) | plain gaps µs |\n"
-                    "|---|---|---|---|---|---|---|---|---|\n")
-            for r in plain:
-                p = r["plain"]
-                f.write(f"| {r['shape']} | {'fp8' if r['fp8'] else 'bf16'} | {r['T']} | {r['replay_us']:.1f} | "
-                        f"{p['call_us']:.1f} | {sum(d for _, d in r['kernels']):.1f} | "
-                        f"{sum(d for _, d in p['kernels']):.1f} | {kernels_cell(r, p['kernels'])} | "
-                        f"{p['gaps_us']:.1f} |\n")
-        ab = [r for r in rows if "sort_ab" in r]
-        if ab:
-            f.write("\n## The decode sort: pairwise ranks (one program per block of slots) vs two passes (one program), "
-                    "same run, alternating rounds\n\n"
-                    "| shape | dtype | T | replay µs pairwise | replay µs two passes | sort kernel µs pairwise | "
-                    "sort kernel µs two passes |\n|---|---|---|---|---|---|---|\n")
-            for r in ab:
-                a = r["sort_ab"]
-                f.write(f"| {r['shape']} | {'fp8' if r['fp8'] else 'bf16'} | {r['T']} | {a['pairwise_us']:.1f} | "
-                        f"{a['two_pass_us']:.1f} | {a['pairwise_sort_kernel_us']:.1f} | {a['two_pass_sort_kernel_us']:.1f} |\n")
+        f.write(section("The same layer called without a CUDA graph (its kernels launched one by one), same run",
+                        ["shape", "dtype", "T", "graph replay µs", "plain call µs", "graph kernels µs",
+                         "plain kernels µs", "plain kernels, launch order: GPU µs (GEMM bandwidth floor)",
+                         "plain gaps µs"],
+                        [[r["shape"], dtype(r), r["T"], f"{r['replay_us']:.1f}", f"{r['plain']['call_us']:.1f}",
+                          f"{sum(d for _, d in r['kernels']):.1f}", f"{sum(d for _, d in r['plain']['kernels']):.1f}",
+                          kernels_cell(r, r["plain"]["kernels"]), f"{r['plain']['gaps_us']:.1f}"]
+                         for r in rows if "plain" in r]))
+        f.write(section("The decode sort: pairwise ranks (one program per block of slots) vs two passes (one program), "
+                        "same run, alternating rounds",
+                        ["shape", "dtype", "T", "replay µs pairwise", "replay µs two passes", "sort kernel µs pairwise",
+                         "sort kernel µs two passes"],
+                        [[r["shape"], dtype(r), r["T"], *(f"{r['sort_ab'][k]:.1f}" for k in (
+                            "pairwise_us", "two_pass_us", "pairwise_sort_kernel_us", "two_pass_sort_kernel_us"))]
+                         for r in rows if "sort_ab" in r]))
         f.write("\nGPU µs: mean over a profile of 5 replays. gaps: replay minus the kernels' sum (launch latency and "
                 "idle time inside the graph). kernels µs: the kernels' sum, and the floor's share of it (the layer "
                 "without the latency of launching a one-layer graph).\n")

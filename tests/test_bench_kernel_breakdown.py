@@ -117,3 +117,10 @@ def test_kernels_cell_gives_each_gemm_its_own_floor(mod):
     assert cell == "masked_gemm_kernel 20.0 (16.7) · masked_gemm_kernel 12.2 (8.4) · unpermute_kernel 2.3"
     assert mod.kernels_cell(row, [("unpermute_kernel", 2.0)]) == "unpermute_kernel 2.0"
     assert mod.parse_args(["--plain"]).plain and not mod.parse_args([]).plain
+
+
+def test_section_writes_a_table_only_where_there_are_rows(mod):
+    assert mod.section("Plain calls", ["shape", "T"], []) == ""
+    text = mod.section("Plain calls", ["shape", "T"], [["qwen3", 1], ["mixtral", 16]])
+    assert text == "\n## Plain calls\n\n| shape | T |\n|---|---|\n| qwen3 | 1 |\n| mixtral | 16 |\n"
+    assert mod.dtype({"fp8": True}) == "fp8" and mod.dtype({"fp8": False}) == "bf16"
