@@ -15,7 +15,7 @@ moe_layer's (``max(bytes / copy rate, flops / matmul rate)``).
                                      [--set masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS=4 ...]
                                      [--plain] [--kernel-choice auto]
 
-``--plain`` also profiles each row's layer called without a graph (the same compiled kernels launched one by one):
+``--plain`` also profiles each row's layer called without a graph (the same kernels launched one by one):
 a second table sets its call time, kernels and gaps beside the replay's, to tell slower kernels from longer gaps.
 ``--kernel-choice auto`` lets the op take DeepGEMM where its lowering would (DeepGEMM must import); the default runs
 moe_fx's Triton kernels.
@@ -136,7 +136,7 @@ def _profile(step) -> list[tuple[str, float, float]]:
 
 
 def plain_calls(run, sets) -> dict:
-    """The same layer called from Python, no CUDA graph (the op's compiled kernels launched one by one): µs per call
+    """The same layer called from Python, no CUDA graph (the op's kernels launched one by one): µs per call
     over the rotating sets, each kernel's mean GPU µs and the gaps, to set beside the graph's replay."""
     warm_up(run, sets)
     us = time_rotating(run, sets)
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
                 "kernels, launch order: GPU µs (GEMM bandwidth floor) | gaps µs |\n|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
             total, share = kernels_share(r["floor_us"], r["kernels"])
-            f.write(f"| {r['shape']} | {'fp8' if r['fp8'] else 'bf16'} | {r['pair']} | {r['T']} | {r['replay_us']:.1f} | "
+            f.write(f"| {r['shape']} | {dtype(r)} | {r['pair']} | {r['T']} | {r['replay_us']:.1f} | "
                     f"{r['floor_us']:.1f} ({100 * r['floor_us'] / r['replay_us']:.0f}%) | "
                     f"{total:.1f} ({100 * share:.0f}%) | {kernels_cell(r, r['kernels'])} | {r['gaps_us']:.1f} |\n")
         f.write(section("The same layer called without a CUDA graph (its kernels launched one by one), same run",
