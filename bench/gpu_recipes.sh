@@ -51,9 +51,9 @@
 #                  recipe after this one in the same call (layer, peer_vllm) runs it, and comes back as
 #                  tuned_tiles_bf16_prefill.json, the reports and logs as tune_bf16_prefill.tgz
 #   tune_decode_bf16, tune_decode_fp8  tune the decode regimes (at most 16 rows per expert) of every bench shape
-#                  on this GPU, one kind a recipe (one call each), with their static-size entries (an H100 reads the H200's decode tiles until it has its own; on an
-#                  H100 Qwen3's T=1 GEMM2 ran at 69% of its floor with them, 12.2 against 8.4 µs); the merged table
-#                  comes back as tuned_tiles_decode_<kind>.json, the tree keeps its own
+#                  on this GPU, one kind a recipe (one call each), with their static-size entries; the merged table
+#                  comes back as tuned_tiles_decode_<kind>.json, the tree keeps its own (an H100 reads the H200's decode
+#                  tiles: on 2026-12-07 its own choices timed 0.998-1.007x of those, and were not shipped)
 #   tune_bf16_qwen3  tune_bf16_prefill for Qwen3 only (its two prefill regimes, with the 64x256 candidate of
 #                  2026-12-06, which lost 1.10-1.34x everywhere on an H100); the new table comes back as
 #                  tuned_tiles_bf16_qwen3.json, the working tree keeps its own
@@ -78,7 +78,9 @@
 #   breakdown_plain  one layer at T = 1 and 16 as a CUDA graph and as plain calls, each profiled (kernel_breakdown
 #                  --plain), Mixtral, the DeepSeek-V3 shard and Qwen3, bf16 then fp8: on H100s the bf16 graph rows of
 #                  Mixtral and the shard at T=1 ran ~40 µs slower than their plain calls (294 against 255 µs, 80 against
-#                  92% of the floor, every H100 run since 2026-12-05; within 3% on the H200): kernels or gaps
+#                  92% of the floor, every H100 run since 2026-12-05; within 3% on the H200). kernel_breakdown runs the
+#                  op eagerly: on 2026-12-07 its graph replays were as fast as its plain calls (245 / 247 µs), so the
+#                  extra time belongs to a graph of one compiled call
 #   epilogue_prefill  gate/up halves' activation in GEMM1's epilogue against the separate activation kernel at prefill
 #                  sizes (Qwen3, Mixtral; T = 1024, 4096, 16384; masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None on both
 #                  sides so the "on" side fuses at every size, the shipped choice since it won 1.04-1.11x on an H100,

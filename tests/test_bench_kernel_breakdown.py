@@ -113,7 +113,7 @@ def test_kernel_choice_reaches_the_op_and_names_the_rows(mod):
 
 def test_kernels_cell_gives_each_gemm_its_own_floor(mod):
     row = {"gemm1_floor_us": 16.7, "gemm2_floor_us": 8.4}
-    cell = mod.kernels_cell(row, [("masked_gemm_kernel", 20.0), ("masked_gemm_kernel", 12.25), ("unpermute_kernel", 2.3)])
+    cell = mod.kernels_cell(row, [("masked_gemm_kernel", 20.0), ("masked_gemm_kernel", 12.24), ("unpermute_kernel", 2.3)])
     assert cell == "masked_gemm_kernel 20.0 (16.7) · masked_gemm_kernel 12.2 (8.4) · unpermute_kernel 2.3"
     assert mod.kernels_cell(row, [("unpermute_kernel", 2.0)]) == "unpermute_kernel 2.0"
     assert mod.parse_args(["--plain"]).plain and not mod.parse_args([]).plain
