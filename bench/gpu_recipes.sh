@@ -76,11 +76,11 @@
 #   breakdown_decode  the same at decode sizes: Qwen3 and GPT-OSS at T = 1 and 16, bf16 then fp8 (issue 16: >= 80% of
 #                  the floor at T <= 16; T=1 ran at 53% / 34% for Qwen3 bf16 / fp8 on an H100)
 #   breakdown_plain  one layer at T = 1 and 16 as a CUDA graph and as plain calls, each profiled (kernel_breakdown
-#                  --plain), Mixtral, the DeepSeek-V3 shard and Qwen3, bf16 then fp8: on H100s the bf16 graph rows of
-#                  Mixtral and the shard at T=1 ran ~40 µs slower than their plain calls (294 against 255 µs, 80 against
-#                  92% of the floor, every H100 run since 2026-12-05; within 3% on the H200). kernel_breakdown runs the
-#                  op eagerly: on 2026-12-07 its graph replays were as fast as its plain calls (245 / 247 µs), so the
-#                  extra time belongs to a graph of one compiled call
+#                  --plain), Mixtral, the DeepSeek-V3 shard and Qwen3, bf16 then fp8: on H100s the compiled bf16 graph
+#                  rows of Mixtral and the shard at T=1 ran ~40 µs slower than their plain calls (294 against 255 µs,
+#                  every H100 run since 2026-12-05; within 3% on the H200). kernel_breakdown runs the op eagerly: on
+#                  2026-12-07 its graphs replayed in 245 / 247 µs, as fast as the compiled plain calls, so the extra
+#                  time belongs to a graph of one compiled call
 #   epilogue_prefill  gate/up halves' activation in GEMM1's epilogue against the separate activation kernel at prefill
 #                  sizes (Qwen3, Mixtral; T = 1024, 4096, 16384; masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None on both
 #                  sides so the "on" side fuses at every size, the shipped choice since it won 1.04-1.11x on an H100,
