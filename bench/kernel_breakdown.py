@@ -48,7 +48,6 @@ from moe_layer import (
     routing_sets,
     row_metrics,
     time_rotating,
-    warm_up,
 )
 
 SETS = 3
@@ -137,8 +136,8 @@ def _profile(step) -> list[tuple[str, float, float]]:
 
 def plain_calls(run, sets) -> dict:
     """The same layer called from Python, no CUDA graph (the op's kernels launched one by one): µs per call
-    over the rotating sets, each kernel's mean GPU µs and the gaps, to set beside the graph's replay."""
-    warm_up(run, sets)
+    over the rotating sets, each kernel's mean GPU µs and the gaps, to set beside the graph's replay. The graphs
+    captured before it warmed ``run`` up on every set already."""
     us = time_rotating(run, sets)
     launches = per_launch_us(_profile(lambda: run(*sets[0])), PROFILED_REPLAYS)
     return {"call_us": us, "kernels": [(short(n), d) for n, d in launches],
