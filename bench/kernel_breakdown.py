@@ -13,12 +13,15 @@ moe_layer's (``max(bytes / copy rate, flops / matmul rate)``).
 
     python bench/kernel_breakdown.py [--shapes qwen3,gpt_oss,mixtral] [--tokens 1,4,16] [--fp8]
                                      [--set masked_experts.pipeline.SLOT_ROWS_MAX_TOKENS=4 ...]
-                                     [--plain] [--kernel-choice auto]
+                                     [--plain] [--kernel-choice auto] [--compiled]
 
 ``--plain`` also profiles each row's layer called without a graph (the same kernels launched one by one):
 a second table sets its call time, kernels and gaps beside the replay's, to tell slower kernels from longer gaps.
 ``--kernel-choice auto`` lets the op take DeepGEMM where its lowering would (DeepGEMM must import); the default runs
 moe_fx's Triton kernels.
+
+``--compiled`` profiles the op as bench/moe_layer.py times it: ``torch.compile`` of one call (Inductor's graph around
+the op, its lowering's kernels), captured in the same graphs; the default calls the op eagerly.
 
 ``--set`` runs every row with a lowering constant changed (a switch of docs/triton.md's table), to see where a
 switch moves the time; the settings are written beside the results.
@@ -39,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fused_activation import layer
 from moe_layer import (
     SHAPES,
+    allow_many_compiles,
     apply_settings,
     bench_meta,
     capture_graphs,
@@ -47,6 +51,7 @@ from moe_layer import (
     results_stem,
     routing_sets,
     row_metrics,
+    salt_compile_cache,
     time_rotating,
 )
 
@@ -202,6 +207,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "deepgemm/local_contiguous (default: the op's own choice)")
     ap.add_argument("--plain", action="store_true", help="also profile the layer called without a CUDA graph "
                     "(same kernels, launched one by one), beside its graph replay")
+    ap.add_argument("--compiled", action="store_true", help="profile the op compiled as bench/moe_layer.py times "
+                    "it (torch.compile of one call, captured in the graphs) instead of called eagerly")
     ap.add_argument("--kernel-choice", default="triton", choices=("triton", "auto"),
                     help="the op's kernel_choice: auto takes DeepGEMM where the lowering would (it must be importable)")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
@@ -215,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     import moe_fx  # noqa: F401
 
     settings = apply_settings(args.set)
+    if args.compiled:
+        allow_many_compiles()
+        salt_compile_cache()
     meta = bench_meta()
     meta["settings"] = settings
     limits = meta["limits"]
@@ -227,6 +237,9 @@ def main(argv: list[str] | None = None) -> None:
 
         def fn(x, ids, rw):
             return torch.ops.moe_fx.experts(x, ids, rw, w["w13"], w["w2"], **kw)
+
+        if args.compiled:
+            fn = torch.compile(fn)
 
         for t in map(int, args.tokens.split(",")):
             sets = routing_sets(t, e, k, h, SETS, seed=t)
