@@ -41,10 +41,12 @@ def test_every_benchmark_command_parses():
     for name in ("E2E_GEN", "E2E_AB", "E2E_COMPILE", "L2"):
         args = e2e.parse_args(commands[name][1:])
         assert args.models == "gpt_oss" and args.no_deepgemm
-    # full_qwen3_gen runs E2E_GEN with the model swapped by bash's ${E2E_GEN/--models gpt_oss/--models qwen3}
-    assert "${E2E_GEN/--models gpt_oss/--models qwen3}" in text
-    qwen3_gen = e2e.parse_args([a.replace("gpt_oss", "qwen3") for a in commands["E2E_GEN"][1:]])
-    assert qwen3_gen.models == "qwen3" and qwen3_gen.layers == "full" and qwen3_gen.no_forward
+    # qwen3_gen32 runs E2E_GEN with the model and depth swapped by bash's ${E2E_GEN/pattern/replacement}
+    (pattern, replacement), = re.findall(r"\$\{E2E_GEN/([^/}]+)/([^}]+)\}", text)
+    swapped = " ".join(commands["E2E_GEN"][1:])
+    assert pattern in swapped
+    qwen3_gen = e2e.parse_args(swapped.replace(pattern, replacement).split())
+    assert qwen3_gen.models == "qwen3" and qwen3_gen.layers == "32" and qwen3_gen.share_weights and qwen3_gen.no_forward
     full = e2e.parse_args(commands["E2E_FULL"][1:])
     assert full.models == "mixtral" and full.layers == "full" and full.no_deepgemm  # the one model that needs an H200
     fp8 = e2e.parse_args(commands["E2E_FP8"][1:])
