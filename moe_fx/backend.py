@@ -275,20 +275,33 @@ def passes_fingerprint() -> str:
     return _fingerprint_of(Path(__file__).parent, __version__)
 
 
-def _cache_salt():
-    """An Inductor custom pass that does nothing but put in the cache key (AOTAutograd's and Inductor's) what the
-    compiled code depends on besides the graph: :func:`passes_fingerprint` (moe_fx's source) and the lowering's
-    settings as they are at this compile (:func:`~moe_fx.lowering.settings.settings_fingerprint`)."""
+def _cache_salt(inner: Any = None):
+    """An Inductor custom pass that puts in the cache key (AOTAutograd's and Inductor's) what the compiled code depends
+    on besides the graph: :func:`passes_fingerprint` (moe_fx's source) and the lowering's settings as they are at this
+    compile (:func:`~moe_fx.lowering.settings.settings_fingerprint`).
+
+    ``inner``: the ``post_grad_custom_post_pass`` the user set (in ``torch.compile``'s ``options``, in
+    ``MoEConfig.inductor_options`` or in ``torch._inductor.config``; a pass, or a list of them as torch 2.13 takes), which
+    this slot would otherwise replace: the salt runs it on every graph and adds its ``uuid()`` to the key. A pass
+    Inductor cannot key (a plain callable, or a ``uuid()`` of None) gives the salt no uuid either, so Inductor skips its
+    caches for the graph, as it would for that pass alone.
+    """
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     from moe_fx.lowering.settings import settings_fingerprint
 
+    inners = tuple(inner) if isinstance(inner, (list, tuple)) else (() if inner is None else (inner,))
+
     class MoEFxCacheSalt(CustomGraphPass):
         def __call__(self, graph: fx.Graph) -> None:
-            return None
+            for p in inners:
+                p(graph)
 
-        def uuid(self) -> str:
-            return f"moe_fx-{passes_fingerprint()}-{settings_fingerprint()}"
+        def uuid(self) -> str | None:
+            keys = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in inners]
+            if not all(keys):
+                return None
+            return "-".join([f"moe_fx-{passes_fingerprint()}-{settings_fingerprint()}", *map(str, keys)])
 
     return MoEFxCacheSalt()
 
@@ -380,6 +393,7 @@ class MoEFxBackend:
         if not self.inductor:
             compiled = gm.forward
         else:
+            import torch._inductor.config as inductor_config
             from torch._inductor import list_mode_options
             from torch._inductor.compile_fx import compile_fx
 
@@ -387,9 +401,11 @@ class MoEFxBackend:
                 **static_launch_options(example_inputs),
                 **(list_mode_options(mode) if mode else {}),
                 **(options or {}),
-                "post_grad_custom_post_pass": _cache_salt(),
                 **self.config.inductor_options,
             }
+            # the salt takes Inductor's one post-grad slot: the user's pass (set there or globally) runs inside it
+            patches["post_grad_custom_post_pass"] = _cache_salt(
+                patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass))
             refusal = cpp_wrapper_refusal(gm, example_inputs, patches)
             if refusal is None:  # the first compile of such a graph takes longer: say why
                 log.info("moe_fx: a decode-sized graph: compiling it with Inductor's C++ wrapper (a C++ compile, minutes "

@@ -130,6 +130,59 @@ def test_compiled_graph_cache_misses_after_a_setting_changes(monkeypatch):
     assert compile_once() == (0, 1)
 
 
+class _CountingPass:
+    """A user's Inductor post-grad pass: counts the graphs it sees; ``key`` is its uuid (None: not cacheable)."""
+
+    def __init__(self, key: str | None) -> None:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        outer = self
+
+        class Pass(CustomGraphPass):
+            def __call__(self, graph) -> None:
+                outer.graphs += 1
+
+            def uuid(self):
+                return key
+
+        self.graphs, self.pass_ = 0, Pass()
+
+
+def test_cache_salt_runs_and_keys_the_users_post_grad_pass():
+    """The salt takes Inductor's one post-grad slot: a user's pass there runs inside it, its uuid joins the key, and
+    a pass Inductor could not key leaves the salt without a uuid (Inductor then skips its caches)."""
+    own = _cache_salt().uuid()
+    first, second = _CountingPass("first-v1"), _CountingPass("second-v1")
+    salt = _cache_salt([first.pass_, second.pass_])
+    assert salt.uuid() == f"{own}-first-v1-second-v1"
+    assert _cache_salt(_CountingPass("first-v2").pass_).uuid() == f"{own}-first-v2"
+    salt(torch.fx.Graph())
+    assert (first.graphs, second.graphs) == (1, 1)
+    assert _cache_salt(_CountingPass(None).pass_).uuid() is None
+    assert _cache_salt(lambda graph: None).uuid() is None
+
+
+@pytest.mark.parametrize("where", ["options", "global"])
+def test_backend_keeps_the_users_post_grad_pass(where, monkeypatch):
+    """A post-grad pass the user gives Inductor (torch.compile's options, or Inductor's config) still runs under
+    backend="moe_fx", whose cache salt uses the same slot, and the output is still right."""
+    import torch._inductor.config as inductor_config
+
+    torch.manual_seed(0)
+    model, x = DenseBmmMoE(), torch.randn(4, 32)
+    user = _CountingPass(f"user-{where}")
+    options = {}
+    if where == "options":
+        options["options"] = {"post_grad_custom_post_pass": user.pass_}
+    else:
+        monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", user.pass_)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, backend="moe_fx", **options)(x)
+    torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-4)
+    assert user.graphs >= 1
+
+
 def test_grad_mode_leaves_graph_untouched():
     torch.manual_seed(0)
     model = DenseBmmMoE()
