@@ -377,10 +377,10 @@ def salt_compile_cache() -> None:
     """
     import torch._inductor.config as inductor_config
 
-    from moe_fx.backend import _cache_salt
+    from moe_fx.backend import cache_salt
 
     if inductor_config.post_grad_custom_post_pass is None:
-        inductor_config.post_grad_custom_post_pass = _cache_salt()
+        inductor_config.post_grad_custom_post_pass = cache_salt()
 
 
 #: Dynamo's per-code-object limits while a bench compiles its sides (its default is 8 entries).

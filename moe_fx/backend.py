@@ -39,6 +39,7 @@ from moe_fx.passes.report import RegionReport
 
 __all__ = [
     "PASSES_TIMER",
+    "cache_salt",
     "CheckedCall",
     "MoEFxBackend",
     "UncapturedExpertsWarning",
@@ -275,10 +276,15 @@ def passes_fingerprint() -> str:
     return _fingerprint_of(Path(__file__).parent, __version__)
 
 
-def _cache_salt(inner: Any = None):
+def cache_salt(inner: Any = None):
     """An Inductor custom pass that puts in the cache key (AOTAutograd's and Inductor's) what the compiled code depends
     on besides the graph: :func:`passes_fingerprint` (moe_fx's source) and the lowering's settings as they are at this
     compile (:func:`~moe_fx.lowering.settings.settings_fingerprint`).
+
+    ``backend="moe_fx"`` sets it on every compile. Code that calls ``torch.ops.moe_fx.experts`` itself under plain
+    Inductor (``torch.compile(fn)``) should pass ``options={"post_grad_custom_post_pass": cache_salt()}``: the op's
+    kernels are chosen while AOTAutograd traces it, and AOTAutograd's cache keys a graph by its ops' names, so
+    without the salt a warm cache replays the kernels of the moe_fx (and settings) that compiled it first.
 
     ``inner``: the ``post_grad_custom_post_pass`` the user set (in ``torch.compile``'s ``options``, in
     ``MoEConfig.inductor_options`` or in ``torch._inductor.config``; a pass, or a list of them as torch 2.13 takes), which
@@ -404,7 +410,7 @@ class MoEFxBackend:
                 **self.config.inductor_options,
             }
             # the salt takes Inductor's one post-grad slot: the user's pass (set there or globally) runs inside it
-            patches["post_grad_custom_post_pass"] = _cache_salt(
+            patches["post_grad_custom_post_pass"] = cache_salt(
                 patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass))
             refusal = cpp_wrapper_refusal(gm, example_inputs, patches)
             if refusal is None:  # the first compile of such a graph takes longer: say why

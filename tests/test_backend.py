@@ -15,7 +15,7 @@ import torch
 from helpers import experts_in_one_copy, run_captured
 
 import moe_fx
-from moe_fx.backend import _cache_salt, passes_fingerprint
+from moe_fx.backend import cache_salt, passes_fingerprint
 from moe_fx.lowering.settings import changed_settings, settings_fingerprint
 from moe_fx.testing.models import DenseBmmMoE, tiny_hf_model
 
@@ -52,7 +52,7 @@ def test_entry_point_backend_works_without_importing_moe_fx(tmp_path):
 def test_cache_key_follows_pass_sources(tmp_path, monkeypatch):
     from moe_fx import backend
 
-    salt = _cache_salt()
+    salt = cache_salt()
     assert salt.uuid() == f"moe_fx-{passes_fingerprint()}-{settings_fingerprint()}"
     # A copy of the package whose pass source differs gets another fingerprint.
     pkg = Path(moe_fx.__file__).parent
@@ -88,7 +88,7 @@ def test_cache_key_follows_lowering_settings(tmp_path, monkeypatch):
     from moe_fx.lowering.masked_experts import pipeline
 
     _clear_moe_fx_environment(monkeypatch)
-    salt = _cache_salt()
+    salt = cache_salt()
     base = salt.uuid()
     importlib.import_module("moe_fx.lowering.triton.decode")  # a module loaded later holds its source's values
     assert salt.uuid() == base
@@ -151,15 +151,15 @@ class _CountingPass:
 def test_cache_salt_runs_and_keys_the_users_post_grad_pass():
     """The salt takes Inductor's one post-grad slot: a user's pass there runs inside it, its uuid joins the key, and
     a pass Inductor could not key leaves the salt without a uuid (Inductor then skips its caches)."""
-    own = _cache_salt().uuid()
+    own = cache_salt().uuid()
     first, second = _CountingPass("first-v1"), _CountingPass("second-v1")
-    salt = _cache_salt([first.pass_, second.pass_])
+    salt = cache_salt([first.pass_, second.pass_])
     assert salt.uuid() == f"{own}-first-v1-second-v1"
-    assert _cache_salt(_CountingPass("first-v2").pass_).uuid() == f"{own}-first-v2"
+    assert cache_salt(_CountingPass("first-v2").pass_).uuid() == f"{own}-first-v2"
     salt(torch.fx.Graph())
     assert (first.graphs, second.graphs) == (1, 1)
-    assert _cache_salt(_CountingPass(None).pass_).uuid() is None
-    assert _cache_salt(lambda graph: None).uuid() is None
+    assert cache_salt(_CountingPass(None).pass_).uuid() is None
+    assert cache_salt(lambda graph: None).uuid() is None
 
 
 @pytest.mark.parametrize("where", ["options", "global"])
@@ -181,6 +181,34 @@ def test_backend_keeps_the_users_post_grad_pass(where, monkeypatch):
         got = torch.compile(model, backend="moe_fx", **options)(x)
     torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-4)
     assert user.graphs >= 1
+
+
+def test_cache_salt_keys_the_op_under_plain_inductor(monkeypatch):
+    """docs/lowering.md's recipe for calling the op under plain Inductor: with ``cache_salt()`` in the options,
+    AOTAutograd's cache replays the graph while nothing changed and compiles anew after a lowering setting did."""
+    from torch._dynamo.utils import counters
+
+    from moe_fx.lowering.masked_experts import pipeline
+
+    torch.manual_seed(0)
+    e, k, h, i, t = 4, 2, 16, 8, 5
+    w13, w2, x = torch.randn(e, 2 * i, h) * 0.3, torch.randn(e, h, i) * 0.3, torch.randn(t, h)
+    w, ids = torch.randn(t, e).softmax(-1).topk(k, dim=-1)
+
+    def fn(x):
+        return torch.ops.moe_fx.experts(x, ids, w, w13, w2)
+
+    def compile_once() -> tuple[int, int]:
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(fn, options={"post_grad_custom_post_pass": cache_salt()})
+        torch.testing.assert_close(compiled(x), fn(x))
+        return counters["aot_autograd"]["autograd_cache_hit"], counters["aot_autograd"]["autograd_cache_miss"]
+
+    compile_once()
+    assert compile_once() == (1, 0)
+    monkeypatch.setattr(pipeline, "COMBINE_IN_GRAPH", not pipeline.COMBINE_IN_GRAPH)
+    assert compile_once() == (0, 1)
 
 
 def test_grad_mode_leaves_graph_untouched():
