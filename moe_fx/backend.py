@@ -39,10 +39,10 @@ from moe_fx.passes.report import RegionReport
 
 __all__ = [
     "PASSES_TIMER",
-    "cache_salt",
     "CheckedCall",
     "MoEFxBackend",
     "UncapturedExpertsWarning",
+    "cache_salt",
     "compile_with_cpp_wrapper_fallback",
     "cpp_wrapper_refusal",
     "enable_capture",

@@ -12,12 +12,12 @@ never with biases.
 from __future__ import annotations
 
 import dataclasses
-
 import sys
 import types
 
 import pytest
 import torch
+from _triton_util import gpu
 from test_deepgemm_plumbing import _emulate_fp8_recipe, _problem
 
 from moe_fx.lowering import layouts as L
@@ -148,6 +148,65 @@ def test_rows_and_indices_of_the_layout():
         contiguous_rows(rows, x, None, ids, align=6)
 
 
+_COPY_CASES = [  # (device, T, E, K, H): one step of 512 columns (masked) and two of 1024 (the second partial) under
+    # the interpreter; DeepSeek-V3's and Qwen3's widths with their top-8 on a GPU
+    pytest.param("cpu", 7, 5, 3, 384, id="cpu-h384"),
+    pytest.param("cpu", 7, 5, 3, 1280, id="cpu-h1280"),
+    pytest.param("cuda", 300, 32, 8, 7168, id="cuda-dsv3", marks=[pytest.mark.gpu, gpu]),
+    pytest.param("cuda", 300, 128, 8, 2048, id="cuda-qwen3", marks=[pytest.mark.gpu, gpu]),
+]
+
+
+@pytest.mark.parametrize(("device", "t", "e", "k", "h"), _COPY_CASES)
+@pytest.mark.parametrize("route", [False, True])
+def test_quantising_copy_matches_quantize_rows_then_copy(device, t, e, k, h, route):
+    """``contiguous_rows(quantize=True)`` writes the codes and scales that quantize_rows and the copy of its codes
+    write, in every valid slot's row: top-3 on CPU (a padded slot lane), a slot that sends no row, an expert with
+    none, duplicate ids, tokens of magnitudes 1e-2 to 1e2."""
+    from moe_fx.lowering.triton.sort import contiguous_rows, quantize_rows, sort_by_expert
+
+    torch.manual_seed(0)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(torch.int32)
+    ids[ids == 3] = 0  # expert 3 gets no row; duplicate ids in a token count once each
+    ids[2, 1] = -1  # a slot without an expert
+    x = torch.randn(t, h, dtype=torch.bfloat16) * torch.logspace(-2, 2, t).unsqueeze(1).to(torch.bfloat16)
+    rw = torch.rand(t, k) + 0.5 if route else None
+    ids, x = ids.to(device), x.to(device)
+    rw = rw.to(device) if rw is not None else None
+    rows = sort_by_expert(ids, e)
+    codes, scales = quantize_rows(x)
+    want = contiguous_rows(rows, codes, scales, ids, align=8, route_weights=rw)
+    got = contiguous_rows(rows, x, None, ids, align=8, route_weights=rw, quantize=True)
+    assert got.x.dtype == torch.float8_e4m3fn and got.x.shape == want.x.shape
+    assert torch.equal(got.slot_pos, want.slot_pos) and torch.equal(got.m_indices, want.m_indices)
+    valid = got.slot_pos[got.slot_pos >= 0]
+    assert len(valid) == t * k - 1 and not got.x_scale[valid].isnan().any()
+    assert torch.equal(got.x[valid].view(torch.uint8), want.x[valid].view(torch.uint8))
+    torch.testing.assert_close(got.x_scale[valid], want.x_scale[valid], rtol=0, atol=0)
+    # the scale of a slot's row is its token's (times its routing weight)
+    slot = int((got.slot_pos >= 0).nonzero()[4])
+    expect = scales[slot // k] * (rw[slot // k, slot % k] if route else 1.0)
+    torch.testing.assert_close(got.x_scale[got.slot_pos[slot]], expect, rtol=1e-6, atol=0)
+
+
+def test_copy_writes_only_the_slots_rows():
+    """Every row the layout's copy writes is a valid slot's: rows of padding keep what was there (the kernel
+    stores through masks, one program per token)."""
+    from unittest import mock
+
+    from moe_fx.lowering.triton import sort
+    from moe_fx.lowering.triton.sort import contiguous_rows, sort_by_expert
+
+    ids = torch.tensor([[0, 2], [2, -1], [0, 2]], dtype=torch.int32)
+    x = torch.randn(3, 8)
+    real_empty = torch.empty
+    with mock.patch.object(sort.torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan"))
+                           if kw.get("dtype", torch.float32).is_floating_point else real_empty(*a, **kw)):
+        lay = contiguous_rows(sort_by_expert(ids, 3), x, None, ids, align=4)
+    written = ~lay.x.isnan().all(1)
+    assert written.nonzero().flatten().tolist() == sorted(p for p in lay.slot_pos.tolist() if p >= 0)
+
+
 def test_selection_takes_it_in_the_top_regime_or_on_request_and_never_with_biases():
     from moe_fx.lowering.experts import decide_experts_plan
     from moe_fx.lowering.problem import ROW_REGIMES, Capabilities, ExpertsProblem
@@ -180,8 +239,8 @@ def test_selection_takes_it_in_the_top_regime_or_on_request_and_never_with_biase
 def test_traced_graph_is_sort_copy_extern_gemms_and_combine(sm90, monkeypatch, fp8):
     """Where a graph would run it (``prefer`` lifted, as a measured choice would): the graph Inductor gets on an
     assumed H200 with DeepGEMM is Triton launches around two ``deepgemm_contiguous_gemm`` extern calls."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from test_lowered_graph import H200_DG, _experts, _experts_fp8, _inputs, _kernel_name, _launches, _trace
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from moe_fx.lowering.masked_experts import deepgemm
     from moe_fx.lowering.prepare_finalize import local_contiguous
@@ -192,6 +251,6 @@ def test_traced_graph_is_sort_copy_extern_gemms_and_combine(sm90, monkeypatch, f
     gm = _trace(_experts_fp8 if fp8 else _experts, _inputs(FakeTensorMode(), t=64, fp8=fp8), caps=H200_DG)
     assert gm.code.count("moe_fx_kernels.deepgemm_contiguous_gemm") == 2 and "moe_fx.experts" not in gm.code
     names = [_kernel_name(n) for n in _launches(gm)]
-    quant = ["quantize_rows_kernel"] if fp8 else []
-    assert names == ["expert_counts_kernel", "sort_slots_kernel", *quant, "contiguous_rows_kernel",
+    # fp8: the tokens are quantised in the copy's launch (no quantize_rows_kernel)
+    assert names == ["expert_counts_kernel", "sort_slots_kernel", "contiguous_rows_kernel",
                      "activation_kernel", "unpermute_kernel"]

@@ -393,16 +393,18 @@ def test_sort_kernels_compile():
              {"BLOCK_T": 8, "INTERP": False})
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_contiguous_rows_kernel_compiles(fp8):
-    """The copy into DeepGEMM's aligned contiguous layout (it has not run on a GPU yet: this is its compile check)."""
+@pytest.mark.parametrize("form", ["bf16", "fp8", "quant"])
+def test_contiguous_rows_kernel_compiles(form):
+    """The copy into DeepGEMM's aligned contiguous layout, in its three forms (bf16 rows; fp8 codes and scales
+    copied; bf16 tokens quantised in the copy), for DeepSeek-V3's top-8 of 256 experts: no spills."""
     k = _kernels()
-    elem = "fp8e4nv" if fp8 else "bf16"
-    types = {"x_ptr": f"*{elem}", "xs_ptr": "*fp32" if fp8 else f"*{elem}", "w_ptr": "*fp32", "scratch_ptr": "*i32",
-             "pos_ptr": "*i64", "ids_ptr": "*i64", "out_ptr": f"*{elem}", "outs_ptr": "*fp32" if fp8 else f"*{elem}",
+    x = "*bf16" if form != "fp8" else "*fp8e4nv"
+    out = "*bf16" if form == "bf16" else "*fp8e4nv"
+    types = {"x_ptr": x, "xs_ptr": "*fp32" if form == "fp8" else x, "w_ptr": "*fp32", "scratch_ptr": "*i32",
+             "pos_ptr": "*i64", "ids_ptr": "*i64", "out_ptr": out, "outs_ptr": "*fp32" if form != "bf16" else out,
              "m_idx_ptr": "*i32", "pos_out_ptr": "*i64"}
-    consts = {"TOPK": 8, "E_POW2": 128, "ALIGN": 128, "BLOCK_H": 1024, "SG_POW2": 16, "HAS_SCALE": fp8,
-              "ROUTE_W": True}
+    consts = {"TOPK": 8, "K_POW2": 8, "E_POW2": 256, "ALIGN": 128, "BLOCK_H": 1024, "SG_POW2": 64,
+              "HAS_SCALE": form == "fp8", "QUANT": form == "quant", "ROUTE_W": True, "INTERP": False}
     ptx = _compile(k.contiguous_rows_kernel, types, consts).asm["ptx"]
     assert "ld.local" not in ptx and "st.local" not in ptx
 

@@ -379,7 +379,7 @@ def run_contiguous_experts(
     """Every slot's expert MLP on the aligned contiguous layout (DeepGEMM's m-grouped contiguous GEMMs).
 
     The tokens are copied into each expert's segment of whole blocks of ``gemms.contiguous_align`` rows
-    (:func:`~moe_fx.lowering.triton.sort.contiguous_rows`, fp8: quantised once per token first), then
+    (:func:`~moe_fx.lowering.triton.sort.contiguous_rows`, fp8: quantised in the same launch), then
     GEMM1 -> activation (every row of the layout, padding included: one group; fp8: quantised into the
     GEMM's scale layout) -> GEMM2. ``gemms`` must run ``"contiguous"`` (``contiguous_gemm``); no GEMM
     bias (``w13_bias`` would need each row's expert in the activation kernel).
@@ -388,14 +388,15 @@ def run_contiguous_experts(
         ``(y [1, R, H] bf16, slot_pos [T * K] int64)``: the rows and each slot's row, for the combine.
     """
     from moe_fx.lowering.triton.activation import expert_activation
-    from moe_fx.lowering.triton.sort import contiguous_rows, quantize_rows
+    from moe_fx.lowering.triton.sort import contiguous_rows
 
     if "contiguous" not in gemms.layouts:
         raise ValueError(f"run_contiguous_experts: {gemms.name} GEMMs do not run the contiguous layout")
     if weights.w13_bias is not None or weights.w2_bias is not None:
         raise ValueError("run_contiguous_experts: the contiguous layout takes no GEMM biases")
-    x, x_scale = quantize_rows(hidden) if weights.fp8 else (hidden.to(weights.w13.dtype), None)
-    layout = contiguous_rows(rows, x, x_scale, topk_ids, align=gemms.contiguous_align, route_weights=route_weights)
+    x = hidden if weights.fp8 else hidden.to(weights.w13.dtype)
+    layout = contiguous_rows(rows, x, None, topk_ids, align=gemms.contiguous_align, route_weights=route_weights,
+                             quantize=weights.fp8)
     gate_up = gemms.contiguous_gemm(layout.x, layout.x_scale, weights.w13, weights.w13_scale, layout.m_indices)
     n = layout.num_rows
     inter = weights.w2.shape[2]

@@ -1531,52 +1531,70 @@ def contiguous_rows_kernel(
     s_sr,
     s_sc,
     TOPK: tl.constexpr,
+    K_POW2: tl.constexpr,
     E_POW2: tl.constexpr,
     ALIGN: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SG_POW2: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    QUANT: tl.constexpr,
     ROUTE_W: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
-    """Slot ``p``'s token into its row of the aligned contiguous layout (grid ``(T * K, cdiv(H, BLOCK_H))``).
+    """Token ``t``'s TOPK slots into their rows of the aligned contiguous layout (grid ``(T,)``).
 
-    The sort gave slot ``p`` (expert ``e``) row ``start[e] + rank``; here expert ``e``'s rows start at
-    ``start_pad[e]``, the exclusive sum of the counts rounded up to ``ALIGN`` each, so every expert owns
-    whole ``ALIGN``-row blocks. The token's row is copied there (fp8 codes with their 1x128 scale row,
-    HAS_SCALE), ``m_idx[row] = e`` and ``pos_out[p] = row`` (-1 for a slot that sends no row). ROUTE_W:
-    the row is scaled by the slot's routing weight (weights on the input; fp8: its scales are).
+    The sort gave slot ``p = t * TOPK + k`` (expert ``e``) row ``start[e] + rank``; here expert ``e``'s rows start
+    at ``start_pad[e]``, the exclusive sum of the counts rounded up to ``ALIGN`` each, so every expert owns whole
+    ``ALIGN``-row blocks. The token's row is read once, ``BLOCK_H`` columns a step, and written to each of its slots'
+    rows (one program a token: the token is read from memory once and each program moves a whole row per slot,
+    where a program per (slot, column block) read it TOPK times and spent most of its time being scheduled).
+    HAS_SCALE: ``x`` holds fp8 codes and ``xs`` their 1x128 scales, copied with them. QUANT: ``x`` holds bf16 /
+    fp16 / fp32 values, quantised here per 1x128 group as :func:`moe_fx.lowering.triton.sort.quantize_rows` does
+    (``_quant_groups``: the same codes and scales), so the layout needs no quantised copy of the tokens first;
+    ``BLOCK_H`` is then a multiple of 128. ``m_idx[row] = e`` and ``pos_out[p] = row`` (-1 for a slot that sends
+    no row). ROUTE_W: the row is scaled by the slot's routing weight (weights on the input; fp8: its scales are).
     """
-    p = tl.program_id(0)
-    hb = tl.program_id(1)
-    row = tl.load(pos_ptr + p)
-    if row < 0:
-        if hb == 0:
-            tl.store(pos_out_ptr + p, row)
-        return
-    t = (p // TOPK).to(tl.int64)
-    k = p % TOPK
-    e = tl.load(ids_ptr + t * s_it + k * s_ik).to(tl.int32)
+    t = tl.program_id(0).to(tl.int64)
+    offs_k = tl.arange(0, K_POW2)
+    kmask = offs_k < TOPK
+    p = t * TOPK + offs_k
+    row = tl.load(pos_ptr + p, mask=kmask, other=-1)
+    valid = kmask & (row >= 0)
+    e = tl.load(ids_ptr + t * s_it + offs_k * s_ik, mask=kmask, other=0).to(tl.int32)
     offs_e = tl.arange(0, E_POW2)
     counts = tl.load(scratch_ptr + offs_e, mask=offs_e < E, other=0)
-    before = offs_e < e
-    start = tl.reduce(tl.where(before, counts, 0), 0, _add)
-    start_pad = tl.reduce(tl.where(before, (counts + ALIGN - 1) // ALIGN * ALIGN, 0), 0, _add)
-    prow = row - start + start_pad
+    before = offs_e[None, :] < e[:, None]
+    start = tl.reduce(tl.where(before, counts[None, :], 0), 1, _add)
+    start_pad = tl.reduce(tl.where(before, ((counts + ALIGN - 1) // ALIGN * ALIGN)[None, :], 0), 1, _add)
+    prow = tl.where(valid, row - start + start_pad, -1).to(tl.int64)
+    tl.store(pos_out_ptr + p, prow, mask=kmask)
+    tl.store(m_idx_ptr + prow, e, mask=valid)
     if ROUTE_W:
-        w = tl.load(w_ptr + t * s_wt + k * s_wk).to(tl.float32)
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = offs_h < H
-    v = tl.load(x_ptr + t * s_xt + offs_h * s_xh, mask=hmask, other=0.0)
-    if ROUTE_W and not HAS_SCALE:
-        v = (v.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + prow * s_or + offs_h * s_oh, v, mask=hmask)
-    if hb == 0:
-        if HAS_SCALE:
-            offs_g = tl.arange(0, SG_POW2)
-            gmask = offs_g < NUM_SG
-            sc = tl.load(xs_ptr + t * s_st + offs_g * s_sg, mask=gmask, other=0.0)
+        w = tl.load(w_ptr + t * s_wt + offs_k * s_wk, mask=valid, other=0.0).to(tl.float32)
+    if HAS_SCALE:  # the token's scale row, copied (times the routing weight) to each slot's row
+        offs_g = tl.arange(0, SG_POW2)
+        gmask = offs_g < NUM_SG
+        sc = tl.load(xs_ptr + t * s_st + offs_g * s_sg, mask=gmask, other=0.0)
+        sc2 = tl.broadcast_to(sc[None, :], (K_POW2, SG_POW2))
+        if ROUTE_W:
+            sc2 = sc2 * w[:, None]
+        tl.store(outs_ptr + prow[:, None] * s_sr + offs_g[None, :] * s_sc, sc2, mask=valid[:, None] & gmask[None, :])
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        hmask = offs_h < H
+        v = tl.load(x_ptr + t * s_xt + offs_h * s_xh, mask=hmask, other=0.0)
+        if QUANT:
+            q, scale = _quant_groups(tl.reshape(v.to(tl.float32), (1, BLOCK_H)), 1, BLOCK_H, INTERP)
+            v2 = tl.broadcast_to(q, (K_POW2, BLOCK_H))
+            offs_g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+            sc2 = tl.broadcast_to(scale, (K_POW2, BLOCK_H // 128))
             if ROUTE_W:
-                sc = sc * w
-            tl.store(outs_ptr + prow * s_sr + offs_g * s_sc, sc, mask=gmask)
-        tl.store(m_idx_ptr + prow, e)
-        tl.store(pos_out_ptr + p, prow)
+                sc2 = sc2 * w[:, None]
+            tl.store(outs_ptr + prow[:, None] * s_sr + offs_g[None, :] * s_sc, sc2,
+                     mask=valid[:, None] & (offs_g < NUM_SG)[None, :])
+        elif ROUTE_W and not HAS_SCALE:
+            v2 = v.to(tl.float32)[None, :] * w[:, None]
+        else:
+            v2 = tl.broadcast_to(v[None, :], (K_POW2, BLOCK_H))
+        tl.store(out_ptr + prow[:, None] * s_or + offs_h[None, :] * s_oh, v2.to(out_ptr.dtype.element_ty),
+                 mask=valid[:, None] & hmask[None, :])

@@ -202,28 +202,46 @@ def contiguous_rows(
     *,
     align: int,
     route_weights: torch.Tensor | None = None,
+    quantize: bool = False,
 ) -> ContiguousRows:
     """The tokens ``x [T, H]`` (fp8 codes with their ``[T, ceil(H/128)]`` scales, or bf16) copied into the
     aligned contiguous layout of ``rows`` (:func:`sort_by_expert` of ``topk_ids``): one Triton launch, and a
-    fill of ``m_indices`` with -1. ``route_weights [T, K]``: each row scaled by its slot's routing weight
-    (weights on the input; fp8: the scales are scaled). No host synchronisation.
+    fill of ``m_indices`` with -1. ``quantize``: ``x`` is unquantised (``x_scale`` None) and the layout gets its
+    fp8 codes and 1x128 scales, quantised in the same launch as :func:`quantize_rows` would (same codes and
+    scales). ``route_weights [T, K]``: each row scaled by its slot's routing weight (weights on the input; fp8:
+    the scales are scaled). No host synchronisation.
     """
     from moe_fx.lowering.layouts import empty_mn_major_scales
 
     if align <= 0 or align & (align - 1):
         raise ValueError(f"contiguous_rows: align must be a power of two, got {align}")
+    if quantize and x_scale is not None:
+        raise ValueError("contiguous_rows: quantize=True takes unquantised tokens (x_scale must be None)")
     t, h = x.shape
     k, e = rows.topk, rows.num_experts
     n = rows.num_rows
     num_rows = cdiv(n + e * (align - 1), align) * align
-    out = torch.empty(num_rows, h, dtype=x.dtype, device=x.device)
+    out = torch.empty(num_rows, h, dtype=FP8_DTYPE if quantize else x.dtype, device=x.device)
     out_scale = None
-    if x_scale is not None:
+    if x_scale is not None or quantize:
         out_scale = empty_mn_major_scales(1, num_rows, h, device=x.device).squeeze(0)
     m_indices = torch.full((num_rows,), -1, dtype=torch.int32, device=x.device)
     slot_pos = torch.empty(n, dtype=torch.int64, device=x.device)
     if _known_empty(t, k):
         return ContiguousRows(out, out_scale, m_indices, slot_pos, num_rows)
+    # a step of up to 1 KB of the row per slot (the token read once, written TOPK times)
+    block_h = max(FP8_BLOCK, min(1024, _pow2(h))) if quantize else min(1024, _pow2(h))
+    sg = cdiv(h, FP8_BLOCK)
+    xs = x_scale if x_scale is not None else x
+    os_ = out_scale if out_scale is not None else out
+    w = route_weights if route_weights is not None else x
+    launch("contiguous_rows_kernel", x.device, (t,),
+           x, xs, w, rows.scratch, rows.slot_pos, topk_ids, out, os_, m_indices, slot_pos, e, h, sg,
+           *x.stride(), *xs.stride()[-2:], *w.stride()[-2:], *topk_ids.stride(), *out.stride(), *os_.stride(),
+           TOPK=int(k), K_POW2=_pow2(int(k)), E_POW2=_pow2(e), ALIGN=align, BLOCK_H=block_h, SG_POW2=max(2, _pow2(sg)),
+           HAS_SCALE=x_scale is not None, QUANT=quantize, ROUTE_W=route_weights is not None,
+           INTERP=x.device.type == "cpu", num_warps=4)
+    return ContiguousRows(out, out_scale, m_indices, slot_pos, num_rows)
     block_h = min(1024, _pow2(h))
     sg = cdiv(h, FP8_BLOCK)
     xs = x_scale if x_scale is not None else x

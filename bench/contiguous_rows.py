@@ -1,0 +1,147 @@
+"""The copy into DeepGEMM's aligned contiguous layout on its own, against its bytes floor (one GPU, no DeepGEMM).
+
+DeepGEMM's contiguous grouped GEMMs read the tokens from an expert-sorted, 128-row-aligned copy
+(``moe_fx.lowering.triton.sort.contiguous_rows``); at prefill sizes that copy (and, with fp8 weights, the token
+quantisation before it) was 7-10% of a DeepSeek-V3-shard layer (kernel_breakdown_2026-12-07_prefill_fp8_dg_s27_h100.md:
+193.7 + 30.9 µs at T=4096, 949.4 + 129.1 µs at T=16384, the copy then a program per (slot, 1024 columns)). For each
+shape and T the sort runs once, then each side is captured in CUDA graphs (one per routing set) and the sides'
+replays alternate over a few rounds (median per side):
+
+* ``bf16``: the copy of the bf16 tokens (the bf16 DeepGEMM path);
+* ``fp8_fused``: ``contiguous_rows(quantize=True)``, the tokens quantised in the copy's launch (the fp8 path);
+* ``fp8_two_launches``: ``quantize_rows`` then the copy of its codes and scales (the fp8 path before 2026-12-07).
+
+floor = bytes / the copy rate measured in the same run (a read and a write of 1 GiB): the tokens read once, each
+slot's row written, with fp8 its 1x128 scales; two launches also write and read back the quantised tokens. The
+fused side's codes and scales are compared with the two launches' (they must be equal). The DeepGEMM GEMMs are
+not run: nothing here needs DeepGEMM.
+
+    python bench/contiguous_rows.py [--shapes dsv3,mixtral,qwen3] [--tokens 1024,4096,16384]
+
+Writes ``contiguous_rows_<date>[_tag].{md,json}`` to ``--out`` (default bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_layer import SHAPES, bench_meta, capture_graphs, replay_us, results_stem, routing_sets
+
+SIDES = ("bf16", "fp8_fused", "fp8_two_launches")
+ROUNDS = 5
+SETS = 3
+#: the layout's row alignment (DeepGEMM's M alignment of its contiguous GEMMs)
+ALIGN = 128
+
+
+def floor_bytes(side: str, t: int, k: int, h: int) -> int:
+    """Bytes a side must move at least: the bf16 tokens read once, each of the T * K slots' rows written (fp8: its
+    codes and one fp32 scale per 128 columns); two launches also write the quantised tokens and read them back."""
+    groups = -(-h // 128)
+    if side == "bf16":
+        return t * h * 2 + t * k * h * 2
+    fused = t * h * 2 + t * k * (h + 4 * groups)
+    if side == "fp8_fused":
+        return fused
+    if side == "fp8_two_launches":
+        return fused + 2 * t * (h + 4 * groups)
+    raise ValueError(f"unknown side {side!r}")
+
+
+def side_fn(side: str, e: int):
+    """``fn(x, ids)`` running one side's launches after the sort (the sort is timed by neither: each set's rows come
+    sorted already, through the closure's cache)."""
+    from moe_fx.lowering.triton.sort import contiguous_rows, quantize_rows, sort_by_expert
+
+    sorted_rows = {}
+
+    def fn(x, ids):
+        key = ids.data_ptr()
+        if key not in sorted_rows:
+            sorted_rows[key] = sort_by_expert(ids, e)
+        rows = sorted_rows[key]
+        if side == "bf16":
+            return contiguous_rows(rows, x, None, ids, align=ALIGN)
+        if side == "fp8_fused":
+            return contiguous_rows(rows, x, None, ids, align=ALIGN, quantize=True)
+        codes, scales = quantize_rows(x)
+        return contiguous_rows(rows, codes, scales, ids, align=ALIGN)
+
+    return fn
+
+
+def same_layout(a, b) -> bool:
+    """Whether two layouts hold the same rows: slot positions, experts of rows, and each valid row's codes and
+    scales bit for bit."""
+    valid = a.slot_pos[a.slot_pos >= 0]
+    return (torch.equal(a.slot_pos, b.slot_pos) and torch.equal(a.m_indices, b.m_indices)
+            and torch.equal(a.x[valid].view(torch.uint8), b.x[valid].view(torch.uint8))
+            and torch.equal(a.x_scale[valid], b.x_scale[valid]))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``) as parsed arguments."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="dsv3,mixtral,qwen3")
+    ap.add_argument("--tokens", default="1024,4096,16384")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--tag", default="")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Time every (shape, T, side) cell and write the tables."""
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench/contiguous_rows.py needs a CUDA GPU")
+    import moe_fx  # noqa: F401
+
+    meta = bench_meta()
+    copy_tbs = meta["limits"]["copy_tbs"]
+    rows = []
+    for shape in args.shapes.split(","):
+        _, e, k, h, _ = SHAPES[shape]
+        for t in map(int, args.tokens.split(",")):
+            sets = [(x, ids) for x, ids, _ in routing_sets(t, e, k, h, SETS, seed=t)]
+            fns = {side: side_fn(side, e) for side in SIDES}
+            with torch.no_grad():
+                equal = same_layout(fns["fp8_fused"](*sets[0]), fns["fp8_two_launches"](*sets[0]))
+                graphs = {side: capture_graphs(fns[side], sets)[0] for side in SIDES}
+                times = {side: [] for side in SIDES}
+                for _ in range(ROUNDS):
+                    for side in SIDES:
+                        times[side].append(replay_us(graphs[side]))
+            for side in SIDES:
+                us = statistics.median(times[side])
+                floor = floor_bytes(side, t, k, h) / copy_tbs / 1e6
+                row = {"shape": shape, "T": t, "side": side, "us": us, "floor_us": floor, "frac": floor / us,
+                       "rounds_us": times[side], "fused_equals_two_launches": equal}
+                rows.append(row)
+                print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in row.items()
+                                  if kk != "rounds_us"}), flush=True)
+            del graphs
+    stem = results_stem("contiguous_rows", args.tag)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, stem + ".json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, stem + ".md"), "w") as f:
+        f.write(f"# The copy into the aligned contiguous layout ({meta['date']})\n\n{meta.get('gpu', '')} · torch "
+                f"{torch.__version__} · copy rate in this run {copy_tbs:.2f} TB/s\n\n"
+                "| shape | T | side | µs | floor µs | % of floor | fp8 fused = two launches |\n"
+                "|---|---|---|---|---|---|---|\n")
+        f.writelines(f"| {r['shape']} | {r['T']} | {r['side']} | {r['us']:.1f} | {r['floor_us']:.1f} | "
+                     f"{100 * r['frac']:.0f}% | {'yes' if r['fused_equals_two_launches'] else 'NO'} |\n" for r in rows)
+        f.write(f"\nµs: median over {ROUNDS} rounds of CUDA-graph replays ({SETS} routing sets, one graph each), the "
+                "sides alternating within each round; the sort is outside the graphs.\n")
+    print("wrote", os.path.join(args.out, stem + ".md"))
+
+
+if __name__ == "__main__":
+    main()

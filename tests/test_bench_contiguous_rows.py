@@ -1,0 +1,42 @@
+"""bench/contiguous_rows.py off the GPU: its bytes floors, and its three sides run under the Triton interpreter on a
+tiny layer (the fused fp8 side writes what the two launches write; the bf16 side copies the tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import load_bench
+
+
+@pytest.fixture(scope="module")
+def mod():
+    pytest.importorskip("transformers")  # moe_layer's machine_meta
+    pytest.importorskip("triton")
+    return load_bench("contiguous_rows")
+
+
+def test_floor_bytes(mod):
+    # DeepSeek-V3 shard, T=4096: 58.7 MB of bf16 tokens read; 32768 rows of 7168 codes and 56 scales written
+    t, k, h = 4096, 8, 7168
+    assert mod.floor_bytes("bf16", t, k, h) == t * h * 2 + t * k * h * 2
+    fused = t * h * 2 + t * k * (h + 56 * 4)
+    assert mod.floor_bytes("fp8_fused", t, k, h) == fused
+    assert mod.floor_bytes("fp8_two_launches", t, k, h) == fused + 2 * t * (h + 56 * 4)
+    assert mod.floor_bytes("fp8_fused", 1, 1, 200) == 400 + 200 + 2 * 4  # 200 columns: two scale groups
+    with pytest.raises(ValueError, match="unknown side"):
+        mod.floor_bytes("fp16", t, k, h)
+
+
+def test_sides_on_a_tiny_layer(mod):
+    torch.manual_seed(0)
+    t, e, k, h = 6, 4, 2, 256
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    fused, two = mod.side_fn("fp8_fused", e)(x, ids), mod.side_fn("fp8_two_launches", e)(x, ids)
+    assert fused.x.dtype == torch.float8_e4m3fn and mod.same_layout(fused, two)
+    two.x_scale[two.slot_pos[0]] += 1.0  # one scale off: no longer the same layout
+    assert not mod.same_layout(fused, two)
+    plain = mod.side_fn("bf16", e)(x, ids)
+    assert plain.x.dtype == torch.bfloat16 and plain.x_scale is None
+    assert torch.equal(plain.x[plain.slot_pos], x.repeat_interleave(k, dim=0))
+    assert plain.x.shape[0] % mod.ALIGN == 0
