@@ -1585,7 +1585,7 @@ def contiguous_rows_kernel(
         v = tl.load(x_ptr + t * s_xt + offs_h * s_xh, mask=hmask, other=0.0)
         if QUANT:
             q, scale = _quant_groups(tl.reshape(v.to(tl.float32), (1, BLOCK_H)), 1, BLOCK_H, INTERP)
-            v2 = tl.broadcast_to(q, (K_POW2, BLOCK_H))
+            v2 = tl.broadcast_to(q.to(out_ptr.dtype.element_ty), (K_POW2, BLOCK_H))  # converted once, stored K times
             offs_g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
             sc2 = tl.broadcast_to(scale, (K_POW2, BLOCK_H // 128))
             if ROUTE_W:
