@@ -82,11 +82,12 @@
 #                  2026-12-07 its graphs replayed in 245 / 247 µs, as fast as the compiled plain calls; so did the
 #                  compiled call's own graphs (kernel_breakdown --compiled), and moe_layer's with fewer sides: the slow
 #                  rows come from the layer bench's process holding all five sides (one_call_graph_2026-12-07_s28_h100.md)
-#   contiguous_rows  the copy into DeepGEMM's aligned contiguous layout on its own (bench/contiguous_rows.py; no DeepGEMM
-#                  needed): bf16, fp8 quantised in the copy's launch (shipped 2026-12-07, with one program a token)
-#                  and fp8 in two launches (quantize_rows, then the copy), DeepSeek-V3 shard, Mixtral, Qwen3, T = 1024 /
-#                  4096 / 16384, against the bytes floor (the copy of a program per slot and 1024 columns took 193.7 /
-#                  949.4 µs for the shard at T = 4096 / 16384 on an H100, 2-3x its floor)
+#   layout_copy    the copies of the tokens into DeepGEMM's layouts on their own (bench/layout_copy.py; no DeepGEMM
+#                  needed): the contiguous layout's copy in bf16, fp8 quantised in the copy's launch (shipped 2026-12-07,
+#                  one program a token) and fp8 in two launches (quantize_rows, then the copy), and the masked layout's
+#                  permute (bf16, fp8: 1024 columns a step since 2026-12-07), DeepSeek-V3 shard, Mixtral, Qwen3, T = 1024
+#                  / 4096 / 16384, against the bytes floor (before: the contiguous copy 193.7 / 949.4 µs for the shard at
+#                  T = 4096 / 16384 on an H100, 2-3x its floor; the fp8 permute 59.0 µs at T=1024, 2.4x)
 #   epilogue_prefill  gate/up halves' activation in GEMM1's epilogue against the separate activation kernel at prefill
 #                  sizes (Qwen3, Mixtral; T = 1024, 4096, 16384; masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None on both
 #                  sides so the "on" side fuses at every size, the shipped choice since it won 1.04-1.11x on an H100,
@@ -381,9 +382,9 @@ for name in "$@"; do
       timeout 200 python3 $BREAKDOWN --shapes mixtral,dsv3,qwen3 --tokens 1,16 --plain --fp8 --tag plain_fp8 \
         >> "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/kernel_breakdown_*plain*.md 2>/dev/null | cut -c1-400 ;;
-    contiguous_rows)
-      timeout 300 python3 bench/contiguous_rows.py --out "$OUT" --tag contiguous > "$OUT/log_$name.txt" 2>&1
-      grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/contiguous_rows_*.md 2>/dev/null | cut -c1-200 ;;
+    layout_copy)
+      timeout 400 python3 bench/layout_copy.py --out "$OUT" --tag layout_copy > "$OUT/log_$name.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/layout_copy_*.md 2>/dev/null | cut -c1-200 ;;
     epilogue_prefill)
       timeout 560 python3 $EPILOGUE --tag prefill > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral)" "$OUT"/fused_activation_*prefill.md 2>/dev/null | cut -c1-220 ;;

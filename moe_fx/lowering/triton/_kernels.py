@@ -568,8 +568,8 @@ def masked_gemm_fp8_kernel(
 def _quant_groups(v, ROWS: tl.constexpr, COLS: tl.constexpr, INTERP: tl.constexpr):
     """fp32 ``v [ROWS, COLS]`` (COLS a multiple of 128) as e4m3 values (still fp32) and the fp32 scale of
     each 1x128 group, ``[ROWS, COLS // 128]``: ``scale = max(amax, floor) / 448`` (moe_fx.ops.recipe). The
-    activation quantisation of quantize_rows, the decode sort and the activation kernel (the masked permute's
-    one-row copy is written out: it quantises a vector, and its GPU build was not re-checked)."""
+    activation quantisation of quantize_rows, the decode sort, the activation kernel, the masked permute and the
+    copy into the contiguous layout."""
     v3 = tl.reshape(v, (ROWS, COLS // 128, 128))
     amax = tl.reduce(tl.abs(v3), 2, _maxf)
     scale = tl.maximum(amax, SCALE_FLOOR) / FP8_MAX
@@ -766,7 +766,7 @@ def permute_kernel(
     ids outside ``[0, E)`` and rows past ``max_m``). DEDUPE (routing weights applied after the
     expert): a token naming one expert several times sends ONE row, and every such slot points at
     it, so an expert never gets more than T rows. With QUANT the token is quantised to fp8 with one
-    scale per BLOCK_H group (BLOCK_H = 128).
+    scale per 1x128 group (``_quant_groups``; BLOCK_H a multiple of 128, several groups a step).
     """
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
@@ -800,21 +800,17 @@ def permute_kernel(
         offs_h = h0 + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
         v = tl.load(h_ptr + t64 * s_ht + offs_h * s_hh, mask=hmask, other=0.0)
-        if QUANT:
-            v = v.to(tl.float32)
-            amax = tl.reduce(tl.abs(v), 0, _maxf)
-            scale = tl.maximum(amax, SCALE_FLOOR) / FP8_MAX
-            q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
-            if INTERP:
-                q = _e4m3_grid(q)
-            q = q.to(x_ptr.dtype.element_ty)
+        if QUANT:  # BLOCK_H // 128 groups a step
+            q, scale = _quant_groups(tl.reshape(v.to(tl.float32), (1, BLOCK_H)), 1, BLOCK_H, INTERP)
             # q(w * x) has the codes of q(x) and the scale w * scale: quantise once, scale per slot.
-            vals = tl.broadcast_to(q[None, :], (K_POW2, BLOCK_H))
-            s_val = tl.full((K_POW2,), 1.0, tl.float32) * scale
+            vals = tl.broadcast_to(q.to(x_ptr.dtype.element_ty), (K_POW2, BLOCK_H))
+            s_val = tl.broadcast_to(scale, (K_POW2, BLOCK_H // 128))
             if WEIGHTS_ON_INPUT:
-                s_val = s_val * w
-            s_dst = e_safe.to(tl.int64) * s_sg + row.to(tl.int64) * s_sm + (h0 // BLOCK_H) * s_sh
-            tl.store(xs_ptr + s_dst, s_val, mask=ok)
+                s_val = s_val * w[:, None]
+            offs_g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+            s_dst = e_safe.to(tl.int64) * s_sg + row.to(tl.int64) * s_sm
+            tl.store(xs_ptr + s_dst[:, None] + offs_g[None, :] * s_sh, s_val,
+                     mask=ok[:, None] & (offs_g < (H + 127) // 128)[None, :])
         else:
             if WEIGHTS_ON_INPUT:
                 vals = (v.to(tl.float32)[None, :] * w[:, None]).to(x_ptr.dtype.element_ty)

@@ -1,24 +1,26 @@
-"""The copy into DeepGEMM's aligned contiguous layout on its own, against its bytes floor (one GPU, no DeepGEMM).
+"""The copies of the tokens into DeepGEMM's layouts on their own, against their bytes floor (one GPU, no DeepGEMM).
 
-DeepGEMM's contiguous grouped GEMMs read the tokens from an expert-sorted, 128-row-aligned copy
-(``moe_fx.lowering.triton.sort.contiguous_rows``); at prefill sizes that copy (and, with fp8 weights, the token
-quantisation before it) was 7-10% of a DeepSeek-V3-shard layer (kernel_breakdown_2026-12-07_prefill_fp8_dg_s27_h100.md:
-193.7 + 30.9 µs at T=4096, 949.4 + 129.1 µs at T=16384, the copy then a program per (slot, 1024 columns)). For each
-shape and T the sort runs once, then each side is captured in CUDA graphs (one per routing set) and the sides'
-replays alternate over a few rounds (median per side):
+DeepGEMM's grouped GEMMs read the tokens from a copy: the aligned contiguous layout above 256 rows per expert
+(``moe_fx.lowering.triton.sort.contiguous_rows``), the masked ``[E, max_m, H]`` layout below
+(``moe_fx.lowering.triton.permute.permute_to_masked``). At prefill sizes those copies (with fp8 weights, quantised)
+were 6-10% of a DeepSeek-V3-shard layer (kernel_breakdown_2026-12-07_prefill_fp8_dg_s27_h100.md: the contiguous copy
+193.7 + 30.9 µs of quantisation at T=4096, 949.4 + 129.1 µs at T=16384, then a program per (slot, 1024 columns); the
+masked permute 59.0 µs at T=1024, then 128 columns a step). For each shape and T the sort runs once, then each side
+is captured in CUDA graphs (one per routing set) and the sides' replays alternate over a few rounds (median per side):
 
-* ``bf16``: the copy of the bf16 tokens (the bf16 DeepGEMM path);
+* ``bf16``: the contiguous copy of the bf16 tokens (the bf16 DeepGEMM path above 256 rows per expert);
 * ``fp8_fused``: ``contiguous_rows(quantize=True)``, the tokens quantised in the copy's launch (the fp8 path);
-* ``fp8_two_launches``: ``quantize_rows`` then the copy of its codes and scales (the fp8 path before 2026-12-07).
+* ``fp8_two_launches``: ``quantize_rows`` then the copy of its codes and scales (the fp8 path before 2026-12-07);
+* ``masked_bf16``, ``masked_fp8``: the permute into the masked layout (``max_m = T``), bf16 and quantised.
 
 floor = bytes / the copy rate measured in the same run (a read and a write of 1 GiB): the tokens read once, each
 slot's row written, with fp8 its 1x128 scales; two launches also write and read back the quantised tokens. The
 fused side's codes and scales are compared with the two launches' (they must be equal). The DeepGEMM GEMMs are
 not run: nothing here needs DeepGEMM.
 
-    python bench/contiguous_rows.py [--shapes dsv3,mixtral,qwen3] [--tokens 1024,4096,16384]
+    python bench/layout_copy.py [--shapes dsv3,mixtral,qwen3] [--tokens 1024,4096,16384]
 
-Writes ``contiguous_rows_<date>[_tag].{md,json}`` to ``--out`` (default bench/results).
+Writes ``layout_copy_<date>[_tag].{md,json}`` to ``--out`` (default bench/results).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_layer import SHAPES, bench_meta, capture_graphs, replay_us, results_stem, routing_sets
 
-SIDES = ("bf16", "fp8_fused", "fp8_two_launches")
+SIDES = ("bf16", "fp8_fused", "fp8_two_launches", "masked_bf16", "masked_fp8")
 ROUNDS = 5
 SETS = 3
 #: the layout's row alignment (DeepGEMM's M alignment of its contiguous GEMMs)
@@ -45,10 +47,10 @@ def floor_bytes(side: str, t: int, k: int, h: int) -> int:
     """Bytes a side must move at least: the bf16 tokens read once, each of the T * K slots' rows written (fp8: its
     codes and one fp32 scale per 128 columns); two launches also write the quantised tokens and read them back."""
     groups = -(-h // 128)
-    if side == "bf16":
+    if side in ("bf16", "masked_bf16"):
         return t * h * 2 + t * k * h * 2
     fused = t * h * 2 + t * k * (h + 4 * groups)
-    if side == "fp8_fused":
+    if side in ("fp8_fused", "masked_fp8"):
         return fused
     if side == "fp8_two_launches":
         return fused + 2 * t * (h + 4 * groups)
@@ -58,11 +60,14 @@ def floor_bytes(side: str, t: int, k: int, h: int) -> int:
 def side_fn(side: str, e: int):
     """``fn(x, ids)`` running one side's launches after the sort (the sort is timed by neither: each set's rows come
     sorted already, through the closure's cache)."""
+    from moe_fx.lowering.triton.permute import permute_to_masked
     from moe_fx.lowering.triton.sort import contiguous_rows, quantize_rows, sort_by_expert
 
     sorted_rows = {}
 
     def fn(x, ids):
+        if side.startswith("masked_"):
+            return permute_to_masked(x, ids, e, x.shape[0], quant_fp8=side == "masked_fp8")
         key = ids.data_ptr()
         if key not in sorted_rows:
             sorted_rows[key] = sort_by_expert(ids, e)
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     """Time every (shape, T, side) cell and write the tables."""
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench/contiguous_rows.py needs a CUDA GPU")
+        sys.exit("bench/layout_copy.py needs a CUDA GPU")
     import moe_fx  # noqa: F401
 
     meta = bench_meta()
@@ -127,12 +132,12 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in row.items()
                                   if kk != "rounds_us"}), flush=True)
             del graphs
-    stem = results_stem("contiguous_rows", args.tag)
+    stem = results_stem("layout_copy", args.tag)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     with open(os.path.join(args.out, stem + ".md"), "w") as f:
-        f.write(f"# The copy into the aligned contiguous layout ({meta['date']})\n\n{meta.get('gpu', '')} · torch "
+        f.write(f"# The copies of the tokens into DeepGEMM's layouts ({meta['date']})\n\n{meta.get('gpu', '')} · torch "
                 f"{torch.__version__} · copy rate in this run {copy_tbs:.2f} TB/s\n\n"
                 "| shape | T | side | µs | floor µs | % of floor | fp8 fused = two launches |\n"
                 "|---|---|---|---|---|---|---|\n")

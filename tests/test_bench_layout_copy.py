@@ -1,5 +1,5 @@
-"""bench/contiguous_rows.py off the GPU: its bytes floors, and its three sides run under the Triton interpreter on a
-tiny layer (the fused fp8 side writes what the two launches write; the bf16 side copies the tokens)."""
+"""bench/layout_copy.py off the GPU: its bytes floors, and its sides run under the Triton interpreter on a tiny layer
+(the fused fp8 side writes what the two launches write; the bf16 sides copy the tokens)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from helpers import load_bench
 def mod():
     pytest.importorskip("transformers")  # moe_layer's machine_meta
     pytest.importorskip("triton")
-    return load_bench("contiguous_rows")
+    return load_bench("layout_copy")
 
 
 def test_floor_bytes(mod):
@@ -22,6 +22,8 @@ def test_floor_bytes(mod):
     fused = t * h * 2 + t * k * (h + 56 * 4)
     assert mod.floor_bytes("fp8_fused", t, k, h) == fused
     assert mod.floor_bytes("fp8_two_launches", t, k, h) == fused + 2 * t * (h + 56 * 4)
+    assert mod.floor_bytes("masked_fp8", t, k, h) == fused
+    assert mod.floor_bytes("masked_bf16", t, k, h) == mod.floor_bytes("bf16", t, k, h)
     assert mod.floor_bytes("fp8_fused", 1, 1, 200) == 400 + 200 + 2 * 4  # 200 columns: two scale groups
     with pytest.raises(ValueError, match="unknown side"):
         mod.floor_bytes("fp16", t, k, h)
@@ -40,3 +42,8 @@ def test_sides_on_a_tiny_layer(mod):
     assert plain.x.dtype == torch.bfloat16 and plain.x_scale is None
     assert torch.equal(plain.x[plain.slot_pos], x.repeat_interleave(k, dim=0))
     assert plain.x.shape[0] % mod.ALIGN == 0
+    masked = mod.side_fn("masked_fp8", e)(x, ids)
+    assert masked.x.shape == (e, t, h) and masked.x.dtype == torch.float8_e4m3fn
+    assert int(masked.masked_m.sum()) == t * k
+    pos = masked.slot_pos[0]  # slot 0's row: expert * max_m + row, the codes the contiguous copy wrote for it
+    assert torch.equal(masked.x.view(-1, h)[pos].view(torch.uint8), fused.x[fused.slot_pos[0]].view(torch.uint8))
