@@ -22,7 +22,7 @@ from moe_fx.lowering.triton._loader import is_traced, launch
 from moe_fx.lowering.triton.grouped_gemm import _known_empty, _out, _pow2
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["MaskedBatch", "combine_block", "combine_rows", "masked_rows_needed", "permute_to_masked",
+__all__ = ["MaskedBatch", "combine_block", "combine_rows", "copy_block", "masked_rows_needed", "permute_to_masked",
            "unpermute_from_masked"]
 
 
@@ -60,6 +60,14 @@ def _check_routing(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
         raise ValueError(
             f"permute_to_masked: topk_weights {list(topk_weights.shape)} must match topk_ids {list(topk_ids.shape)}"
         )
+
+
+def copy_block(h: int, quant_fp8: bool) -> int:
+    """Columns a step of the copies of a token into its rows (the masked permute, the contiguous layout's copy): up to
+    1024 (1 KB of fp8 a row), with ``quant_fp8`` whole 1x128 groups (one group a step left DeepSeek-V3's 7168 columns
+    56 steps)."""
+    block = min(1024, _pow2(h))
+    return max(FP8_BLOCK, block) if quant_fp8 else block
 
 
 def permute_to_masked(
@@ -114,10 +122,7 @@ def permute_to_masked(
     w_strides = topk_weights.stride() if weights_on_input else (0, 0)
     xs = x_scale if quant_fp8 else None
     xs_strides = x_scale.stride() if quant_fp8 else (0, 0, 0)
-    # up to 1024 columns a step (fp8: whole 1x128 groups; one group a step left DeepSeek-V3's 7168 columns 56 steps)
-    block_h = min(1024, _pow2(h))
-    if quant_fp8:
-        block_h = max(FP8_BLOCK, block_h)
+    block_h = copy_block(h, quant_fp8)
     launch(
         "permute_kernel", dev, (t,),
         hidden, topk_ids, w, counts, x, xs, slot_pos,

@@ -22,6 +22,7 @@ import torch
 
 from moe_fx.lowering.triton._loader import launch
 from moe_fx.lowering.triton.grouped_gemm import SortedRows, _known_empty, _out, _pow2
+from moe_fx.lowering.triton.permute import copy_block
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
 __all__ = ["ContiguousRows", "SortedRows", "bitonic_log", "contiguous_rows", "quantize_rows", "sort_and_quantize",
@@ -229,8 +230,7 @@ def contiguous_rows(
     slot_pos = torch.empty(n, dtype=torch.int64, device=x.device)
     if _known_empty(t, k):
         return ContiguousRows(out, out_scale, m_indices, slot_pos, num_rows)
-    # a step of up to 1 KB of the row per slot (the token read once, written TOPK times)
-    block_h = max(FP8_BLOCK, min(1024, _pow2(h))) if quantize else min(1024, _pow2(h))
+    block_h = copy_block(h, quantize)
     sg = cdiv(h, FP8_BLOCK)
     xs = x_scale if x_scale is not None else x
     os_ = out_scale if out_scale is not None else out
@@ -241,15 +241,4 @@ def contiguous_rows(
            TOPK=int(k), K_POW2=_pow2(int(k)), E_POW2=_pow2(e), ALIGN=align, BLOCK_H=block_h, SG_POW2=max(2, _pow2(sg)),
            HAS_SCALE=x_scale is not None, QUANT=quantize, ROUTE_W=route_weights is not None,
            INTERP=x.device.type == "cpu", num_warps=4)
-    return ContiguousRows(out, out_scale, m_indices, slot_pos, num_rows)
-    block_h = min(1024, _pow2(h))
-    sg = cdiv(h, FP8_BLOCK)
-    xs = x_scale if x_scale is not None else x
-    os_ = out_scale if out_scale is not None else out
-    w = route_weights if route_weights is not None else x
-    launch("contiguous_rows_kernel", x.device, (n, cdiv(h, block_h)),
-           x, xs, w, rows.scratch, rows.slot_pos, topk_ids, out, os_, m_indices, slot_pos, e, h, sg,
-           *x.stride(), *xs.stride()[-2:], *w.stride()[-2:], *topk_ids.stride(), *out.stride(), *os_.stride(),
-           TOPK=int(k), E_POW2=_pow2(e), ALIGN=align, BLOCK_H=block_h, SG_POW2=max(2, _pow2(sg)),
-           HAS_SCALE=x_scale is not None, ROUTE_W=route_weights is not None, num_warps=4)
     return ContiguousRows(out, out_scale, m_indices, slot_pos, num_rows)
