@@ -27,7 +27,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -36,6 +36,9 @@ from torch._dynamo.utils import dynamo_timed
 from moe_fx.config import MoEConfig
 from moe_fx.passes.manager import PassContext, run_passes
 from moe_fx.passes.report import RegionReport
+
+if TYPE_CHECKING:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
 __all__ = [
     "PASSES_TIMER",
@@ -276,7 +279,7 @@ def passes_fingerprint() -> str:
     return _fingerprint_of(Path(__file__).parent, __version__)
 
 
-def cache_salt(inner: Any = None):
+def cache_salt(inner: Any = None) -> CustomGraphPass:
     """An Inductor custom pass that puts in the cache key (AOTAutograd's and Inductor's) what the compiled code depends
     on besides the graph: :func:`passes_fingerprint` (moe_fx's source) and the lowering's settings as they are at this
     compile (:func:`~moe_fx.lowering.settings.settings_fingerprint`).
