@@ -29,6 +29,12 @@ def test_floor_bytes(mod):
         mod.floor_bytes("fp16", t, k, h)
 
 
+def test_masked_sides_only_where_deepgemm_runs_that_layout(mod):
+    # the DeepSeek-V3 shard (E=32, top-8): 256 rows per expert at T=1024, 1024 at T=4096
+    assert mod.sides_for(1024, 8, 32) == mod.SIDES
+    assert mod.sides_for(4096, 8, 32) == ("bf16", "fp8_fused", "fp8_two_launches")
+
+
 def test_sides_on_a_tiny_layer(mod):
     torch.manual_seed(0)
     t, e, k, h = 6, 4, 2, 256
