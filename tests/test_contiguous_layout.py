@@ -152,6 +152,7 @@ _COPY_CASES = [  # (device, T, E, K, H): one step of 512 columns (masked) and tw
     # the interpreter; DeepSeek-V3's and Qwen3's widths with their top-8 on a GPU
     pytest.param("cpu", 7, 5, 3, 384, id="cpu-h384"),
     pytest.param("cpu", 7, 5, 3, 1280, id="cpu-h1280"),
+    pytest.param("cpu", 7, 5, 1, 256, id="cpu-top1"),
     pytest.param("cuda", 300, 32, 8, 7168, id="cuda-dsv3", marks=[pytest.mark.gpu, gpu]),
     pytest.param("cuda", 300, 128, 8, 2048, id="cuda-qwen3", marks=[pytest.mark.gpu, gpu]),
 ]
@@ -161,14 +162,14 @@ _COPY_CASES = [  # (device, T, E, K, H): one step of 512 columns (masked) and tw
 @pytest.mark.parametrize("route", [False, True])
 def test_quantising_copy_matches_quantize_rows_then_copy(device, t, e, k, h, route):
     """``contiguous_rows(quantize=True)`` writes the codes and scales that quantize_rows and the copy of its codes
-    write, in every valid slot's row: top-3 on CPU (a padded slot lane), a slot that sends no row, an expert with
-    none, duplicate ids, tokens of magnitudes 1e-2 to 1e2."""
+    write, in every valid slot's row: top-3 on CPU (a padded slot lane) and top-1, a slot that sends no row, an expert
+    with none, duplicate ids, tokens of magnitudes 1e-2 to 1e2."""
     from moe_fx.lowering.triton.sort import contiguous_rows, quantize_rows, sort_by_expert
 
     torch.manual_seed(0)
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(torch.int32)
     ids[ids == 3] = 0  # expert 3 gets no row; duplicate ids in a token count once each
-    ids[2, 1] = -1  # a slot without an expert
+    ids[2, k - 1] = -1  # a slot without an expert
     x = torch.randn(t, h, dtype=torch.bfloat16) * torch.logspace(-2, 2, t).unsqueeze(1).to(torch.bfloat16)
     rw = torch.rand(t, k) + 0.5 if route else None
     ids, x = ids.to(device), x.to(device)

@@ -238,7 +238,8 @@ def contiguous_rows(
     launch("contiguous_rows_kernel", x.device, (t,),
            x, xs, w, rows.scratch, rows.slot_pos, topk_ids, out, os_, m_indices, slot_pos, e, h, sg,
            *x.stride(), *xs.stride()[-2:], *w.stride()[-2:], *topk_ids.stride(), *out.stride(), *os_.stride(),
-           TOPK=int(k), K_POW2=_pow2(int(k)), E_POW2=_pow2(e), ALIGN=align, BLOCK_H=block_h, SG_POW2=max(2, _pow2(sg)),
+           TOPK=int(k), K_POW2=max(2, _pow2(int(k))), E_POW2=_pow2(e), ALIGN=align, BLOCK_H=block_h,
+           SG_POW2=max(2, _pow2(sg)),
            HAS_SCALE=x_scale is not None, QUANT=quantize, ROUTE_W=route_weights is not None,
            INTERP=x.device.type == "cpu", num_warps=4)
     return ContiguousRows(out, out_scale, m_indices, slot_pos, num_rows)
