@@ -29,28 +29,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_layer import SHAPES, bench_meta, capture_graphs, replay_us, results_stem, routing_sets
+from moe_layer import SHAPES, bench_meta, results_stem, routing_sets
+from peer_layer import alternate_graph_us
+
+from moe_fx.lowering.masked_experts.deepgemm import CONTIGUOUS_M_ALIGN
+from moe_fx.lowering.problem import ROW_REGIMES
 
 SIDES = ("bf16", "fp8_fused", "fp8_two_launches", "masked_bf16", "masked_fp8")
-#: rows per expert above which DeepGEMM takes the contiguous layout (the masked sides are not run there: their
-#: [E, T, H] buffers would only cost memory)
-MASKED_MAX_ROWS = 256
+ROUNDS = 5
+SETS = 3
 
 
 def sides_for(t: int, k: int, e: int) -> tuple[str, ...]:
-    """The sides a cell runs: the masked layout's only where DeepGEMM would run it (at most
-    :data:`MASKED_MAX_ROWS` rows per expert on average)."""
-    return tuple(s for s in SIDES if not s.startswith("masked_") or t * k <= MASKED_MAX_ROWS * e)
-ROUNDS = 5
-SETS = 3
-#: the layout's row alignment (DeepGEMM's M alignment of its contiguous GEMMs)
-ALIGN = 128
+    """The sides a cell runs: the masked layout's only where DeepGEMM would run it, up to the top rows-per-expert
+    regime's bound (``ROW_REGIMES[-1]`` rows per expert on average, as ``local_contiguous.prefer`` decides; above it
+    the masked layout's [E, T, H] buffers would only cost memory)."""
+    return tuple(s for s in SIDES if not s.startswith("masked_") or t * k <= ROW_REGIMES[-1] * e)
 
 
 def floor_bytes(side: str, t: int, k: int, h: int) -> int:
@@ -83,11 +82,11 @@ def side_fn(side: str, e: int):
             sorted_rows[key] = sort_by_expert(ids, e)
         rows = sorted_rows[key]
         if side == "bf16":
-            return contiguous_rows(rows, x, None, ids, align=ALIGN)
+            return contiguous_rows(rows, x, None, ids, align=CONTIGUOUS_M_ALIGN)
         if side == "fp8_fused":
-            return contiguous_rows(rows, x, None, ids, align=ALIGN, quantize=True)
+            return contiguous_rows(rows, x, None, ids, align=CONTIGUOUS_M_ALIGN, quantize=True)
         codes, scales = quantize_rows(x)
-        return contiguous_rows(rows, codes, scales, ids, align=ALIGN)
+        return contiguous_rows(rows, codes, scales, ids, align=CONTIGUOUS_M_ALIGN)
 
     return fn
 
@@ -129,20 +128,14 @@ def main(argv: list[str] | None = None) -> None:
             fns = {side: side_fn(side, e) for side in sides}
             with torch.no_grad():
                 equal = same_layout(fns["fp8_fused"](*sets[0]), fns["fp8_two_launches"](*sets[0]))
-                graphs = {side: capture_graphs(fns[side], sets)[0] for side in sides}
-                times = {side: [] for side in sides}
-                for _ in range(ROUNDS):
-                    for side in sides:
-                        times[side].append(replay_us(graphs[side]))
+                times = alternate_graph_us(fns, sets, ROUNDS)
             for side in sides:
-                us = statistics.median(times[side])
                 floor = floor_bytes(side, t, k, h) / copy_tbs / 1e6
-                row = {"shape": shape, "T": t, "side": side, "us": us, "floor_us": floor, "frac": floor / us,
-                       "rounds_us": times[side], "fused_equals_two_launches": equal}
+                row = {"shape": shape, "T": t, "side": side, "us": times[side], "floor_us": floor,
+                       "frac": floor / times[side], "fused_equals_two_launches": equal}
                 rows.append(row)
-                print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in row.items()
-                                  if kk != "rounds_us"}), flush=True)
-            del graphs
+                print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in row.items()}),
+                      flush=True)
     stem = results_stem("layout_copy", args.tag)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
@@ -155,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         f.writelines(f"| {r['shape']} | {r['T']} | {r['side']} | {r['us']:.1f} | {r['floor_us']:.1f} | "
                      f"{100 * r['frac']:.0f}% | {'yes' if r['fused_equals_two_launches'] else 'NO'} |\n" for r in rows)
         f.write(f"\nµs: median over {ROUNDS} rounds of CUDA-graph replays ({SETS} routing sets, one graph each), the "
-                "sides alternating within each round; the sort is outside the graphs.\n")
+                "sides alternating within each round (peer_layer.alternate_graph_us: the first side alternates too); "
+                "the sort is outside the graphs.\n")
     print("wrote", os.path.join(args.out, stem + ".md"))
 
 

@@ -47,7 +47,7 @@ def test_sides_on_a_tiny_layer(mod):
     plain = mod.side_fn("bf16", e)(x, ids)
     assert plain.x.dtype == torch.bfloat16 and plain.x_scale is None
     assert torch.equal(plain.x[plain.slot_pos], x.repeat_interleave(k, dim=0))
-    assert plain.x.shape[0] % mod.ALIGN == 0
+    assert plain.x.shape[0] % mod.CONTIGUOUS_M_ALIGN == 0
     masked = mod.side_fn("masked_fp8", e)(x, ids)
     assert masked.x.shape == (e, t, h) and masked.x.dtype == torch.float8_e4m3fn
     assert int(masked.masked_m.sum()) == t * k
