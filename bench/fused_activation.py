@@ -15,9 +15,6 @@
   (``pipeline.SLOT_ROWS_MAX_TOKENS`` 1 vs 0): only T=1 differs;
 * ``--switch slot_down``: bf16 weights, one token's GEMM2 and combine in one launch vs two
   (``pipeline.SLOT_DOWN_COMBINE`` True vs False): only T=1 differs;
-* ``--switch tail_tiles`` / ``tail_tiles_fp8``: bf16 / fp8 weights, an expert's last rows (at most half a tile past its
-  whole tiles) in a tile of half the height vs a whole tile (``moe_fx.lowering.triton.grouped_gemm.TAIL_TILES_MIN_BLOCK_M``
-  128 vs 0): prefill sizes differ;
 * ``--switch bitonic_sort``: bf16 weights, the one-launch sort's program 0 sorting up to 1024 slots by a bitonic
   network vs blocks of pairwise ranks (``moe_fx.lowering.triton.sort.BITONIC_SORT_SLOTS`` 1024 vs 0): T * K
   between the pairwise tile (128 slots at 128 experts) and 1024 differs.
@@ -29,7 +26,7 @@ kernels), over the same rotating routing sets, and the two are timed alternately
 matmul rate)`` with both limits measured in the same run, and the relative error of each variant against the
 fp32 reference (first routing set of the row), and of one variant against the other at every T.
 
-    python bench/fused_activation.py [--switch NAME] [--shapes qwen3,mixtral,gpt_oss]
+    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|pair_halves|slot_rows|slot_down|bitonic_sort] [--shapes qwen3,mixtral,gpt_oss]
                                      [--tokens 1,16,256,1024,4096] [--rounds 3]
     python bench/fused_activation.py --smoke   # CPU, Triton interpreter, tiny shapes: checks the script end to end
 
@@ -89,9 +86,6 @@ def layer(shape: str, dims: tuple, device: str, seed: int = 0, fp8: bool = False
     return w, kw
 
 
-#: the tail-tile switches' title (bf16 / fp8 weights)
-TAIL_TITLE = ("an expert's last rows, at most half a tile past its whole tiles, in a half-height tile (on) vs a whole "
-              "tile (off), {} (tiles of 128+ rows: prefill sizes)")
 #: the switches this bench times: name -> (module attribute under moe_fx.lowering, value on, value off, fp8 weights,
 #: title)
 SWITCHES = {
@@ -108,8 +102,6 @@ SWITCHES = {
     "pair_halves": ("triton.grouped_gemm.PAIR_GATE_UP", True, False, False,
                     ("gate/up halves in GEMM1's epilogue as one tile of gate and up rows (on) vs two accumulators of "
                      "half the tile (off), bf16 (rows per expert up to 64, where halves take the epilogue)")),
-    "tail_tiles": ("triton.grouped_gemm.TAIL_TILES_MIN_BLOCK_M", 128, 0, False, TAIL_TITLE.format("bf16")),
-    "tail_tiles_fp8": ("triton.grouped_gemm.TAIL_TILES_MIN_BLOCK_M", 128, 0, True, TAIL_TITLE.format("fp8 weights")),
     "bitonic_sort": ("triton.sort.BITONIC_SORT_SLOTS", 1024, 0, False,
                      ("decode-sized sort: program 0 sorts up to 1024 slots by a bitonic network (on) vs blocks of "
                       "pairwise ranks (off), bf16 (T * K from 129 to 1024 slots at 128 experts)")),

@@ -98,11 +98,6 @@
 #                  T = 1 / 16 / 64 / 256 (its first form lost 1.45-1.83x on the H200, w8a16_2026-12-04.md); the
 #                  W8A16 GPU tests first, then where a W8A16 decode step's time goes (kernel_breakdown, Qwen3 and
 #                  GPT-OSS at T = 1 and 16)
-#   tail_tiles     an expert's last rows (at most half a tile past its whole tiles) in a half-height tile against a whole
-#                  tile (grouped_gemm.TAIL_TILES_MIN_BLOCK_M 128 vs 0): its GPU tests, then Qwen3, Mixtral and the
-#                  DeepSeek-V3 shard, bf16 at T = 1024 / 2048 / 4096 / 16384 and fp8 at T = 1024 / 4096 (the tile padding
-#                  of docs/performance.md: 21% of Qwen3's tile rows at T=4096). The two tile phases run side by side since
-#                  2026-12-07 (s28); one after the other they lost 0.74-1.09x on an H100 (tail_tiles_2026-12-07_*_s24_h100.md)
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
@@ -162,7 +157,6 @@ EPILOGUE="bench/fused_activation.py --switch epilogue --shapes qwen3,mixtral --t
   --set masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None --out $OUT"
 W8A16="bench/fused_activation.py --switch w8a16 --on 64 --shapes qwen3,mixtral,dsv3,gpt_oss --tokens 1,16,64,256 --rounds 3
   --out $OUT"
-TAIL="bench/fused_activation.py --shapes qwen3,mixtral,dsv3 --rounds 3 --out $OUT"
 # issue 16's vLLM table (Qwen3 T = 1 / 256 / 1024 / 4096, Mixtral 64 / 256 / 4096, the DeepSeek-V3 shard 64 / 4096,
 # GPT-OSS 1 / 256): bench/peer_layer.py --cells
 PEER_ISSUE_CELLS="qwen3:1,256,1024,4096/mixtral:64,256,4096/dsv3:64,4096/gpt_oss:1,256"
@@ -394,13 +388,6 @@ for name in "$@"; do
     epilogue_prefill)
       timeout 560 python3 $EPILOGUE --tag prefill > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral)" "$OUT"/fused_activation_*prefill.md 2>/dev/null | cut -c1-220 ;;
-    tail_tiles)
-      timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_tail_tiles.py \
-        > "$OUT/pytest_gpu_$name.log" 2>&1
-      grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -5
-      timeout 230 python3 $TAIL --switch tail_tiles --tokens 1024,2048,4096,16384 --tag bf16 > "$OUT/log_$name.txt" 2>&1
-      timeout 190 python3 $TAIL --switch tail_tiles_fp8 --tokens 1024,4096 --tag fp8 >> "$OUT/log_$name.txt" 2>&1
-      grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/tail_tiles*.md 2>/dev/null | cut -c1-220 ;;
     w8a16)
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_sorted.py -k fp8_weights_at_decode \
         > "$OUT/pytest_gpu_$name.log" 2>&1

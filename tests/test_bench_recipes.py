@@ -36,7 +36,7 @@ def test_every_benchmark_command_parses():
     commands = _variables(text)
     assert set(commands) == {"E2E_GEN", "E2E_AB", "E2E_FULL", "E2E_COMPILE", "E2E_FP8", "E2E_FLAT", "LAYER",
                              "PASS_TIME", "TUNE_FP8", "TUNE_BF16", "L2", "CG", "CG_QWEN3", "SLOT_DOWN", "W8A16",
-                             "BREAKDOWN", "EPILOGUE", "TAIL"}
+                             "BREAKDOWN", "EPILOGUE"}
     e2e, cudagraphs = load_bench("e2e_model"), load_bench("generate_cudagraphs")
     for name in ("E2E_GEN", "E2E_AB", "E2E_COMPILE", "L2"):
         args = e2e.parse_args(commands[name][1:])
@@ -66,12 +66,6 @@ def test_every_benchmark_command_parses():
     assert w8a16.switch == "w8a16" and w8a16.on == "64" and max(int(t) for t in w8a16.tokens.split(",")) <= 256
     epilogue = load_bench("fused_activation").parse_args(commands["EPILOGUE"][1:])
     assert epilogue.switch == "epilogue" and epilogue.set == ["masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None"]
-    fused = load_bench("fused_activation")
-    for switch, tokens in re.findall(r"\$TAIL --switch (\S+) --tokens (\S+)", text):  # prefill sizes, both weights
-        tail = fused.parse_args(commands["TAIL"][1:] + ["--switch", switch, "--tokens", tokens])
-        assert fused.SWITCHES[switch][0] == "triton.grouped_gemm.TAIL_TILES_MIN_BLOCK_M" and tail.out == "/tmp/out"
-        assert min(int(t) for t in tokens.split(",")) >= 1024
-    assert set(re.findall(r"\$TAIL --switch (\S+)", text)) == {"tail_tiles", "tail_tiles_fp8"}
     breakdown = load_bench("kernel_breakdown")
     bd = breakdown.parse_args(commands["BREAKDOWN"][1:] + ["--fp8"])
     assert set(bd.shapes.split(",")) <= set(breakdown.SHAPES) and bd.fp8 and bd.out == "/tmp/out"

@@ -49,7 +49,7 @@ def _kernels():
 
 GEMM = {"GROUP_M": 8, "E_POW2": 128, "EVEN_K": True, "UPCAST": False, "s_ak": 1, "s_bk": 1, "s_cn": 1,
         "bias_ptr": None, "HAS_BIAS": False, "sorted_ptr": None, "rw_ptr": None, "SORTED": False, "GATHER_A": False,
-        "TOPK": 1, "ROUTE_W": False, "SWAP_AB": False, "DEVICE_TMA": False, "FLATTEN": False, "TAIL": False}
+        "TOPK": 1, "ROUTE_W": False, "SWAP_AB": False, "DEVICE_TMA": False, "FLATTEN": False}
 #: masked_gemm_kernel's epilogue activation and fp8 weights off (the bf16 kernel's extra constants)
 NO_ACT = {"ACT_FUSED": False, "ACT": 0, "GATED": False, "INTERLEAVED": False, "HAS_LIMIT": False, "B_FP8": False,
           "bs_ptr": None, "SLOTS": False, "ids_ptr": None, "PAIR_HALVES": False}
@@ -437,30 +437,6 @@ def test_sorted_gemm_swap_and_device_descriptors_compile(fp8, swap_ab, device_tm
     if device_tma:
         assert "cp.async.bulk.tensor" in ptx, "TMA loads expected"
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("gather", [True, False])
-def test_tail_tiles_compile_to_two_pipelined_loops(fp8, gather):
-    """Half-height tail tiles (TAIL, ``grouped_gemm.TAIL_TILES_MIN_BLOCK_M``) on the flattened 128-row prefill tiles:
-    two flattened loops (one per tile height, no k loop left inside either), each with its own pipelined loads and
-    wgmma (128-row and 64-row tiles), no spills, and no more shared memory than the tile alone asks for."""
-    from moe_fx.lowering.triton.configs import TileConfig
-
-    cfg = (TileConfig(128, 128, 128, 8, 8, 4, flatten=True, tma=not gather) if fp8
-           else TileConfig(128, 256, 64, 8, 8, 4, flatten=True, tma=not gather))
-    fn, types, consts = _sorted_gemm(fp8, gather, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
-    consts.update(GROUP_M=cfg.group_m, TMA=cfg.tma, DEVICE_TMA=cfg.tma, FLATTEN=True)
-    plain = _compile(fn, types, consts, cfg.num_warps, cfg.num_stages)
-    consts["TAIL"] = True
-    compiled = _compile(fn, types, consts, cfg.num_warps, cfg.num_stages)
-    ptx = compiled.asm["ptx"]
-    assert "Depth=2" not in ptx, "a tile loop still holds a k loop"
-    # the second loop's MMAs and loads come beside the first loop's (a dropped or unpipelined tail loop adds none)
-    assert ptx.count("wgmma.mma_async") > plain.asm["ptx"].count("wgmma.mma_async"), "no MMA in the tail loop"
-    copies = "cp.async.bulk.tensor" if cfg.tma else "cp.async.cg"
-    assert ptx.count(copies) > plain.asm["ptx"].count(copies), "the tail loop's loads are not pipelined"
-    _assert_fits(compiled, cfg, fp8)
 
 
 def _activation_gemm(form: str, bm: int, bn: int, bk: int, device_tma: bool, swap_ab: bool, **act):

@@ -50,15 +50,9 @@ def _valid_tiles(rows, M, BLOCK_M: tl.constexpr):
     user kernels follows a helper's arguments as if it could write through them, so a pointer handed
     to a helper would mark ``masked_m`` as written (and make Inductor copy it before every launch).
     """
-    rows = _clamped_rows(rows, M)
-    tiles, _, cum = _phase_tiles(rows, 0, BLOCK_M, False)
-    return rows, tiles, cum
-
-
-@triton.jit
-def _clamped_rows(rows, M):
-    """Loaded row counts within ``[0, M]``: never trust a count beyond the buffer."""
-    return tl.minimum(tl.maximum(rows, 0), M)
+    rows = tl.minimum(tl.maximum(rows, 0), M)  # never trust a count beyond the buffer
+    tiles = (rows + BLOCK_M - 1) // BLOCK_M
+    return rows, tiles, tl.associative_scan(tiles, 0, _add)
 
 
 @triton.jit
@@ -89,79 +83,8 @@ def _slot_offsets(offs, s_it, s_ik, TOPK: tl.constexpr):
 
 
 @triton.jit
-def _phase_tiles(rows, PH: tl.constexpr, BLOCK_M: tl.constexpr, TAIL: tl.constexpr):
-    """Row tiles of each expert in tile phase ``PH``: (tiles, first row they cover, inclusive cumsum of tiles).
-
-    Without TAIL one phase of BLOCK_M-row tiles covers every row. With TAIL an expert's last rows, when at most
-    BLOCK_M / 2 of them are left after its whole tiles, go to phase 1's tiles of BLOCK_M / 2 rows instead of a
-    BLOCK_M-row tile that is half padding or more (phase 0 then covers the rows before them).
-    """
-    if not TAIL:
-        tiles = (rows + BLOCK_M - 1) // BLOCK_M
-        first = rows * 0
-    elif PH == 0:
-        tiles = rows // BLOCK_M + ((rows % BLOCK_M) > BLOCK_M // 2).to(tl.int32)
-        first = rows * 0
-    else:
-        tail = rows % BLOCK_M
-        tiles = ((tail > 0) & (tail <= BLOCK_M // 2)).to(tl.int32)
-        first = rows - tail
-    return tiles, first, tl.associative_scan(tiles, 0, _add)
-
-
-@triton.jit
-def _phase_programs(rows, num_n, nprog, BLOCK_M: tl.constexpr, TAIL: tl.constexpr):
-    """Programs that walk phase 0 (whole tiles) while the others walk phase 1 (the half-height tail tiles) side by
-    side, both in expert order, so that an expert's tail tile runs about when its whole tiles do and finds their
-    weight tiles in L2 (phase 1 after phase 0 read them from HBM again: docs/triton.md, "Half-height tail tiles").
-    The programs are shared in proportion to the phases' work, a half-height tile counted as half a whole one;
-    ``nprog`` (no split: the phases one after the other) where a phase is empty, or without TAIL."""
-    if not TAIL:
-        return nprog
-    tiles0, _, _ = _phase_tiles(rows, 0, BLOCK_M, TAIL)
-    tiles1, _, _ = _phase_tiles(rows, 1, BLOCK_M, TAIL)
-    w0 = 2 * tl.reduce(tiles0, 0, _add) * num_n  # in half tiles
-    w1 = tl.reduce(tiles1, 0, _add) * num_n
-    n1 = (nprog * w1 + (w0 + w1) // 2) // tl.maximum(w0 + w1, 1)  # rounded share of the programs
-    n1 = tl.minimum(tl.maximum(n1, 1), nprog - 1)
-    return tl.where((w0 > 0) & (w1 > 0) & (nprog > 1), nprog - n1, nprog)
-
-
-@triton.jit
-def _phase_walk(rows, num_n, pid, nprog, n0, done, PH: tl.constexpr, BLOCK_M: tl.constexpr, TAIL: tl.constexpr):
-    """One tile phase's walk for program ``pid`` of ``nprog``: (row tiles of each expert, the first row they cover,
-    their inclusive cumsum, the phase's tiles with ``num_n`` column tiles each, this program's first tile, the step
-    to its next). ``n0`` (:func:`_phase_programs`): programs ``[0, n0)`` walk phase 0 and the others phase 1; where
-    ``n0`` is ``nprog`` every program walks both, one after the other, and the programs phase 0 left a tile short
-    (``done``: its tiles) take phase 1's first tiles."""
-    tiles, first, cum = _phase_tiles(rows, PH, BLOCK_M, TAIL)
-    total = tl.reduce(tiles, 0, _add) * num_n
-    if not TAIL:  # one phase, every program (the walk the kernels compile to without TAIL, unchanged)
-        t0 = pid
-        step = nprog
-    elif PH == 0:
-        t0 = tl.where(pid < n0, pid, total)
-        step = n0
-    else:
-        split = n0 < nprog
-        t0 = tl.where(split, tl.where(pid >= n0, pid - n0, total), (pid + nprog - done % nprog) % nprog)
-        step = tl.where(split, nprog - n0, nprog)
-    return tiles, first, cum, total, t0, step
-
-
-@triton.jit
-def _first_row(e, offs_e, first, pid_m, BM: tl.constexpr, PH: tl.constexpr):
-    """Row of expert ``e`` where row tile ``pid_m`` of phase ``PH`` (tiles of BM rows) begins
-    (:func:`_phase_tiles`' ``first``: 0 in phase 0)."""
-    if PH == 0:
-        return pid_m * BM
-    return tl.reduce(tl.where(offs_e == e, first, 0), 0, _add) + pid_m * BM
-
-
-@triton.jit
-def _row_index(e, offs_m, m_first, starts, offs_e, SORTED: tl.constexpr):
-    """A tile's rows in its row buffers, and the (group, row) origin of its TMA loads (``m_first``: the tile's first
-    row of its expert).
+def _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M: tl.constexpr, SORTED: tl.constexpr):
+    """A tile's rows in its row buffers, and the (group, row) origin of its TMA loads.
 
     Masked layout: row ``r`` of expert ``e`` is row ``r`` of group ``e`` (the caller adds ``e * s_g``).
     Contiguous (sorted) layout: expert ``e`` owns rows ``[start[e], start[e] + rows[e])`` of one group
@@ -170,8 +93,8 @@ def _row_index(e, offs_m, m_first, starts, offs_e, SORTED: tl.constexpr):
     """
     if SORTED:
         start = tl.reduce(tl.where(offs_e == e, starts, 0), 0, _add)
-        return start + offs_m, 0, start + m_first
-    return offs_m, e, m_first
+        return start + offs_m, 0, start + pid_m * BLOCK_M
+    return offs_m, e, pid_m * BLOCK_M
 
 
 @triton.jit
@@ -266,7 +189,6 @@ def masked_gemm_kernel(
     NUM_W=0,
     SLOTS: tl.constexpr = False,
     PAIR_HALVES: tl.constexpr = False,
-    TAIL: tl.constexpr = False,
 ):
     """c[g, :m_g, :] = a[g, :m_g, :] @ b[g]^T (+ bias[g]), fp32 accumulation, stored in c's dtype.
 
@@ -303,12 +225,6 @@ def masked_gemm_kernel(
     FLATTEN: one software pipeline over every (tile, k step) of a program instead of one per tile
     (``tl.range(flatten=True)``); the epilogue then stages through up to 32 KB more shared memory
     (:meth:`~moe_fx.lowering.triton.configs.TileConfig.smem_bytes`). The interpreter runs it as the nested loops.
-
-    TAIL (not with SLOTS, SWAP_AB or a host-made descriptor): an expert whose rows leave at most BLOCK_M / 2 after its
-    whole BLOCK_M-row tiles computes those last rows in a tile of BLOCK_M / 2 rows, in a second loop
-    (:func:`_phase_tiles`), instead of a BLOCK_M-row tile that is mostly padding. The tile count is unchanged. The
-    two loops run side by side on their own shares of the programs (:func:`_phase_programs`), both walking the
-    experts in order.
     """
     # Written out in both GEMM kernels on purpose: a pointer handed to a helper counts as written in
     # Inductor's mutation analysis, which would then copy the weights before every launch.
@@ -324,6 +240,13 @@ def masked_gemm_kernel(
         else:
             b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[EW, N, K], strides=[s_bg, s_bn, 1],
                                               block_shape=[1, BLOCK_N, BLOCK_K])
+        if not GATHER_A:
+            if SORTED:  # one group of rows (its group stride is never used)
+                a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[1, M, K], strides=[M * s_am, s_am, 1],
+                                                  block_shape=[1, BLOCK_M, BLOCK_K])
+            else:
+                a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[E, M, K], strides=[s_ag, s_am, 1],
+                                                  block_shape=[1, BLOCK_M, BLOCK_K])
     # gate/up halves in the epilogue: a second accumulator over the up rows, N below the gate's (HALVES), or one tile
     # of gate and up rows (PAIRED)
     HALVES: tl.constexpr = ACT_FUSED and GATED and not INTERLEAVED and not PAIR_HALVES
@@ -333,150 +256,133 @@ def masked_gemm_kernel(
     offs_e = tl.arange(0, E_POW2)
     if SLOTS:  # one row per slot naming an expert of b (its id loaded here: see _slot_offsets)
         slot_w = tl.load(ids_ptr + _slot_offsets(offs_e, s_it, s_ik, TOPK), mask=offs_e < E, other=-1)
-        rows = _clamped_rows(((slot_w >= 0) & (slot_w < NUM_W)).to(tl.int32), M)
+        rows, tiles, cum = _valid_tiles(((slot_w >= 0) & (slot_w < NUM_W)).to(tl.int32), M, BLOCK_M)
     else:
-        rows = _clamped_rows(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M)
+        rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
     if ACT_FUSED and (INTERLEAVED or PAIRED):  # tiles walk b's 2N rows; each gives BLOCK_N // 2 output columns
         NB = 2 * N
     else:
         NB = N
     num_n = (NB + BLOCK_N - 1) // BLOCK_N
+    total = tl.reduce(tiles, 0, _add) * num_n
     if SLOTS:  # slot g's row is row g
         starts = offs_e
     else:
         starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
-    done = 0  # tiles of the phases before (TAIL): where the next phase's first tile goes
-    n0 = _phase_programs(rows, num_n, nprog, BLOCK_M, TAIL)  # TAIL: the phases' programs, side by side
-    # TAIL: the BLOCK_M-row tiles and the experts' short last tiles at half height (_phase_tiles), each phase a
-    # loop of its own (one tile height a loop keeps the loop flattening)
-    for PH in tl.static_range(1 + TAIL):  # phase PH's tiles are BLOCK_M >> PH rows high (written out: a name bound
-        # to it in the unrolled loop would be a runtime value, and a constexpr name cannot be bound twice)
-        tiles, first, cum, total, t0, step = _phase_walk(rows, num_n, pid, nprog, n0, done, PH, BLOCK_M, TAIL)
-        done = total
-        if TMA and not GATHER_A and DEVICE_TMA:  # a's rows through TMA, in boxes of this phase's tile height
-            if SORTED:  # one group of rows (its group stride is never used)
-                a_desc = tl.make_tensor_descriptor(a_ptr, shape=[1, M, K], strides=[M * s_am, s_am, 1],
-                                                   block_shape=[1, BLOCK_M >> PH, BLOCK_K])
-            else:
-                a_desc = tl.make_tensor_descriptor(a_ptr, shape=[E, M, K], strides=[s_ag, s_am, 1],
-                                                   block_shape=[1, BLOCK_M >> PH, BLOCK_K])
-        elif TMA and not GATHER_A:  # the host's descriptor (no TAIL: its box is BLOCK_M rows)
-            a_desc = a_ptr
-        # FLATTEN: the tile loop and the k loop become one software-pipelined loop (Triton's loop flattening), so
-        # the loads of a program's next tile are in flight while this tile's epilogue runs, instead of a pipeline
-        # that fills and drains per tile (short-K GEMMs pay that per tile)
-        for t in tl.range(t0, total, step, flatten=FLATTEN):
-            e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
+    # FLATTEN: the tile loop and the k loop become one software-pipelined loop (Triton's loop flattening), so the
+    # loads of a program's next tile are in flight while this tile's epilogue runs, instead of a pipeline that
+    # fills and drains per tile (short-K GEMMs pay that per tile)
+    for t in tl.range(pid, total, nprog, flatten=FLATTEN):
+        e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
+        e64 = e.to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_m = offs_m < m_e
+        if PAIRED:  # b's rows of the tile: BLOCK_N / 2 gate rows, then the up rows N below them
+            col = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
+            offs_n = (tl.arange(0, BLOCK_N) // (BLOCK_N // 2)) * N + col
+            mask_n = col < N
+        else:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # b's rows of the tile (halves: the gate's)
+            mask_n = offs_n < NB
+        srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
+        c_idx = srow.to(tl.int64)
+        if SLOTS:  # group e is slot e, whose row is row e: the weights are those of the expert it names
+            e = tl.reduce(tl.where(offs_e == e, slot_w, 0), 0, _add).to(tl.int32)  # ids may be int64: TMA wants i32
             e64 = e.to(tl.int64)
-            m_first = _first_row(e, offs_e, first, pid_m, BLOCK_M >> PH, PH)
-            offs_m = m_first + tl.arange(0, BLOCK_M >> PH)
-            offs_k = tl.arange(0, BLOCK_K)
-            mask_m = offs_m < m_e
-            if PAIRED:  # b's rows of the tile: BLOCK_N / 2 gate rows, then the up rows N below them
-                col = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
-                offs_n = (tl.arange(0, BLOCK_N) // (BLOCK_N // 2)) * N + col
-                mask_n = col < N
+        if GATHER_A and SLOTS:  # the row is the slot
+            slot = srow
+            a_idx = (slot // TOPK).to(tl.int64)
+        elif GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
+            slot = tl.load(sorted_ptr + srow, mask=mask_m, other=0)
+            a_idx = (slot // TOPK).to(tl.int64)
+        else:
+            slot = srow
+            a_idx = c_idx
+        if not (TMA and not GATHER_A):
+            a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
+        if not TMA:
+            b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
+            if HALVES:
+                u_ptrs = b_ptrs + N * s_bn
+        if SWAP_AB:  # acc^T = b^T a^T: the weight tile is the MMA's M (wgmma needs 64+), the few rows its N
+            acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+        else:
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        if HALVES:  # the up accumulator (acc + 0.0: a new tensor of its shape)
+            acc_u = acc + 0.0
+        for k0 in range(0, K, BLOCK_K):
+            if TMA and not GATHER_A:
+                a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
+            elif EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
             else:
-                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # b's rows of the tile (halves: the gate's)
-                mask_n = offs_n < NB
-            srow, g0, m0 = _row_index(e, offs_m, m_first, starts, offs_e, SORTED)
-            c_idx = srow.to(tl.int64)
-            if SLOTS:  # group e is slot e, whose row is row e: the weights are those of the expert it names
-                e = tl.reduce(tl.where(offs_e == e, slot_w, 0), 0, _add).to(tl.int32)  # ids may be int64: TMA wants i32
-                e64 = e.to(tl.int64)
-            if GATHER_A and SLOTS:  # the row is the slot
-                slot = srow
-                a_idx = (slot // TOPK).to(tl.int64)
-            elif GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
-                slot = tl.load(sorted_ptr + srow, mask=mask_m, other=0)
-                a_idx = (slot // TOPK).to(tl.int64)
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+            if TMA and PAIRED:
+                b = b_ptr.load([e, 0, pid_n * (BLOCK_N // 2), k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif TMA:
+                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+                if HALVES:
+                    u = b_ptr.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif EVEN_K:
+                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+                if HALVES:
+                    u = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
             else:
-                slot = srow
-                a_idx = c_idx
+                b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
+                if HALVES:
+                    u = tl.load(u_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
+            if UPCAST:  # the CPU interpreter's dot mis-reads bf16 / fp8 operands; fp32 is exact there
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+                if HALVES:
+                    u = u.to(tl.float32)
+            if B_FP8:  # W8A16 (one k group per step): the weight tile dequantised into a's dtype, then a plain MMA
+                # the block scale multiplies the weights, not the product, so the MMAs chain on one accumulator as
+                # the bf16 kernel's do (a product scaled per k step would wait for each MMA before the next)
+                bs_k = bs_ptr + e64 * s_bsg + (k0 // 128) * s_bsk
+                bsc = tl.load(bs_k + (offs_n // 128) * s_bsn, mask=mask_n, other=0.0)
+                acc = _mma(acc, a, (b.to(tl.float32) * bsc[None, :]).to(a.dtype), SWAP_AB, IEEE or UPCAST)
+                if HALVES:
+                    usc = tl.load(bs_k + ((N + offs_n) // 128) * s_bsn, mask=mask_n, other=0.0)
+                    acc_u = _mma(acc_u, a, (u.to(tl.float32) * usc[None, :]).to(a.dtype), SWAP_AB, IEEE or UPCAST)
+            else:
+                acc = _mma(acc, a, b, SWAP_AB, IEEE or UPCAST)
+                if HALVES:
+                    acc_u = _mma(acc_u, a, u, SWAP_AB, IEEE or UPCAST)
             if not (TMA and not GATHER_A):
-                a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
+                a_ptrs += BLOCK_K * s_ak
             if not TMA:
-                b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
+                b_ptrs += BLOCK_K * s_bk
                 if HALVES:
-                    u_ptrs = b_ptrs + N * s_bn
-            if SWAP_AB:  # acc^T = b^T a^T: the weight tile is the MMA's M (wgmma needs 64+), the few rows its N
-                acc = tl.full((BLOCK_N, BLOCK_M >> PH), 0.0, tl.float32)
-            else:
-                acc = tl.full((BLOCK_M >> PH, BLOCK_N), 0.0, tl.float32)
-            if HALVES:  # the up accumulator (acc + 0.0: a new tensor of its shape)
-                acc_u = acc + 0.0
-            for k0 in range(0, K, BLOCK_K):
-                if TMA and not GATHER_A:
-                    a = a_desc.load([g0, m0, k0]).reshape(BLOCK_M >> PH, BLOCK_K)
-                elif EVEN_K:
-                    a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                else:
-                    a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-                if TMA and PAIRED:
-                    b = b_ptr.load([e, 0, pid_n * (BLOCK_N // 2), k0]).reshape(BLOCK_N, BLOCK_K).T
-                elif TMA:
-                    b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-                    if HALVES:
-                        u = b_ptr.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-                elif EVEN_K:
-                    b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-                    if HALVES:
-                        u = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
-                else:
-                    b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
-                    if HALVES:
-                        u = tl.load(u_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
-                if UPCAST:  # the CPU interpreter's dot mis-reads bf16 / fp8 operands; fp32 is exact there
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                    if HALVES:
-                        u = u.to(tl.float32)
-                if B_FP8:  # W8A16 (one k group per step): the weight tile dequantised into a's dtype, then a plain MMA
-                    # the block scale multiplies the weights, not the product, so the MMAs chain on one accumulator as
-                    # the bf16 kernel's do (a product scaled per k step would wait for each MMA before the next)
-                    bs_k = bs_ptr + e64 * s_bsg + (k0 // 128) * s_bsk
-                    bsc = tl.load(bs_k + (offs_n // 128) * s_bsn, mask=mask_n, other=0.0)
-                    acc = _mma(acc, a, (b.to(tl.float32) * bsc[None, :]).to(a.dtype), SWAP_AB, IEEE or UPCAST)
-                    if HALVES:
-                        usc = tl.load(bs_k + ((N + offs_n) // 128) * s_bsn, mask=mask_n, other=0.0)
-                        acc_u = _mma(acc_u, a, (u.to(tl.float32) * usc[None, :]).to(a.dtype), SWAP_AB, IEEE or UPCAST)
-                else:
-                    acc = _mma(acc, a, b, SWAP_AB, IEEE or UPCAST)
-                    if HALVES:
-                        acc_u = _mma(acc_u, a, u, SWAP_AB, IEEE or UPCAST)
-                if not (TMA and not GATHER_A):
-                    a_ptrs += BLOCK_K * s_ak
-                if not TMA:
-                    b_ptrs += BLOCK_K * s_bk
-                    if HALVES:
-                        u_ptrs += BLOCK_K * s_bk
-            if SWAP_AB:
-                acc = tl.trans(acc)
-                if HALVES:
-                    acc_u = tl.trans(acc_u)
-            if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)
-                rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0).to(tl.float32)
-                acc = acc * rw[:, None]
-                if HALVES:
-                    acc_u = acc_u * rw[:, None]
-            if HAS_BIAS:  # bias [G, rows of b], contiguous along them
-                acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-                if HALVES:
-                    acc_u += tl.load(bias_ptr + e64 * s_biasg + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            if ACT_FUSED and GATED and (INTERLEAVED or PAIRED):  # half the tile's columns are gate, half up
-                if INTERLEAVED:  # columns (2j, 2j + 1) of the tile: (gate, up) of output column j
-                    g, u = tl.split(tl.reshape(acc, (BLOCK_M >> PH, BLOCK_N // 2, 2)))
-                else:  # columns j and BLOCK_N / 2 + j
-                    g, u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M >> PH, 2, BLOCK_N // 2)), (0, 2, 1)))
-                acc = _act_epilogue(g, u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
-                offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-                mask_n = offs_n < N
-            elif HALVES:
-                acc = _act_epilogue(acc, acc_u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
-            elif ACT_FUSED:
-                acc = _act_epilogue(acc, acc, alpha, limit, up_offset, ACT, False, HAS_LIMIT, UPCAST)
-            c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+                    u_ptrs += BLOCK_K * s_bk
+        if SWAP_AB:
+            acc = tl.trans(acc)
+            if HALVES:
+                acc_u = tl.trans(acc_u)
+        if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)
+            rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0).to(tl.float32)
+            acc = acc * rw[:, None]
+            if HALVES:
+                acc_u = acc_u * rw[:, None]
+        if HAS_BIAS:  # bias [G, rows of b], contiguous along them
+            acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if HALVES:
+                acc_u += tl.load(bias_ptr + e64 * s_biasg + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if ACT_FUSED and GATED and (INTERLEAVED or PAIRED):  # half the tile's columns are gate, half up
+            if INTERLEAVED:  # columns (2j, 2j + 1) of the tile: (gate, up) of output column j
+                g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+            else:  # columns j and BLOCK_N / 2 + j
+                g, u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            acc = _act_epilogue(g, u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
+            offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            mask_n = offs_n < N
+        elif HALVES:
+            acc = _act_epilogue(acc, acc_u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
+        elif ACT_FUSED:
+            acc = _act_epilogue(acc, acc, alpha, limit, up_offset, ACT, False, HAS_LIMIT, UPCAST)
+        c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -530,7 +436,6 @@ def masked_gemm_fp8_kernel(
     DEVICE_TMA: tl.constexpr = False,
     FLATTEN: tl.constexpr = False,
     PREFETCH_SCALES: tl.constexpr = False,
-    TAIL: tl.constexpr = False,
 ):
     """fp8 x fp8 -> bf16 (+ bias[g]): a with 1x128 per-row group scales, b with 128x128 block scales.
 
@@ -542,8 +447,7 @@ def masked_gemm_fp8_kernel(
     PREFETCH_SCALES: each k step loads the next step's scales, so their latency hides behind a whole step
     instead of its MMA alone (the loads of the step's own scales are not pipelined by Triton: they were issued just
     before the MMA and waited for right after it).
-    TMA, SORTED, GATHER_A, ROUTE_W, SWAP_AB, FLATTEN, TAIL: as in :func:`masked_gemm_kernel` (``as`` rows follow
-    ``a``'s).
+    TMA, SORTED, GATHER_A, ROUTE_W, SWAP_AB, FLATTEN: as in :func:`masked_gemm_kernel` (``as`` rows follow ``a``'s).
     """
     # Written out in both GEMM kernels on purpose: a pointer handed to a helper counts as written in
     # Inductor's mutation analysis, which would then copy the weights before every launch.
@@ -551,121 +455,113 @@ def masked_gemm_fp8_kernel(
         # the unit last stride is written as a literal (the host checked it): TMA needs it static
         b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[s_bg, s_bn, 1],
                                           block_shape=[1, BLOCK_N, BLOCK_K])
+        if not GATHER_A:
+            if SORTED:  # one group of rows (its group stride is never used)
+                a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[1, M, K], strides=[M * s_am, s_am, 1],
+                                                  block_shape=[1, BLOCK_M, BLOCK_K])
+            else:
+                a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[E, M, K], strides=[s_ag, s_am, 1],
+                                                  block_shape=[1, BLOCK_M, BLOCK_K])
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
-    rows = _clamped_rows(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M)
+    rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
     num_n = (N + BLOCK_N - 1) // BLOCK_N
+    total = tl.reduce(tiles, 0, _add) * num_n
     starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
-    done = 0  # tiles of the phases before (TAIL, as in masked_gemm_kernel)
-    n0 = _phase_programs(rows, num_n, nprog, BLOCK_M, TAIL)
-    for PH in tl.static_range(1 + TAIL):  # phase PH's tiles are BLOCK_M >> PH rows high (written out: a name bound
-        # to it in the unrolled loop would be a runtime value, and a constexpr name cannot be bound twice)
-        tiles, first, cum, total, t0, step = _phase_walk(rows, num_n, pid, nprog, n0, done, PH, BLOCK_M, TAIL)
-        done = total
-        if TMA and not GATHER_A and DEVICE_TMA:  # a's rows through TMA, in boxes of this phase's tile height
-            if SORTED:  # one group of rows (its group stride is never used)
-                a_desc = tl.make_tensor_descriptor(a_ptr, shape=[1, M, K], strides=[M * s_am, s_am, 1],
-                                                   block_shape=[1, BLOCK_M >> PH, BLOCK_K])
-            else:
-                a_desc = tl.make_tensor_descriptor(a_ptr, shape=[E, M, K], strides=[s_ag, s_am, 1],
-                                                   block_shape=[1, BLOCK_M >> PH, BLOCK_K])
-        elif TMA and not GATHER_A:  # the host's descriptor (no TAIL: its box is BLOCK_M rows)
-            a_desc = a_ptr
-        for t in tl.range(t0, total, step, flatten=FLATTEN):  # FLATTEN: see masked_gemm_kernel
-            e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
-            e64 = e.to(tl.int64)
-            m_first = _first_row(e, offs_e, first, pid_m, BLOCK_M >> PH, PH)
-            offs_m = m_first + tl.arange(0, BLOCK_M >> PH)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_k = tl.arange(0, BLOCK_K)
-            mask_m = offs_m < m_e
-            mask_n = offs_n < N
-            srow, g0, m0 = _row_index(e, offs_m, m_first, starts, offs_e, SORTED)
-            c_idx = srow.to(tl.int64)
-            if GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
-                slot = tl.load(sorted_ptr + srow, mask=mask_m, other=0)
-                a_idx = (slot // TOPK).to(tl.int64)
-            else:
-                slot = srow
-                a_idx = c_idx
-            if not (TMA and not GATHER_A):
-                a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
-            if not TMA:
-                b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
-            as_ptrs = as_ptr + e64 * s_asg + a_idx * s_asm  # a's scales follow a's rows
+    for t in tl.range(pid, total, nprog, flatten=FLATTEN):  # FLATTEN: see masked_gemm_kernel
+        e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
+        e64 = e.to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_m = offs_m < m_e
+        mask_n = offs_n < N
+        srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
+        c_idx = srow.to(tl.int64)
+        if GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
+            slot = tl.load(sorted_ptr + srow, mask=mask_m, other=0)
+            a_idx = (slot // TOPK).to(tl.int64)
+        else:
+            slot = srow
+            a_idx = c_idx
+        if not (TMA and not GATHER_A):
+            a_ptrs = a_ptr + e64 * s_ag + a_idx[:, None] * s_am + offs_k[None, :] * s_ak
+        if not TMA:
+            b_ptrs = b_ptr + e64 * s_bg + offs_n[None, :] * s_bn + offs_k[:, None] * s_bk
+        as_ptrs = as_ptr + e64 * s_asg + a_idx * s_asm  # a's scales follow a's rows
+        if SCALAR_BS:
+            bs_ptrs = bs_ptr + e64 * s_bsg + ((pid_n * BLOCK_N) // 128) * s_bsn
+        else:
+            bs_ptrs = bs_ptr + e64 * s_bsg + (offs_n // 128) * s_bsn
+        if SWAP_AB:  # acc^T = b^T a^T: the weight tile is the MMA's M (wgmma needs 64+), the few rows its N
+            acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+        else:
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        if PREFETCH_SCALES:  # the first k step's scales; each step then loads the next step's
+            a_s = tl.load(as_ptrs, mask=mask_m, other=0.0)
             if SCALAR_BS:
-                bs_ptrs = bs_ptr + e64 * s_bsg + ((pid_n * BLOCK_N) // 128) * s_bsn
+                b_s = tl.load(bs_ptrs)
             else:
-                bs_ptrs = bs_ptr + e64 * s_bsg + (offs_n // 128) * s_bsn
-            if SWAP_AB:  # acc^T = b^T a^T: the weight tile is the MMA's M (wgmma needs 64+), the few rows its N
-                acc = tl.full((BLOCK_N, BLOCK_M >> PH), 0.0, tl.float32)
-            else:
-                acc = tl.full((BLOCK_M >> PH, BLOCK_N), 0.0, tl.float32)
-            if PREFETCH_SCALES:  # the first k step's scales; each step then loads the next step's
-                a_s = tl.load(as_ptrs, mask=mask_m, other=0.0)
-                if SCALAR_BS:
-                    b_s = tl.load(bs_ptrs)
-                else:
-                    b_s = tl.load(bs_ptrs, mask=mask_n, other=0.0)
-            for k0 in range(0, K, BLOCK_K):
-                if TMA and not GATHER_A:
-                    a = a_desc.load([g0, m0, k0]).reshape(BLOCK_M >> PH, BLOCK_K)
-                    b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-                elif TMA:  # gathered A through pointers (masked at a K tail, as TMA zero-fills b's), b through TMA
-                    if EVEN_K:
-                        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                    else:
-                        a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-                    b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-                elif EVEN_K:
+                b_s = tl.load(bs_ptrs, mask=mask_n, other=0.0)
+        for k0 in range(0, K, BLOCK_K):
+            if TMA and not GATHER_A:
+                a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
+                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif TMA:  # gathered A through pointers (masked at a K tail, as TMA zero-fills b's), b through TMA
+                if EVEN_K:
                     a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                    b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
                 else:
                     a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-                    b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
-                if not PREFETCH_SCALES:  # this step's scales, loaded now (waited for after the MMA)
-                    kg = k0 // 128
-                    a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_m, other=0.0)
-                    if SCALAR_BS:
-                        b_s = tl.load(bs_ptrs + kg * s_bsk)
-                    else:
-                        b_s = tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)
-                if SWAP_AB:  # the same step transposed: rows are the accumulator's columns
-                    if SCALAR_BS:
-                        scale = (a_s * b_s)[None, :]
-                    else:
-                        scale = b_s[:, None] * a_s[None, :]
-                elif SCALAR_BS:
-                    scale = (a_s * b_s)[:, None]
+                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+                b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
+            if not PREFETCH_SCALES:  # this step's scales, loaded now (waited for after the MMA)
+                kg = k0 // 128
+                a_s = tl.load(as_ptrs + kg * s_ask, mask=mask_m, other=0.0)
+                if SCALAR_BS:
+                    b_s = tl.load(bs_ptrs + kg * s_bsk)
                 else:
-                    scale = a_s[:, None] * b_s[None, :]
-                if PREFETCH_SCALES:  # the next step's scales: a whole step (its MMA) to arrive, not the MMA's tail
-                    # the last step loads its own group again (in bounds; never used)
-                    kn = tl.minimum((k0 + BLOCK_K) // 128, (K - 1) // 128)
-                    a_s = tl.load(as_ptrs + kn * s_ask, mask=mask_m, other=0.0)
-                    if SCALAR_BS:
-                        b_s = tl.load(bs_ptrs + kn * s_bsk)
-                    else:
-                        b_s = tl.load(bs_ptrs + kn * s_bsk, mask=mask_n, other=0.0)
-                if UPCAST:  # the CPU interpreter's dot mis-reads fp8 operands; fp32 is exact there
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                # an explicit FMA: Triton stops fusing a multiply and an add by default after 3.9
-                acc = tl.fma(_dot(a, b, SWAP_AB, UPCAST), scale, acc)
-                if not (TMA and not GATHER_A):
-                    a_ptrs += BLOCK_K * s_ak
-                if not TMA:
-                    b_ptrs += BLOCK_K * s_bk
-            if SWAP_AB:
-                acc = tl.trans(acc)
-            if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)
-                rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0)
-                acc = acc * rw.to(tl.float32)[:, None]
-            if HAS_BIAS:  # bias [G, N], contiguous along N
-                acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+                    b_s = tl.load(bs_ptrs + kg * s_bsk, mask=mask_n, other=0.0)
+            if SWAP_AB:  # the same step transposed: rows are the accumulator's columns
+                if SCALAR_BS:
+                    scale = (a_s * b_s)[None, :]
+                else:
+                    scale = b_s[:, None] * a_s[None, :]
+            elif SCALAR_BS:
+                scale = (a_s * b_s)[:, None]
+            else:
+                scale = a_s[:, None] * b_s[None, :]
+            if PREFETCH_SCALES:  # the next step's scales: a whole step (its MMA) to arrive, not the MMA's tail
+                # the last step loads its own group again (in bounds; never used)
+                kn = tl.minimum((k0 + BLOCK_K) // 128, (K - 1) // 128)
+                a_s = tl.load(as_ptrs + kn * s_ask, mask=mask_m, other=0.0)
+                if SCALAR_BS:
+                    b_s = tl.load(bs_ptrs + kn * s_bsk)
+                else:
+                    b_s = tl.load(bs_ptrs + kn * s_bsk, mask=mask_n, other=0.0)
+            if UPCAST:  # the CPU interpreter's dot mis-reads fp8 operands; fp32 is exact there
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            # an explicit FMA: Triton stops fusing a multiply and an add by default after 3.9
+            acc = tl.fma(_dot(a, b, SWAP_AB, UPCAST), scale, acc)
+            if not (TMA and not GATHER_A):
+                a_ptrs += BLOCK_K * s_ak
+            if not TMA:
+                b_ptrs += BLOCK_K * s_bk
+        if SWAP_AB:
+            acc = tl.trans(acc)
+        if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)
+            rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0)
+            acc = acc * rw.to(tl.float32)[:, None]
+        if HAS_BIAS:  # bias [G, N], contiguous along N
+            acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit

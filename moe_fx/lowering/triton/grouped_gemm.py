@@ -33,14 +33,6 @@ PREFETCH_FP8_SCALES = False
 #: the tile (a swapped tile: two weight tiles). Read at every launch: ``bench/fused_activation.py --switch
 #: pair_halves`` times both: 1.00-1.02x on the H200 (bench/results/pair_halves_2026-12-05.md).
 PAIR_GATE_UP = True
-#: tiles of at least this many rows (``block_m``) compute an expert's last rows, where at most half a tile of them is
-#: left after its whole tiles, in a tile of half the height (the GEMM kernels' TAIL) instead of a tile that is half
-#: padding or more; 0: off. Read at every launch, so ``bench/fused_activation.py --switch tail_tiles`` times both
-#: sides in one process. Random top-8 routing over 128 experts at T = 4096 leaves 21% of Qwen3's 128-row tile rows as
-#: padding (docs/performance.md, "Tile padding"). Off: the form whose tail tiles ran after every whole tile lost
-#: 0.74-1.09x on an H100 (docs/triton.md, "Half-height tail tiles"); the one whose phases run side by side is not
-#: timed yet.
-TAIL_TILES_MIN_BLOCK_M = 0
 _FP8 = FP8_DTYPE
 
 
@@ -328,7 +320,6 @@ def _launch_gemm(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, E_POW2=_pow2(groups),
         EVEN_K=k % cfg.block_k == 0, UPCAST=a.device.type == "cpu", TMA=tma, **_bias_args(bias), **extra,
         SWAP_AB=cfg.swap_ab, DEVICE_TMA=device_tma, FLATTEN=cfg.flatten,
-        TAIL=_tail_tiles(cfg, slots=extra.get("SLOTS", False), host_tma=tma and not device_tma),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if kind == "fp8":
@@ -349,14 +340,6 @@ def _launch_gemm(
             *a_strides, *b.stride(), *c_strides,
             IEEE=a.dtype == torch.float32, **common, **(epilogue or {}), **w8a16,
         )  # fmt: skip
-
-
-def _tail_tiles(cfg: configs.TileConfig, *, slots: bool, host_tma: bool) -> bool:
-    """Whether a launch computes its experts' short last rows in half-height tiles (:data:`TAIL_TILES_MIN_BLOCK_M`;
-    the kernels' TAIL): not for swapped tiles (decode: a tile's rows are the MMA's N), rows in slot order (one row a
-    group) or a host-made descriptor of ``a`` (its box is one tile height)."""
-    least = TAIL_TILES_MIN_BLOCK_M
-    return least > 0 and cfg.block_m >= max(least, 32) and not (cfg.swap_ab or slots or host_tma)
 
 
 def _check_operands(name: str, a: torch.Tensor, b: torch.Tensor, fp8: bool, a_dim: int, grouped: bool = True,
