@@ -92,12 +92,15 @@ def side_fn(side: str, e: int):
 
 
 def same_layout(a, b) -> bool:
-    """Whether two layouts hold the same rows: slot positions, experts of rows, and each valid row's codes and
-    scales bit for bit."""
-    valid = a.slot_pos[a.slot_pos >= 0]
-    return (torch.equal(a.slot_pos, b.slot_pos) and torch.equal(a.m_indices, b.m_indices)
-            and torch.equal(a.x[valid].view(torch.uint8), b.x[valid].view(torch.uint8))
-            and torch.equal(a.x_scale[valid], b.x_scale[valid]))
+    """Whether two layouts hold the same rows: the same experts' row blocks, the same slots sending rows, and each
+    slot's codes and scales bit for bit. Compared slot by slot, not row by row: on a GPU the sort claims an
+    expert's rows with atomics, so two sorts of one routing order an expert's rows differently."""
+    sent = a.slot_pos >= 0
+    if not (torch.equal(a.m_indices, b.m_indices) and torch.equal(sent, b.slot_pos >= 0)):
+        return False
+    ra, rb = a.slot_pos[sent], b.slot_pos[sent]
+    return (torch.equal(a.x[ra].view(torch.uint8), b.x[rb].view(torch.uint8))
+            and torch.equal(a.x_scale[ra], b.x_scale[rb]))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

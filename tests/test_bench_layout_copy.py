@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import load_bench
@@ -42,6 +44,16 @@ def test_sides_on_a_tiny_layer(mod):
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     fused, two = mod.side_fn("fp8_fused", e)(x, ids), mod.side_fn("fp8_two_launches", e)(x, ids)
     assert fused.x.dtype == torch.float8_e4m3fn and mod.same_layout(fused, two)
+    # a GPU sort orders an expert's rows by atomics: the same layout with two of an expert's rows swapped
+    e0 = int(ids[0, 0])
+    rows0 = (two.m_indices == e0).nonzero().flatten()
+    assert rows0.numel() >= 2
+    r1, r2 = int(rows0[0]), int(rows0[1])
+    perm = torch.arange(two.x.shape[0])
+    perm[r1], perm[r2] = r2, r1
+    # perm is its own inverse: each slot follows its row
+    swapped = dataclasses.replace(two, x=two.x[perm], x_scale=two.x_scale[perm], slot_pos=perm[two.slot_pos])
+    assert not torch.equal(swapped.slot_pos, fused.slot_pos) and mod.same_layout(fused, swapped)
     two.x_scale[two.slot_pos[0]] += 1.0  # one scale off: no longer the same layout
     assert not mod.same_layout(fused, two)
     plain = mod.side_fn("bf16", e)(x, ids)
