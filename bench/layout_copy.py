@@ -11,6 +11,8 @@ is captured in CUDA graphs (one per routing set) and the sides' replays alternat
 * ``bf16``: the contiguous copy of the bf16 tokens (the bf16 DeepGEMM path above 256 rows per expert);
 * ``fp8_fused``: ``contiguous_rows(quantize=True)``, the tokens quantised in the copy's launch (the fp8 path);
 * ``fp8_two_launches``: ``quantize_rows`` then the copy of its codes and scales (the fp8 path before 2026-12-07);
+* ``fp8_fused_kmajor``: ``fp8_fused`` with its scales written row by row (``[rows, groups]`` contiguous, a layout
+  DeepGEMM does not read): what writing the MN-major scales, K scattered 4-byte stores per group, costs;
 * ``masked_bf16``, ``masked_fp8``: the permute into the masked layout (``max_m = T``), bf16 and quantised, where
   DeepGEMM runs that layout (at most 256 rows per expert).
 
@@ -30,6 +32,7 @@ import argparse
 import json
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -37,10 +40,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_layer import SHAPES, bench_meta, results_stem, routing_sets
 from peer_layer import alternate_graph_us
 
+from moe_fx.lowering import layouts
 from moe_fx.lowering.masked_experts.deepgemm import CONTIGUOUS_M_ALIGN
 from moe_fx.lowering.problem import ROW_REGIMES
 
-SIDES = ("bf16", "fp8_fused", "fp8_two_launches", "masked_bf16", "masked_fp8")
+SIDES = ("bf16", "fp8_fused", "fp8_two_launches", "fp8_fused_kmajor", "masked_bf16", "masked_fp8")
 ROUNDS = 5
 SETS = 3
 
@@ -59,11 +63,16 @@ def floor_bytes(side: str, t: int, k: int, h: int) -> int:
     if side in ("bf16", "masked_bf16"):
         return t * h * 2 + t * k * h * 2
     fused = t * h * 2 + t * k * (h + 4 * groups)
-    if side in ("fp8_fused", "masked_fp8"):
+    if side in ("fp8_fused", "fp8_fused_kmajor", "masked_fp8"):
         return fused
     if side == "fp8_two_launches":
         return fused + 2 * t * (h + 4 * groups)
     raise ValueError(f"unknown side {side!r}")
+
+
+def _row_major_scales(num_groups: int, mn: int, k: int, *, device=None, dtype=torch.float32) -> torch.Tensor:
+    """``[num_groups, mn, ceil(k / 128)]`` scales, each row's groups adjacent (side ``fp8_fused_kmajor``)."""
+    return torch.empty(num_groups, mn, -(-k // 128), device=device, dtype=dtype)
 
 
 def side_fn(side: str, e: int):
@@ -85,6 +94,9 @@ def side_fn(side: str, e: int):
             return contiguous_rows(rows, x, None, ids, align=CONTIGUOUS_M_ALIGN)
         if side == "fp8_fused":
             return contiguous_rows(rows, x, None, ids, align=CONTIGUOUS_M_ALIGN, quantize=True)
+        if side == "fp8_fused_kmajor":
+            with mock.patch.object(layouts, "empty_mn_major_scales", _row_major_scales):
+                return contiguous_rows(rows, x, None, ids, align=CONTIGUOUS_M_ALIGN, quantize=True)
         codes, scales = quantize_rows(x)
         return contiguous_rows(rows, codes, scales, ids, align=CONTIGUOUS_M_ALIGN)
 
