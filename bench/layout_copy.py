@@ -13,6 +13,8 @@ is captured in CUDA graphs (one per routing set) and the sides' replays alternat
 * ``fp8_two_launches``: ``quantize_rows`` then the copy of its codes and scales (the fp8 path before 2026-12-07);
 * ``fp8_fused_kmajor``: ``fp8_fused`` with its scales written row by row (``[rows, groups]`` contiguous, a layout
   DeepGEMM does not read): what writing the MN-major scales, K scattered 4-byte stores per group, costs;
+* ``fp8_fused_kmajor_copy``: ``fp8_fused_kmajor`` then a copy of its scales into the MN-major layout (torch's
+  ``copy_``): the candidate if the scattered stores cost more than that copy;
 * ``masked_bf16``, ``masked_fp8``: the permute into the masked layout (``max_m = T``), bf16 and quantised, where
   DeepGEMM runs that layout (at most 256 rows per expert).
 
@@ -29,6 +31,7 @@ Writes ``layout_copy_<date>[_tag].{md,json}`` to ``--out`` (default bench/result
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -44,7 +47,8 @@ from moe_fx.lowering import layouts
 from moe_fx.lowering.masked_experts.deepgemm import CONTIGUOUS_M_ALIGN
 from moe_fx.lowering.problem import ROW_REGIMES
 
-SIDES = ("bf16", "fp8_fused", "fp8_two_launches", "fp8_fused_kmajor", "masked_bf16", "masked_fp8")
+SIDES = ("bf16", "fp8_fused", "fp8_two_launches", "fp8_fused_kmajor", "fp8_fused_kmajor_copy", "masked_bf16",
+         "masked_fp8")
 ROUNDS = 5
 SETS = 3
 
@@ -63,7 +67,7 @@ def floor_bytes(side: str, t: int, k: int, h: int) -> int:
     if side in ("bf16", "masked_bf16"):
         return t * h * 2 + t * k * h * 2
     fused = t * h * 2 + t * k * (h + 4 * groups)
-    if side in ("fp8_fused", "fp8_fused_kmajor", "masked_fp8"):
+    if side in ("fp8_fused", "fp8_fused_kmajor", "fp8_fused_kmajor_copy", "masked_fp8"):
         return fused
     if side == "fp8_two_launches":
         return fused + 2 * t * (h + 4 * groups)
@@ -94,9 +98,13 @@ def side_fn(side: str, e: int):
             return contiguous_rows(rows, x, None, ids, align=CONTIGUOUS_M_ALIGN)
         if side == "fp8_fused":
             return contiguous_rows(rows, x, None, ids, align=CONTIGUOUS_M_ALIGN, quantize=True)
-        if side == "fp8_fused_kmajor":
+        if side.startswith("fp8_fused_kmajor"):
             with mock.patch.object(layouts, "empty_mn_major_scales", _row_major_scales):
-                return contiguous_rows(rows, x, None, ids, align=CONTIGUOUS_M_ALIGN, quantize=True)
+                lay = contiguous_rows(rows, x, None, ids, align=CONTIGUOUS_M_ALIGN, quantize=True)
+            if side == "fp8_fused_kmajor":
+                return lay
+            mn = layouts.empty_mn_major_scales(1, lay.x.shape[0], lay.x.shape[1], device=x.device).squeeze(0)
+            return dataclasses.replace(lay, x_scale=mn.copy_(lay.x_scale))
         codes, scales = quantize_rows(x)
         return contiguous_rows(rows, codes, scales, ids, align=CONTIGUOUS_M_ALIGN)
 
