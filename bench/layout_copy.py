@@ -9,12 +9,14 @@ masked permute 59.0 µs at T=1024, then 128 columns a step). For each shape and 
 is captured in CUDA graphs (one per routing set) and the sides' replays alternate over a few rounds (median per side):
 
 * ``bf16``: the contiguous copy of the bf16 tokens (the bf16 DeepGEMM path above 256 rows per expert);
-* ``fp8_fused``: ``contiguous_rows(quantize=True)``, the tokens quantised in the copy's launch (the fp8 path);
+* ``fp8_fused``: ``contiguous_rows(quantize=True, scale_scratch=False)``, the tokens quantised in the copy's launch,
+  each group's scale stored straight into DeepGEMM's MN-major layout;
 * ``fp8_two_launches``: ``quantize_rows`` then the copy of its codes and scales (the fp8 path before 2026-12-07);
 * ``fp8_fused_kmajor``: ``fp8_fused`` with its scales written row by row (``[rows, groups]`` contiguous, a layout
   DeepGEMM does not read): what writing the MN-major scales, K scattered 4-byte stores per group, costs;
-* ``fp8_fused_kmajor_copy``: ``fp8_fused_kmajor`` then a copy of its scales into the MN-major layout (torch's
-  ``copy_``): the candidate if the scattered stores cost more than that copy;
+* ``fp8_fused_scratch``: ``contiguous_rows(quantize=True, scale_scratch=True)``: the scales written row by row
+  into a scratch, then copied into the MN-major layout (torch's ``copy_``): the other form of the fp8 path
+  (``sort.SCALE_SCRATCH`` picks the shipped one);
 * ``masked_bf16``, ``masked_fp8``: the permute into the masked layout (``max_m = T``), bf16 and quantised, where
   DeepGEMM runs that layout (at most 256 rows per expert).
 
@@ -31,7 +33,6 @@ Writes ``layout_copy_<date>[_tag].{md,json}`` to ``--out`` (default bench/result
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -47,7 +48,7 @@ from moe_fx.lowering import layouts
 from moe_fx.lowering.masked_experts.deepgemm import CONTIGUOUS_M_ALIGN
 from moe_fx.lowering.problem import ROW_REGIMES
 
-SIDES = ("bf16", "fp8_fused", "fp8_two_launches", "fp8_fused_kmajor", "fp8_fused_kmajor_copy", "masked_bf16",
+SIDES = ("bf16", "fp8_fused", "fp8_two_launches", "fp8_fused_kmajor", "fp8_fused_scratch", "masked_bf16",
          "masked_fp8")
 ROUNDS = 5
 SETS = 3
@@ -67,7 +68,7 @@ def floor_bytes(side: str, t: int, k: int, h: int) -> int:
     if side in ("bf16", "masked_bf16"):
         return t * h * 2 + t * k * h * 2
     fused = t * h * 2 + t * k * (h + 4 * groups)
-    if side in ("fp8_fused", "fp8_fused_kmajor", "fp8_fused_kmajor_copy", "masked_fp8"):
+    if side in ("fp8_fused", "fp8_fused_kmajor", "fp8_fused_scratch", "masked_fp8"):
         return fused
     if side == "fp8_two_launches":
         return fused + 2 * t * (h + 4 * groups)
@@ -96,15 +97,13 @@ def side_fn(side: str, e: int):
         rows = sorted_rows[key]
         if side == "bf16":
             return contiguous_rows(rows, x, None, ids, align=CONTIGUOUS_M_ALIGN)
-        if side == "fp8_fused":
-            return contiguous_rows(rows, x, None, ids, align=CONTIGUOUS_M_ALIGN, quantize=True)
-        if side.startswith("fp8_fused_kmajor"):
+        if side in ("fp8_fused", "fp8_fused_scratch"):
+            return contiguous_rows(rows, x, None, ids, align=CONTIGUOUS_M_ALIGN, quantize=True,
+                                   scale_scratch=side == "fp8_fused_scratch")
+        if side == "fp8_fused_kmajor":
             with mock.patch.object(layouts, "empty_mn_major_scales", _row_major_scales):
-                lay = contiguous_rows(rows, x, None, ids, align=CONTIGUOUS_M_ALIGN, quantize=True)
-            if side == "fp8_fused_kmajor":
-                return lay
-            mn = layouts.empty_mn_major_scales(1, lay.x.shape[0], lay.x.shape[1], device=x.device).squeeze(0)
-            return dataclasses.replace(lay, x_scale=mn.copy_(lay.x_scale))
+                return contiguous_rows(rows, x, None, ids, align=CONTIGUOUS_M_ALIGN, quantize=True,
+                                       scale_scratch=False)
         codes, scales = quantize_rows(x)
         return contiguous_rows(rows, codes, scales, ids, align=CONTIGUOUS_M_ALIGN)
 

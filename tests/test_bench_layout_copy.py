@@ -35,7 +35,7 @@ def test_masked_sides_only_where_deepgemm_runs_that_layout(mod):
     # the DeepSeek-V3 shard (E=32, top-8): 256 rows per expert at T=1024, 1024 at T=4096
     assert mod.sides_for(1024, 8, 32) == mod.SIDES
     assert mod.sides_for(4096, 8, 32) == ("bf16", "fp8_fused", "fp8_two_launches", "fp8_fused_kmajor",
-                                            "fp8_fused_kmajor_copy")
+                                            "fp8_fused_scratch")
 
 
 def test_sides_on_a_tiny_layer(mod):
@@ -47,7 +47,7 @@ def test_sides_on_a_tiny_layer(mod):
     assert fused.x.dtype == torch.float8_e4m3fn and mod.same_layout(fused, two)
     kmajor = mod.side_fn("fp8_fused_kmajor", e)(x, ids)  # the same values, the scales row by row
     assert kmajor.x_scale.stride(-1) == 1 and fused.x_scale.stride(-2) == 1 and mod.same_layout(fused, kmajor)
-    copied = mod.side_fn("fp8_fused_kmajor_copy", e)(x, ids)  # and copied back into DeepGEMM's layout
+    copied = mod.side_fn("fp8_fused_scratch", e)(x, ids)  # row by row, then copied into DeepGEMM's layout
     assert copied.x_scale.stride() == fused.x_scale.stride() and mod.same_layout(fused, copied)
     # a GPU sort orders an expert's rows by atomics: the same layout with two of an expert's rows swapped
     e0 = int(ids[0, 0])

@@ -184,6 +184,13 @@ def test_quantising_copy_matches_quantize_rows_then_copy(device, t, e, k, h, rou
     assert len(valid) == t * k - 1 and not got.x_scale[valid].isnan().any()
     assert torch.equal(got.x[valid].view(torch.uint8), want.x[valid].view(torch.uint8))
     torch.testing.assert_close(got.x_scale[valid], want.x_scale[valid], rtol=0, atol=0)
+    # the scales through the row-major scratch and a copy: the same values, in DeepGEMM's MN-major layout
+    for scratch in (contiguous_rows(rows, x, None, ids, align=8, route_weights=rw, quantize=True, scale_scratch=True),
+                    contiguous_rows(rows, codes, scales, ids, align=8, route_weights=rw, scale_scratch=True)):
+        assert scratch.x_scale.stride() == got.x_scale.stride() and scratch.x_scale.stride(0) == 1
+        assert torch.equal(scratch.slot_pos, got.slot_pos)
+        assert torch.equal(scratch.x[valid].view(torch.uint8), got.x[valid].view(torch.uint8))
+        torch.testing.assert_close(scratch.x_scale[valid], got.x_scale[valid], rtol=0, atol=0)
     # the scale of a slot's row is its token's (times its routing weight)
     slot = int((got.slot_pos >= 0).nonzero()[4])
     expect = scales[slot // k] * (rw[slot // k, slot % k] if route else 1.0)

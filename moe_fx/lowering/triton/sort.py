@@ -54,6 +54,12 @@ BITONIC_SORT_SLOTS = 1024
 #: decode-sized sorts (at most this many slots, or the decode regime) run in one launch, without atomics
 SMALL_SORT_SLOTS = 1024
 
+#: :func:`contiguous_rows` writes the fp8 scales row by row into a scratch ``[rows, groups]`` and copies them into
+#: DeepGEMM's MN-major layout after the launch, instead of storing each group's scale straight into the MN-major
+#: layout (one 4-byte store a slot and group, each in a different sector). Read at every call, so
+#: ``bench/layout_copy.py`` times both sides in one process.
+SCALE_SCRATCH = False
+
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, *, small: bool | None = None) -> SortedRows:
     """Rows of the contiguous layout for ``topk_ids [T, K]`` (int32/int64, any strides).
@@ -204,13 +210,15 @@ def contiguous_rows(
     align: int,
     route_weights: torch.Tensor | None = None,
     quantize: bool = False,
+    scale_scratch: bool | None = None,
 ) -> ContiguousRows:
     """The tokens ``x [T, H]`` (fp8 codes with their ``[T, ceil(H/128)]`` scales, or bf16) copied into the
     aligned contiguous layout of ``rows`` (:func:`sort_by_expert` of ``topk_ids``): one Triton launch, and a
     fill of ``m_indices`` with -1. ``quantize``: ``x`` is unquantised (``x_scale`` None) and the layout gets its
     fp8 codes and 1x128 scales, quantised in the same launch as :func:`quantize_rows` would (same codes and
     scales). ``route_weights [T, K]``: each row scaled by its slot's routing weight (weights on the input; fp8:
-    the scales are scaled). No host synchronisation.
+    the scales are scaled). ``scale_scratch`` (default :data:`SCALE_SCRATCH`): the launch writes the scales row
+    by row and a copy puts them into the MN-major layout (the same values). No host synchronisation.
     """
     from moe_fx.lowering.layouts import empty_mn_major_scales
 
@@ -223,17 +231,19 @@ def contiguous_rows(
     n = rows.num_rows
     num_rows = cdiv(n + e * (align - 1), align) * align
     out = torch.empty(num_rows, h, dtype=FP8_DTYPE if quantize else x.dtype, device=x.device)
-    out_scale = None
+    out_scale = scratch = None
+    sg = cdiv(h, FP8_BLOCK)
     if x_scale is not None or quantize:
         out_scale = empty_mn_major_scales(1, num_rows, h, device=x.device).squeeze(0)
+        if SCALE_SCRATCH if scale_scratch is None else scale_scratch:
+            scratch = torch.empty(num_rows, sg, dtype=out_scale.dtype, device=x.device)
     m_indices = torch.full((num_rows,), -1, dtype=torch.int32, device=x.device)
     slot_pos = torch.empty(n, dtype=torch.int64, device=x.device)
     if _known_empty(t, k):
         return ContiguousRows(out, out_scale, m_indices, slot_pos, num_rows)
     block_h = copy_block(h, quantize)
-    sg = cdiv(h, FP8_BLOCK)
     xs = x_scale if x_scale is not None else x
-    os_ = out_scale if out_scale is not None else out
+    os_ = scratch if scratch is not None else out_scale if out_scale is not None else out
     w = route_weights if route_weights is not None else x
     launch("contiguous_rows_kernel", x.device, (t,),
            x, xs, w, rows.scratch, rows.slot_pos, topk_ids, out, os_, m_indices, slot_pos, e, h, sg,
@@ -242,4 +252,6 @@ def contiguous_rows(
            SG_POW2=max(2, _pow2(sg)),
            HAS_SCALE=x_scale is not None, QUANT=quantize, ROUTE_W=route_weights is not None,
            INTERP=x.device.type == "cpu", num_warps=4)
+    if scratch is not None:
+        out_scale.copy_(scratch)
     return ContiguousRows(out, out_scale, m_indices, slot_pos, num_rows)
