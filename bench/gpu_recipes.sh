@@ -88,8 +88,9 @@
 #                  permute (bf16, fp8: 1024 columns a step since 2026-12-07), DeepSeek-V3 shard, Mixtral, Qwen3, T = 1024
 #                  / 4096 / 16384, against the bytes floor (before: the contiguous copy 193.7 / 949.4 µs for the shard at
 #                  T = 4096 / 16384 on an H100, 2-3x its floor; the fp8 permute 59.0 µs at T=1024, 2.4x); with two
-#                  more fp8 sides: the scales through a row-major scratch and a copy (sort.SCALE_SCRATCH), and written
-#                  row by row with no copy (a diagnostic: a layout DeepGEMM cannot read)
+#                  more fp8 sides: the scales stored straight into DeepGEMM's MN-major layout (before 2026-12-07), through
+#                  a row-major scratch and a copy (sort.SCALE_SCRATCH, shipped), and row by row with no copy (a
+#                  diagnostic: a layout DeepGEMM cannot read)
 #   epilogue_prefill  gate/up halves' activation in GEMM1's epilogue against the separate activation kernel at prefill
 #                  sizes (Qwen3, Mixtral; T = 1024, 4096, 16384; masked_experts.pipeline.FUSE_HALVES_MAX_ROWS=None on both
 #                  sides so the "on" side fuses at every size, the shipped choice since it won 1.04-1.11x on an H100,

@@ -259,6 +259,27 @@ def test_traced_graph_is_sort_copy_extern_gemms_and_combine(sm90, monkeypatch, f
     gm = _trace(_experts_fp8 if fp8 else _experts, _inputs(FakeTensorMode(), t=64, fp8=fp8), caps=H200_DG)
     assert gm.code.count("moe_fx_kernels.deepgemm_contiguous_gemm") == 2 and "moe_fx.experts" not in gm.code
     names = [_kernel_name(n) for n in _launches(gm)]
-    # fp8: the tokens are quantised in the copy's launch (no quantize_rows_kernel)
+    # fp8: the tokens are quantised in the copy's launch (no quantize_rows_kernel), their scales written row by row
+    # and moved into DeepGEMM's MN-major layout by a second launch (sort.SCALE_SCRATCH)
     assert names == ["expert_counts_kernel", "sort_slots_kernel", "contiguous_rows_kernel",
-                     "activation_kernel", "unpermute_kernel"]
+                     *(["mn_major_scales_kernel"] if fp8 else []), "activation_kernel", "unpermute_kernel"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])])
+@pytest.mark.parametrize(("r", "g"), [(300, 70), (75, 3), (9, 1)])
+def test_copy_scales_moves_every_scale_into_the_mn_major_layout(device, r, g):
+    """Several row and group blocks (70 groups: two of 64), a partial row block, one group; the destination's
+    storage poisoned with NaN so an unwritten scale shows, and its TMA padding rows left as they were."""
+    from moe_fx.lowering.layouts import empty_mn_major_scales, is_mn_major_tma_aligned
+    from moe_fx.lowering.triton.sort import copy_scales
+
+    torch.manual_seed(0)
+    src = torch.rand(r, g, device=device) + 0.1
+    dst = empty_mn_major_scales(1, r, g, block=1, device=device).squeeze(0)
+    storage = torch.as_strided(dst, (g, dst.stride(1)), (dst.stride(1), 1))
+    storage.fill_(float("nan"))
+    copy_scales(src, dst)
+    assert is_mn_major_tma_aligned(dst) and torch.equal(dst, src)
+    assert storage[:, r:].isnan().all()  # the padding past R is not written
+    with pytest.raises(ValueError, match=r"\[R, G\]"):
+        copy_scales(src, dst[:-1])

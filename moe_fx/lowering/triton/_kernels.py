@@ -1594,3 +1594,30 @@ def contiguous_rows_kernel(
             v2 = tl.broadcast_to(v[None, :], (K_POW2, BLOCK_H))
         tl.store(out_ptr + prow[:, None] * s_or + offs_h[None, :] * s_oh, v2.to(out_ptr.dtype.element_ty),
                  mask=valid[:, None] & hmask[None, :])
+
+
+@triton.jit
+def mn_major_scales_kernel(
+    src_ptr,
+    dst_ptr,
+    R,
+    G,
+    s_sr,
+    s_sg,
+    s_dr,
+    s_dg,
+    BLOCK_R: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    """``dst[r, g] = src[r, g]`` for ``[R, G]`` scales, a ``BLOCK_R x BLOCK_G`` tile a program (grid
+    ``(cdiv(R, BLOCK_R), cdiv(G, BLOCK_G))``): a row-major scratch (``s_sg == 1``) into DeepGEMM's MN-major layout
+    (``s_dr == 1``). The tile is read along groups and written along rows, each side in whole sectors (Triton
+    moves it between the two orders through shared memory), where the copy kernel that wrote the scratch would
+    have stored one scale per sector."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    m = (r < R)[:, None] & (g < G)[None, :]
+    r64 = r.to(tl.int64)[:, None]
+    g64 = g.to(tl.int64)[None, :]
+    v = tl.load(src_ptr + r64 * s_sr + g64 * s_sg, mask=m)
+    tl.store(dst_ptr + r64 * s_dr + g64 * s_dg, v, mask=m)

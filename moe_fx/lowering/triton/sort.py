@@ -55,10 +55,15 @@ BITONIC_SORT_SLOTS = 1024
 SMALL_SORT_SLOTS = 1024
 
 #: :func:`contiguous_rows` writes the fp8 scales row by row into a scratch ``[rows, groups]`` and copies them into
-#: DeepGEMM's MN-major layout after the launch, instead of storing each group's scale straight into the MN-major
-#: layout (one 4-byte store a slot and group, each in a different sector). Read at every call, so
-#: ``bench/layout_copy.py`` times both sides in one process.
-SCALE_SCRATCH = False
+#: DeepGEMM's MN-major layout in a second launch, instead of storing each group's scale straight into the MN-major
+#: layout (one 4-byte store a slot and group, each in a different sector). Those stores held the copy at 43% of its
+#: bytes floor for the DeepSeek-V3 shard at T=16384 (939 µs; 542 µs through the scratch). The lowering copies into
+#: this layout only above 256 rows per expert, where the scratch measured 1.19x / 1.73x faster for the shard at
+#: T = 4096 / 16384 and 1.05-1.07x for Mixtral and Qwen3 at T=16384, and 1.05x slower (36.1 against 37.8 µs) for
+#: Mixtral at T=4096 (H100, bench/results/layout_copy_2026-12-07_layout_copy_s30_h100.md; smaller layouts, which
+#: the lowering copies into the masked layout instead, lose 2-7 µs to the copy's launch). A fixed choice, not one
+#: by token count: under a symbolic T a size rule would guard the graph on T. Read at every call.
+SCALE_SCRATCH = True
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, *, small: bool | None = None) -> SortedRows:
@@ -201,6 +206,19 @@ class ContiguousRows:
     num_rows: object
 
 
+def copy_scales(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for ``[R, G]`` fp32 scales, one Triton launch: a row-major scratch into DeepGEMM's MN-major
+    layout (:func:`moe_fx.lowering.layouts.empty_mn_major_scales`), read and written in whole sectors. A launch
+    rather than ``copy_`` so that the copy is a kernel of the graph like the rest of the layout's."""
+    if src.shape != dst.shape or src.dim() != 2:
+        raise ValueError(f"copy_scales: [R, G] to [R, G], got {list(src.shape)} to {list(dst.shape)}")
+    r, g = src.shape
+    block_g = min(64, _pow2(g))
+    block_r = 4096 // block_g
+    launch("mn_major_scales_kernel", src.device, (cdiv(r, block_r), cdiv(g, block_g)),
+           src, dst, r, g, *src.stride(), *dst.stride(), BLOCK_R=block_r, BLOCK_G=block_g, num_warps=4)
+
+
 def contiguous_rows(
     rows: SortedRows,
     x: torch.Tensor,
@@ -217,8 +235,9 @@ def contiguous_rows(
     fill of ``m_indices`` with -1. ``quantize``: ``x`` is unquantised (``x_scale`` None) and the layout gets its
     fp8 codes and 1x128 scales, quantised in the same launch as :func:`quantize_rows` would (same codes and
     scales). ``route_weights [T, K]``: each row scaled by its slot's routing weight (weights on the input; fp8:
-    the scales are scaled). ``scale_scratch`` (default :data:`SCALE_SCRATCH`): the launch writes the scales row
-    by row and a copy puts them into the MN-major layout (the same values). No host synchronisation.
+    the scales are scaled). ``scale_scratch``: the launch writes the scales row
+    by row and a second launch puts them into the MN-major layout (the same values); default :data:`SCALE_SCRATCH`. No host
+    synchronisation.
     """
     from moe_fx.lowering.layouts import empty_mn_major_scales
 
@@ -253,5 +272,5 @@ def contiguous_rows(
            HAS_SCALE=x_scale is not None, QUANT=quantize, ROUTE_W=route_weights is not None,
            INTERP=x.device.type == "cpu", num_warps=4)
     if scratch is not None:
-        out_scale.copy_(scratch)
+        copy_scales(scratch, out_scale)
     return ContiguousRows(out, out_scale, m_indices, slot_pos, num_rows)
