@@ -54,15 +54,15 @@ BITONIC_SORT_SLOTS = 1024
 #: decode-sized sorts (at most this many slots, or the decode regime) run in one launch, without atomics
 SMALL_SORT_SLOTS = 1024
 
-#: :func:`contiguous_rows` writes the fp8 scales row by row into a scratch ``[rows, groups]`` and copies them into
-#: DeepGEMM's MN-major layout in a second launch, instead of storing each group's scale straight into the MN-major
-#: layout (one 4-byte store a slot and group, each in a different sector). Those stores held the copy at 43% of its
-#: bytes floor for the DeepSeek-V3 shard at T=16384 (939 µs; 542 µs through the scratch). The lowering copies into
-#: this layout only above 256 rows per expert, where the scratch measured 1.19x / 1.73x faster for the shard at
-#: T = 4096 / 16384 and 1.05-1.07x for Mixtral and Qwen3 at T=16384, and 1.05x slower (36.1 against 37.8 µs) for
-#: Mixtral at T=4096 (H100, bench/results/layout_copy_2026-12-07_layout_copy_s30_h100.md; smaller layouts, which
-#: the lowering copies into the masked layout instead, lose 2-7 µs to the copy's launch). A fixed choice, not one
-#: by token count: under a symbolic T a size rule would guard the graph on T. Read at every call.
+#: :func:`contiguous_rows` writes the fp8 scales row by row into a scratch ``[rows, groups]`` and
+#: :func:`copy_scales` moves them into DeepGEMM's MN-major layout in a second launch, instead of storing each
+#: group's scale straight into the MN-major layout (one 4-byte store a slot and group, each in a sector of its own).
+#: Those stores held the copy at 43% of its bytes floor for the DeepSeek-V3 shard at T=16384: 933 µs, against 492
+#: µs (81%) for the two launches (1.29x at T=4096; Mixtral and Qwen3 at T=16384 1.11x / 1.10x; level, within 1 µs,
+#: for Mixtral at T=4096, the other size the lowering copies into this layout, above 256 rows per expert; smaller
+#: layouts, which the lowering puts in the masked layout instead, lose up to 3 µs to the second launch) (H100,
+#: bench/results/layout_copy_2026-12-07_copy_scales_s30_h100.md). A fixed choice, not one by token count: under a
+#: symbolic T a size rule would guard the graph on T. Read at every call.
 SCALE_SCRATCH = True
 
 
