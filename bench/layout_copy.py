@@ -15,8 +15,9 @@ is captured in CUDA graphs (one per routing set) and the sides' replays alternat
 * ``fp8_fused_kmajor``: ``fp8_fused`` with its scales written row by row (``[rows, groups]`` contiguous, a layout
   DeepGEMM does not read): what writing the MN-major scales, K scattered 4-byte stores per group, costs;
 * ``fp8_fused_scratch``: ``contiguous_rows(quantize=True, scale_scratch=True)``: the scales written row by row
-  into a scratch, then copied into the MN-major layout (torch's ``copy_``): the other form of the fp8 path
-  (``sort.SCALE_SCRATCH`` picks the shipped one);
+  into a scratch, then moved into the MN-major layout by a second launch (``sort.copy_scales``; torch's ``copy_``
+  in the first run, layout_copy_2026-12-07_layout_copy_s30_h100.md): the other form of the fp8 path
+  (``sort.SCALE_SCRATCH`` picks the shipped one, the scratch since 2026-12-07);
 * ``masked_bf16``, ``masked_fp8``: the permute into the masked layout (``max_m = T``), bf16 and quantised, where
   DeepGEMM runs that layout (at most 256 rows per expert).
 

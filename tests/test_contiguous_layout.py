@@ -262,7 +262,7 @@ def test_traced_graph_is_sort_copy_extern_gemms_and_combine(sm90, monkeypatch, f
     # fp8: the tokens are quantised in the copy's launch (no quantize_rows_kernel), their scales written row by row
     # and moved into DeepGEMM's MN-major layout by a second launch (sort.SCALE_SCRATCH)
     assert names == ["expert_counts_kernel", "sort_slots_kernel", "contiguous_rows_kernel",
-                     *(["mn_major_scales_kernel"] if fp8 else []), "activation_kernel", "unpermute_kernel"]
+                     *(["copy_scales_kernel"] if fp8 else []), "activation_kernel", "unpermute_kernel"]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])])

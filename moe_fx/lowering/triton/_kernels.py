@@ -1597,7 +1597,7 @@ def contiguous_rows_kernel(
 
 
 @triton.jit
-def mn_major_scales_kernel(
+def copy_scales_kernel(
     src_ptr,
     dst_ptr,
     R,

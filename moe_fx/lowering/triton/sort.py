@@ -215,7 +215,7 @@ def copy_scales(src: torch.Tensor, dst: torch.Tensor) -> None:
     r, g = src.shape
     block_g = min(64, _pow2(g))
     block_r = 4096 // block_g
-    launch("mn_major_scales_kernel", src.device, (cdiv(r, block_r), cdiv(g, block_g)),
+    launch("copy_scales_kernel", src.device, (cdiv(r, block_r), cdiv(g, block_g)),
            src, dst, r, g, *src.stride(), *dst.stride(), BLOCK_R=block_r, BLOCK_G=block_g, num_warps=4)
 
 
@@ -235,8 +235,8 @@ def contiguous_rows(
     fill of ``m_indices`` with -1. ``quantize``: ``x`` is unquantised (``x_scale`` None) and the layout gets its
     fp8 codes and 1x128 scales, quantised in the same launch as :func:`quantize_rows` would (same codes and
     scales). ``route_weights [T, K]``: each row scaled by its slot's routing weight (weights on the input; fp8:
-    the scales are scaled). ``scale_scratch``: the launch writes the scales row
-    by row and a second launch puts them into the MN-major layout (the same values); default :data:`SCALE_SCRATCH`. No host
+    the scales are scaled). ``scale_scratch`` (default :data:`SCALE_SCRATCH`): the launch writes the scales row by
+    row into a scratch and :func:`copy_scales` moves them into the MN-major layout (the same values). No host
     synchronisation.
     """
     from moe_fx.lowering.layouts import empty_mn_major_scales
