@@ -250,19 +250,20 @@ def contiguous_rows(
     n = rows.num_rows
     num_rows = cdiv(n + e * (align - 1), align) * align
     out = torch.empty(num_rows, h, dtype=FP8_DTYPE if quantize else x.dtype, device=x.device)
-    out_scale = scratch = None
-    sg = cdiv(h, FP8_BLOCK)
+    out_scale = None
     if x_scale is not None or quantize:
         out_scale = empty_mn_major_scales(1, num_rows, h, device=x.device).squeeze(0)
-        if SCALE_SCRATCH if scale_scratch is None else scale_scratch:
-            scratch = torch.empty(num_rows, sg, dtype=out_scale.dtype, device=x.device)
     m_indices = torch.full((num_rows,), -1, dtype=torch.int32, device=x.device)
     slot_pos = torch.empty(n, dtype=torch.int64, device=x.device)
     if _known_empty(t, k):
         return ContiguousRows(out, out_scale, m_indices, slot_pos, num_rows)
     block_h = copy_block(h, quantize)
+    sg = cdiv(h, FP8_BLOCK)
+    scratch = None  # where the launch writes the scales: out_scale itself, or a row-major scratch moved after it
+    if out_scale is not None and (SCALE_SCRATCH if scale_scratch is None else scale_scratch):
+        scratch = torch.empty(num_rows, sg, dtype=out_scale.dtype, device=x.device)
     xs = x_scale if x_scale is not None else x
-    os_ = scratch if scratch is not None else out_scale if out_scale is not None else out
+    os_ = out if out_scale is None else scratch if scratch is not None else out_scale
     w = route_weights if route_weights is not None else x
     launch("contiguous_rows_kernel", x.device, (t,),
            x, xs, w, rows.scratch, rows.slot_pos, topk_ids, out, os_, m_indices, slot_pos, e, h, sg,
