@@ -17,16 +17,22 @@
   (``pipeline.SLOT_DOWN_COMBINE`` True vs False): only T=1 differs;
 * ``--switch bitonic_sort``: bf16 weights, the one-launch sort's program 0 sorting up to 1024 slots by a bitonic
   network vs blocks of pairwise ranks (``moe_fx.lowering.triton.sort.BITONIC_SORT_SLOTS`` 1024 vs 0): T * K
-  between the pairwise tile (128 slots at 128 experts) and 1024 differs.
+  between the pairwise tile (128 slots at 128 experts) and 1024 differs;
+* ``--switch scale_scratch`` (DeepGEMM): fp8 weights, the aligned contiguous layout's copy writing its scales to a
+  row-major scratch moved by ``copy_scales`` vs straight into DeepGEMM's MN-major layout
+  (``moe_fx.lowering.triton.sort.SCALE_SCRATCH``): above 256 rows per expert, where ``auto`` takes that layout;
+* ``--switch dg_hint`` (DeepGEMM): fp8 weights, DeepGEMM's ``expected_m`` hint with 64 rows of slack (``--on``
+  for another) vs the uniform-load estimate (``moe_fx.lowering.masked_experts.deepgemm.EXPECTED_M_SLACK``):
+  the masked layout's GEMMs, from 65 to 256 rows per expert under ``auto``.
 
-For each shape and token count T, ``torch.ops.moe_fx.experts(kernel_choice="triton")`` is captured in CUDA
-graphs twice (switch on / off: the switch is read when a call runs, so each capture launches its own
+For each shape and token count T, ``torch.ops.moe_fx.experts(kernel_choice="triton")`` (``"auto"`` for the
+DeepGEMM switches, which stop when DeepGEMM is not usable) is captured in CUDA graphs twice (switch on / off: the switch is read when a call runs, so each capture launches its own
 kernels), over the same rotating routing sets, and the two are timed alternately in rounds (medians of
 ``triton.testing.do_bench`` over replays). Each row also gives the floor ``max(bytes / copy rate, flops /
 matmul rate)`` with both limits measured in the same run, and the relative error of each variant against the
 fp32 reference (first routing set of the row), and of one variant against the other at every T.
 
-    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|pair_halves|slot_rows|slot_down|bitonic_sort] [--shapes qwen3,mixtral,gpt_oss]
+    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|pair_halves|slot_rows|slot_down|bitonic_sort|scale_scratch|dg_hint] [--shapes qwen3,mixtral,gpt_oss]
                                      [--tokens 1,16,256,1024,4096] [--rounds 3]
     python bench/fused_activation.py --smoke   # CPU, Triton interpreter, tiny shapes: checks the script end to end
 
@@ -66,14 +72,15 @@ SETS = 3
 SMOKE_SHAPES = {"qwen3": ("qwen3_moe", 4, 2, 128, 64), "gpt_oss": ("gpt_oss", 4, 2, 128, 72)}
 
 
-def layer(shape: str, dims: tuple, device: str, seed: int = 0, fp8: bool = False) -> tuple[dict, dict]:
+def layer(shape: str, dims: tuple, device: str, seed: int = 0, fp8: bool = False,
+          kernel_choice: str = "triton") -> tuple[dict, dict]:
     """(weights, op keyword arguments) of one bf16 layer (GPT-OSS: biases, interleaved clamped SwiGLU);
     ``fp8``: the weights quantised to e4m3 with 128x128 block scales (``w13_scale``, ``w2_scale``)."""
     _, e, _, h, i = dims
     g = torch.Generator(device=device).manual_seed(seed)
     w = {"w13": torch.randn(e, 2 * i, h, device=device, generator=g, dtype=torch.bfloat16) / h**0.5,
          "w2": torch.randn(e, h, i, device=device, generator=g, dtype=torch.bfloat16) / i**0.5}
-    kw: dict = {"kernel_choice": "triton"}
+    kw: dict = {"kernel_choice": kernel_choice}
     if shape == "gpt_oss":
         kw.update(GPT_OSS_ACT)
         kw["w13_bias"] = 0.1 * torch.randn(e, 2 * i, device=device, generator=g, dtype=torch.bfloat16)
@@ -111,7 +118,21 @@ SWITCHES = {
     "slot_down": ("masked_experts.pipeline.SLOT_DOWN_COMBINE", True, False, False,
                   ("one token: GEMM2 and the combine in one launch (on) vs GEMM2, then the combine kernel (off), bf16 "
                    "(T=1 rows only differ)")),
+    "scale_scratch": ("triton.sort.SCALE_SCRATCH", True, False, True,
+                      ("fp8 weights, DeepGEMM's aligned contiguous layout: the copy's scales through a row-major "
+                       "scratch and `copy_scales` (on) vs stored straight into the MN-major layout (off) (above 256 "
+                       "rows per expert only)")),
+    "dg_hint": ("masked_experts.deepgemm.EXPECTED_M_SLACK", 64, 0, True,
+                ("fp8 weights, DeepGEMM's masked GEMMs: `expected_m` with rows of slack (on) vs the uniform-load "
+                 "estimate (off) (from 65 to 256 rows per expert only)")),
 }
+#: the switches of DeepGEMM's path: the op runs under kernel_choice="auto", and the run stops without DeepGEMM
+DEEPGEMM_SWITCHES = ("scale_scratch", "dg_hint")
+
+
+def kernel_choice_of(switch: str) -> str:
+    """The op's ``kernel_choice`` for ``switch``'s run: ``"auto"`` on DeepGEMM's path, else ``"triton"``."""
+    return "auto" if switch in DEEPGEMM_SWITCHES else "triton"
 
 
 def variant(switch: str, on: bool, w: dict, kw: dict, on_value: object = None):
@@ -201,8 +222,17 @@ def main(argv: list[str] | None = None) -> None:
     import moe_fx  # noqa: F401  (registers the ops)
     from moe_fx.ops import experts_reference
 
+    kernel_choice = kernel_choice_of(args.switch)
+    if kernel_choice == "auto":
+        from moe_fx.lowering.problem import probe_capabilities
+
+        error = probe_capabilities(device).deep_gemm_error
+        if error:  # both sides would time Triton's path, where the switch does nothing
+            raise SystemExit(f"--switch {args.switch} acts on DeepGEMM's path, which is not usable here: {error}")
+
     meta = bench_meta(device, args.smoke)
     meta["switch"] = args.switch
+    meta["kernel_choice"] = kernel_choice
     on_value = SWITCHES[args.switch][1] if args.on is None else ast.literal_eval(args.on)
     meta["on_value"] = on_value
     meta["settings"] = apply_settings(args.set)
@@ -212,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     stem = results_stem("fused_activation" if args.switch == "epilogue" else args.switch, args.tag)
     for shape, dims in shapes.items():
         _, e, k, h, i = dims
-        w, kw = layer(shape, dims, device, fp8=fp8)
+        w, kw = layer(shape, dims, device, fp8=fp8, kernel_choice=kernel_choice)
         for t in (int(x) for x in tokens.split(",")):
             sets = routing_sets(t, e, k, h, SETS, seed=t, device=device)
             g_on, out_on = graphs_of(variant(args.switch, True, w, kw, on_value), sets)
@@ -252,7 +282,9 @@ def write(out: str, stem: str, meta: dict, rows: list[dict]) -> None:
     limits = (f"limits measured in the same run: copy {lim['copy_tbs']:.2f} TB/s, bf16 matmul "
               f"{lim['bf16_tflops']:.0f} TFLOP/s" if lim else "smoke run on CPU (tiny shapes; times are not GPU times)")
     lines = [
-        f"# One layer, Triton, sorted layout: {SWITCHES[meta.get('switch', 'epilogue')][4]}",
+        (f"# One layer, Triton, sorted layout: {SWITCHES[meta.get('switch', 'epilogue')][4]}"
+         if meta.get("kernel_choice", "triton") == "triton" else
+         f"# One layer, the op's choice (auto, DeepGEMM): {SWITCHES[meta['switch']][4]}"),
         "",
         f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · {limits}",
         "",
@@ -263,7 +295,8 @@ def write(out: str, stem: str, meta: dict, rows: list[dict]) -> None:
          f"{SWITCHES[meta.get('switch', 'epilogue')][2]!r} (off)."
          + "".join(f" Both sides: `{name}` = {value!r}." for name, value in meta.get("settings", {}).items())),
         "",
-        ("CUDA-graph replays of `torch.ops.moe_fx.experts(kernel_choice='triton')` (sorted layout), the two variants "
+        (f"CUDA-graph replays of `torch.ops.moe_fx.experts(kernel_choice='{meta.get('kernel_choice', 'triton')}')`"
+         f"{' (sorted layout)' if meta.get('kernel_choice', 'triton') == 'triton' else ''}, the two variants "
          "timed alternately; µs, lower is better. Speed-up = off / on. Floor = max(bytes / copy rate, "
          "flops / matmul rate). Errors: relative Frobenius, against the fp32 reference on the row's first "
          "routing set, and on against off over the row's sets."),

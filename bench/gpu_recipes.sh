@@ -122,6 +122,12 @@
 #   dg_fwd_q8      MoEConfig(quantize="fp8") on the bf16 models against plain bf16, DeepGEMM importable (Qwen3, Mixtral,
 #                  OLMoE, T = 1024 / 4096; the logit error column is the accuracy cost)
 #   dg_fwd         whole 2-layer models with DeepGEMM importable: Qwen3, Mixtral, OLMoE, DeepSeek-V3 at T = 1024 / 4096
+#   dg_switches    two A/Bs of one fp8 layer under auto, CUDA-graph replays alternating (bench/fused_activation.py):
+#                  DeepGEMM's expected_m hint with 64 rows of slack (masked_experts.deepgemm.EXPECTED_M_SLACK: the SMs
+#                  DeepGEMM runs on come from the hint), T = 512 ... 4096, where T=2048 / 4096 of Mixtral and the
+#                  shard run the contiguous layout, which takes no hint (the controls); the contiguous copy's scales
+#                  through the scratch against straight MN-major stores (sort.SCALE_SCRATCH) at T = 4096 / 16384;
+#                  then the hint at max_m
 #
 # Mixtral-8x7B at its released 32 layers holds ~93 GB of bf16 weights: an H200 only (the device tool's needs_h200).
 #   full_mixtral   Mixtral-8x7B, 32 layers (one copy of the weights, shared by the sides), T = 16 / 1024 / 4096
@@ -163,6 +169,10 @@ W8A16="bench/fused_activation.py --switch w8a16 --on 64 --shapes qwen3,mixtral,d
 # issue 16's vLLM table (Qwen3 T = 1 / 256 / 1024 / 4096, Mixtral 64 / 256 / 4096, the DeepSeek-V3 shard 64 / 4096,
 # GPT-OSS 1 / 256): bench/peer_layer.py --cells
 PEER_ISSUE_CELLS="qwen3:1,256,1024,4096/mixtral:64,256,4096/dsv3:64,4096/gpt_oss:1,256"
+DG_HINT="bench/fused_activation.py --switch dg_hint --shapes dsv3,mixtral,qwen3 --tokens 512,1024,2048,4096 --rounds 5
+  --out $OUT"
+SCALE_SCRATCH="bench/fused_activation.py --switch scale_scratch --shapes dsv3,mixtral,qwen3 --tokens 4096,16384 --rounds 5
+  --out $OUT"
 SLOT_DOWN="bench/fused_activation.py --switch slot_down --shapes qwen3,mixtral,gpt_oss --tokens 1 --rounds 5 --out $OUT"
 PASS_TIME="bench/pass_time.py --real gpt_oss,mixtral --layers 4 --repeats 2 --out $OUT"
 TUNE_BF16="bench/tune_tiles.py --sorted --kinds bf16 --warm 8 --force --ship --out $OUT"
@@ -431,6 +441,13 @@ for name in "$@"; do
       timeout 400 python3 $BREAKDOWN --shapes dsv3,mixtral,qwen3 --tokens 1024,4096,16384 --fp8 --kernel-choice auto \
         --tag prefill_fp8_dg > "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/kernel_breakdown_*prefill_fp8_dg.md 2>/dev/null | cut -c1-600 ;;
+    dg_switches)
+      need_deepgemm || continue
+      # DG_PRINT_CONFIGS: DeepGEMM logs each GEMM's tiles and SMs once, what the hint decides
+      DG_PRINT_CONFIGS=1 timeout 180 python3 $DG_HINT --tag slack64 > "$OUT/log_${name}_slack64.txt" 2>&1
+      timeout 140 python3 $SCALE_SCRATCH > "$OUT/log_${name}_scratch.txt" 2>&1
+      DG_PRINT_CONFIGS=1 timeout 140 python3 $DG_HINT --on 1000000 --tag max_m > "$OUT/log_${name}_max_m.txt" 2>&1
+      grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/dg_hint_*.md "$OUT"/scale_scratch_*.md 2>/dev/null | cut -c1-200 ;;
     dg_fwd_fp8)
       need_deepgemm || continue
       timeout 590 python3 ${E2E_FP8/--no-deepgemm/} --tag fp8_checkpoint_dg > "$OUT/log_$name.txt" 2>&1

@@ -53,6 +53,19 @@ def test_every_switch_names_constants_the_lowering_has():
         assert type(current) is type(value), (name, path, current, value)
 
 
+def test_deepgemm_switches_run_the_ops_choice_and_stop_without_deepgemm(tmp_path):
+    """The DeepGEMM switches time the op under kernel_choice="auto"; where DeepGEMM is not usable (here: no GPU) the
+    run stops and says why, instead of timing Triton's path twice, where the switch changes nothing."""
+    mod = load_bench("fused_activation")
+    assert [s for s in mod.SWITCHES if mod.kernel_choice_of(s) == "auto"] == ["scale_scratch", "dg_hint"]
+    assert mod.kernel_choice_of("epilogue") == "triton"
+    for switch in mod.DEEPGEMM_SWITCHES:
+        assert mod.SWITCHES[switch][3]  # fp8 weights: DeepGEMM's path under auto on one GPU
+        with pytest.raises(SystemExit, match=f"--switch {switch} acts on DeepGEMM's path"):
+            mod.main(["--smoke", "--switch", switch, "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
+
+
 def test_settings_apply_to_both_sides_and_are_written(tmp_path, monkeypatch):
     """``--switch slot_down`` with ``--set`` (what the slot_down recipe sweeps tiles with): the constant holds for the
     run, both sides match the reference and each other, and the results say what was set."""

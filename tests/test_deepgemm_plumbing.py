@@ -143,6 +143,21 @@ def test_deepgemm_experts_plumbing_matches_reference(fake_dg, fp8, weights_on_in
     assert fake_dg.calls[0][1][:2] == (4, 256) and {c[3] for c in fake_dg.calls} == {16}
 
 
+def test_expected_m_slack_reaches_deepgemm_and_changes_no_value(fake_dg, monkeypatch):
+    """``EXPECTED_M_SLACK`` (bench/fused_activation.py --switch dg_hint) is added to the hint DeepGEMM is handed, rounded
+    to 16 and clamped to max_m; the GEMMs' values do not depend on it."""
+    from moe_fx.lowering.masked_experts import deepgemm
+
+    hidden, ids, w, w13, w2, s13, s2 = _problem(fp8=True)
+    base = deepgemm_experts(hidden, ids, w, w13, w2, "silu", False, s13, s2)
+    for slack, want in ((40, 48), (10_000, 256)):  # 3 + 40 -> 48; clamped to the 256 rows of max_m
+        fake_dg.calls.clear()
+        monkeypatch.setattr(deepgemm, "EXPECTED_M_SLACK", slack)
+        out = deepgemm_experts(hidden, ids, w, w13, w2, "silu", False, s13, s2)
+        assert {c[3] for c in fake_dg.calls} == {want} and len(fake_dg.calls) == 2
+        assert torch.equal(out, base)
+
+
 def test_missing_deep_gemm_warns_and_computes_with_triton(monkeypatch, caplog):
     """deep_gemm gone at run time (a graph compiled where it was): one warning naming the install
     doc, and the GEMMs still computed (by Triton, on the same operands)."""

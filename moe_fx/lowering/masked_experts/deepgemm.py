@@ -38,6 +38,11 @@ LAYOUTS = ("masked", "contiguous")
 ALIGN = 128
 #: Rows per expert of DeepGEMM's masked layout are rounded up to this (see the module docstring).
 MASKED_M_ALIGN = 256
+#: Rows added to the uniform-load estimate in DeepGEMM's ``expected_m`` hint. DeepGEMM picks its tiles and the SMs
+#: it runs on from the hint (on SM90 the fewest SMs that keep the hint's number of waves), while random routing
+#: sends about half the experts more rows than the mean, whose extra tiles then run on those SMs. An A/B of one
+#: layer: ``bench/fused_activation.py --switch dg_hint``.
+EXPECTED_M_SLACK = 0
 #: Each expert's segment of the contiguous layout is whole blocks of this many rows
 #: (``deep_gemm.get_mk_alignment_for_contiguous_layout()`` in v2.1).
 CONTIGUOUS_M_ALIGN = 128
@@ -111,8 +116,9 @@ def prefer(problem: ExpertsProblem, caps: Capabilities) -> str | None:
 
 
 def deepgemm_expected_m(rows: object, max_m: object) -> object:
-    """DeepGEMM's ``expected_m`` hint (DESIGN.md): rows per expert rounded up to 16, clamped to ``[16, max_m]``."""
-    m = cdiv(rows, 16) * 16
+    """DeepGEMM's ``expected_m`` hint (DESIGN.md): rows per expert plus :data:`EXPECTED_M_SLACK`, rounded up to 16,
+    clamped to ``[16, max_m]``."""
+    m = cdiv(rows + EXPECTED_M_SLACK, 16) * 16
     return torch.sym_min(torch.sym_max(m, 16), max_m)
 
 
