@@ -580,6 +580,21 @@ def _quant_groups(v, ROWS: tl.constexpr, COLS: tl.constexpr, INTERP: tl.constexp
 
 
 @triton.jit
+def _quant_token_slots(v, w, dtype: tl.constexpr, K_POW2: tl.constexpr, BLOCK_H: tl.constexpr, ROUTE_W: tl.constexpr,
+                       INTERP: tl.constexpr):
+    """One token's ``BLOCK_H`` columns ``v`` quantised per 1x128 group (``_quant_groups``), for each of its K_POW2
+    slots: the codes in ``dtype`` and the scales ``[K_POW2, BLOCK_H // 128]``, times the slot's routing weight ``w``
+    with ROUTE_W (``q(w x)`` has the codes of ``q(x)`` and the scale ``w * scale``: quantised once, scaled per slot).
+    The tokens' copies into the masked and the contiguous layouts."""
+    q, scale = _quant_groups(tl.reshape(v.to(tl.float32), (1, BLOCK_H)), 1, BLOCK_H, INTERP)
+    codes = tl.broadcast_to(q.to(dtype), (K_POW2, BLOCK_H))  # converted once, stored K times
+    scales = tl.broadcast_to(scale, (K_POW2, BLOCK_H // 128))
+    if ROUTE_W:
+        scales = scales * w[:, None]
+    return codes, scales
+
+
+@triton.jit
 def _e4m3_grid(x):
     """Round fp32 (already within +-448) to the nearest float8_e4m3fn value, ties to even, in fp32.
 
@@ -795,18 +810,15 @@ def permute_kernel(
     tl.store(pos_ptr + t64 * K + offs_k, pos, mask=kmask)
     if WEIGHTS_ON_INPUT:
         w = tl.load(w_ptr + t64 * s_wt + offs_k * s_wk, mask=kmask, other=0.0).to(tl.float32)
+    else:
+        w = tl.full((K_POW2,), 1.0, tl.float32)  # unread: the quantising helper's argument
     dst = e_safe.to(tl.int64) * s_xg + row.to(tl.int64) * s_xm
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
         v = tl.load(h_ptr + t64 * s_ht + offs_h * s_hh, mask=hmask, other=0.0)
         if QUANT:  # BLOCK_H // 128 groups a step
-            q, scale = _quant_groups(tl.reshape(v.to(tl.float32), (1, BLOCK_H)), 1, BLOCK_H, INTERP)
-            # q(w * x) has the codes of q(x) and the scale w * scale: quantise once, scale per slot.
-            vals = tl.broadcast_to(q.to(x_ptr.dtype.element_ty), (K_POW2, BLOCK_H))
-            s_val = tl.broadcast_to(scale, (K_POW2, BLOCK_H // 128))
-            if WEIGHTS_ON_INPUT:
-                s_val = s_val * w[:, None]
+            vals, s_val = _quant_token_slots(v, w, x_ptr.dtype.element_ty, K_POW2, BLOCK_H, WEIGHTS_ON_INPUT, INTERP)
             offs_g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
             s_dst = e_safe.to(tl.int64) * s_sg + row.to(tl.int64) * s_sm
             tl.store(xs_ptr + s_dst[:, None] + offs_g[None, :] * s_sh, s_val,
@@ -1567,6 +1579,8 @@ def contiguous_rows_kernel(
     tl.store(m_idx_ptr + prow, e, mask=valid)
     if ROUTE_W:
         w = tl.load(w_ptr + t * s_wt + offs_k * s_wk, mask=valid, other=0.0).to(tl.float32)
+    else:
+        w = tl.full((K_POW2,), 1.0, tl.float32)  # unread: the quantising helper's argument
     if HAS_SCALE:  # the token's scale row, copied (times the routing weight) to each slot's row
         offs_g = tl.arange(0, SG_POW2)
         gmask = offs_g < NUM_SG
@@ -1580,12 +1594,8 @@ def contiguous_rows_kernel(
         hmask = offs_h < H
         v = tl.load(x_ptr + t * s_xt + offs_h * s_xh, mask=hmask, other=0.0)
         if QUANT:
-            q, scale = _quant_groups(tl.reshape(v.to(tl.float32), (1, BLOCK_H)), 1, BLOCK_H, INTERP)
-            v2 = tl.broadcast_to(q.to(out_ptr.dtype.element_ty), (K_POW2, BLOCK_H))  # converted once, stored K times
+            v2, sc2 = _quant_token_slots(v, w, out_ptr.dtype.element_ty, K_POW2, BLOCK_H, ROUTE_W, INTERP)
             offs_g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-            sc2 = tl.broadcast_to(scale, (K_POW2, BLOCK_H // 128))
-            if ROUTE_W:
-                sc2 = sc2 * w[:, None]
             tl.store(outs_ptr + prow[:, None] * s_sr + offs_g[None, :] * s_sc, sc2,
                      mask=valid[:, None] & (offs_g < NUM_SG)[None, :])
         elif ROUTE_W and not HAS_SCALE:
