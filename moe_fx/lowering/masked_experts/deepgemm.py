@@ -40,8 +40,9 @@ ALIGN = 128
 MASKED_M_ALIGN = 256
 #: Rows added to the uniform-load estimate in DeepGEMM's ``expected_m`` hint. DeepGEMM picks its tiles and the SMs
 #: it runs on from the hint (on SM90 the fewest SMs that keep the hint's number of waves), while random routing
-#: sends about half the experts more rows than the mean, whose extra tiles then run on those SMs. An A/B of one
-#: layer: ``bench/fused_activation.py --switch dg_hint``.
+#: sends about half the experts more rows than the mean, whose extra tiles then run on those SMs. More SMs did not
+#: pay (64 rows of slack or max_m: 0.89-1.00x, Mixtral at T=1024 the loss; docs/deepgemm.md), hence 0. An A/B of
+#: one layer: ``bench/fused_activation.py --switch dg_hint``.
 EXPECTED_M_SLACK = 0
 #: Each expert's segment of the contiguous layout is whole blocks of this many rows
 #: (``deep_gemm.get_mk_alignment_for_contiguous_layout()`` in v2.1).
