@@ -26,8 +26,8 @@
   the masked layout's GEMMs, from 65 to 256 rows per expert under ``auto``.
 
 For each shape and token count T, ``torch.ops.moe_fx.experts(kernel_choice="triton")`` (``"auto"`` for the
-DeepGEMM switches, which stop when DeepGEMM is not usable) is captured in CUDA graphs twice (switch on / off: the switch is read when a call runs, so each capture launches its own
-kernels), over the same rotating routing sets, and the two are timed alternately in rounds (medians of
+DeepGEMM switches, which stop when DeepGEMM is not usable) is captured in CUDA graphs twice (switch on / off:
+the switch is read when a call runs, so each capture launches its own kernels), over the same rotating routing sets, and the two are timed alternately in rounds (medians of
 ``triton.testing.do_bench`` over replays). Each row also gives the floor ``max(bytes / copy rate, flops /
 matmul rate)`` with both limits measured in the same run, and the relative error of each variant against the
 fp32 reference (first routing set of the row), and of one variant against the other at every T.
@@ -281,10 +281,10 @@ def write(out: str, stem: str, meta: dict, rows: list[dict]) -> None:
     lim = meta["limits"]
     limits = (f"limits measured in the same run: copy {lim['copy_tbs']:.2f} TB/s, bf16 matmul "
               f"{lim['bf16_tflops']:.0f} TFLOP/s" if lim else "smoke run on CPU (tiny shapes; times are not GPU times)")
+    choice = meta.get("kernel_choice", "triton")
     lines = [
-        (f"# One layer, Triton, sorted layout: {SWITCHES[meta.get('switch', 'epilogue')][4]}"
-         if meta.get("kernel_choice", "triton") == "triton" else
-         f"# One layer, the op's choice (auto, DeepGEMM): {SWITCHES[meta['switch']][4]}"),
+        (f"# One layer, Triton, sorted layout: {SWITCHES[meta.get('switch', 'epilogue')][4]}" if choice == "triton"
+         else f"# One layer, the op's choice (auto, DeepGEMM): {SWITCHES[meta['switch']][4]}"),
         "",
         f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · {limits}",
         "",
@@ -295,8 +295,8 @@ def write(out: str, stem: str, meta: dict, rows: list[dict]) -> None:
          f"{SWITCHES[meta.get('switch', 'epilogue')][2]!r} (off)."
          + "".join(f" Both sides: `{name}` = {value!r}." for name, value in meta.get("settings", {}).items())),
         "",
-        (f"CUDA-graph replays of `torch.ops.moe_fx.experts(kernel_choice='{meta.get('kernel_choice', 'triton')}')`"
-         f"{' (sorted layout)' if meta.get('kernel_choice', 'triton') == 'triton' else ''}, the two variants "
+        (f"CUDA-graph replays of `torch.ops.moe_fx.experts(kernel_choice='{choice}')`"
+         f"{' (sorted layout)' if choice == 'triton' else ''}, the two variants "
          "timed alternately; µs, lower is better. Speed-up = off / on. Floor = max(bytes / copy rate, "
          "flops / matmul rate). Errors: relative Frobenius, against the fp32 reference on the row's first "
          "routing set, and on against off over the row's sets."),
