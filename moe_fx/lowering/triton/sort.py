@@ -61,8 +61,10 @@ SMALL_SORT_SLOTS = 1024
 #: µs (81%) for the two launches (1.29x at T=4096; Mixtral and Qwen3 at T=16384 1.11x / 1.10x; level, within 1 µs,
 #: for Mixtral at T=4096, the other size the lowering copies into this layout, above 256 rows per expert; smaller
 #: layouts, which the lowering puts in the masked layout instead, lose up to 3 µs to the second launch) (H100,
-#: bench/results/layout_copy_2026-12-07_copy_scales_s30_h100.md). A fixed choice, not one by token count: under a
-#: symbolic T a size rule would guard the graph on T. Read at every call.
+#: bench/results/layout_copy_2026-12-07_copy_scales_s30_h100.md). In the whole layer the kernels' profile agrees
+#: (944 against 488 µs), but the two sides' replays in alternating rounds are level, 0.988-1.005x, not yet explained
+#: (scale_scratch_2026-12-07_s31_h100.md). A fixed choice, not one by token count: under a symbolic T a size rule
+#: would guard the graph on T. Read at every call.
 SCALE_SCRATCH = True
 
 
