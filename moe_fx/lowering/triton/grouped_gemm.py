@@ -38,8 +38,6 @@ PAIR_GATE_UP = True
 #: third 128-row tile, which this turns into a quarter-height MMA on the weight tile already loaded. Read at every
 #: launch: ``bench/fused_activation.py --switch tail_rows`` times both sides.
 TAIL_ROWS = 0
-#: with tails, an odd number of persistent programs (see :func:`_launch_gemm`)
-TAIL_ODD_GRID = True
 _FP8 = FP8_DTYPE
 
 
@@ -321,10 +319,6 @@ def _launch_gemm(
     # a swapped tile with gate/up halves in two accumulators loads the gate's and the up's weight tiles
     b_tiles = 2 if epilogue and _halves(epilogue) and not epilogue["PAIR_HALVES"] and cfg.swap_ab else 1
     nprog = num_programs(a.device, cfg, tile_bound, configs.resident_programs(cfg, a.element_size(), b_tiles))
-    if cfg.tail_m and nprog % 2 == 0 and nprog > 1 and TAIL_ODD_GRID:
-        # an even grid walking experts of two row tiles hands every tile with a tail (the second) to the same half of
-        # the programs; an odd one alternates them
-        nprog -= 1
     device_tma = sorted_rows is not None and cfg.tma and _device_tma_ok(a, b, gather)
     if device_tma:
         a_in, b_in, tma = a, b, True
