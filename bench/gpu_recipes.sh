@@ -128,11 +128,6 @@
 #                  shard run the contiguous layout, which takes no hint (the controls); the contiguous copy's scales
 #                  through the scratch against straight MN-major stores (sort.SCALE_SCRATCH) at T = 4096 / 16384;
 #                  then the hint at max_m
-#   tail_rows      the tail rows' GPU tests (tests/test_triton_tail_rows.py, compiled sm_90 kernels), then one bf16 layer
-#                  with rows 1-32 past an expert's last whole tile absorbed by it (grouped_gemm.TAIL_ROWS = 32) against
-#                  a tile of their own, CUDA-graph replays alternating: 128 and 256 rows per expert (Mixtral and the
-#                  DeepSeek-V3 shard at T = 512 / 1024, Qwen3 at T = 2048 / 4096; about half their experts have such
-#                  a tail), 512 as a control
 #
 # Mixtral-8x7B at its released 32 layers holds ~93 GB of bf16 weights: an H200 only (the device tool's needs_h200).
 #   full_mixtral   Mixtral-8x7B, 32 layers (one copy of the weights, shared by the sides), T = 16 / 1024 / 4096
@@ -178,8 +173,6 @@ DG_HINT="bench/fused_activation.py --switch dg_hint --shapes dsv3,mixtral,qwen3 
   --out $OUT"
 SCALE_SCRATCH="bench/fused_activation.py --switch scale_scratch --shapes dsv3,mixtral,qwen3 --tokens 4096,16384 --rounds 5
   --out $OUT"
-TAIL_ROWS_AB="bench/fused_activation.py --switch tail_rows --shapes mixtral,dsv3,qwen3 --tokens 512,1024,2048,4096
-  --rounds 5 --out $OUT"
 SLOT_DOWN="bench/fused_activation.py --switch slot_down --shapes qwen3,mixtral,gpt_oss --tokens 1 --rounds 5 --out $OUT"
 PASS_TIME="bench/pass_time.py --real gpt_oss,mixtral --layers 4 --repeats 2 --out $OUT"
 TUNE_BF16="bench/tune_tiles.py --sorted --kinds bf16 --warm 8 --force --ship --out $OUT"
@@ -455,11 +448,6 @@ for name in "$@"; do
       timeout 140 python3 $SCALE_SCRATCH > "$OUT/log_${name}_scratch.txt" 2>&1
       DG_PRINT_CONFIGS=1 timeout 140 python3 $DG_HINT --on 1000000 --tag max_m > "$OUT/log_${name}_max_m.txt" 2>&1
       grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/dg_hint_*.md "$OUT"/scale_scratch_*.md 2>/dev/null | cut -c1-200 ;;
-    tail_rows)
-      timeout 200 python3 -m pytest -q -m gpu tests/test_triton_tail_rows.py -p no:cacheprovider > "$OUT/pytest_$name.log" 2>&1
-      tail -3 "$OUT/pytest_$name.log"
-      timeout 330 python3 $TAIL_ROWS_AB > "$OUT/log_$name.txt" 2>&1
-      grep -h -E "^\| (qwen3|mixtral|dsv3)" "$OUT"/tail_rows_*.md 2>/dev/null | cut -c1-200 ;;
     dg_fwd_fp8)
       need_deepgemm || continue
       timeout 590 python3 ${E2E_FP8/--no-deepgemm/} --tag fp8_checkpoint_dg > "$OUT/log_$name.txt" 2>&1

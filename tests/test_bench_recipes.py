@@ -36,7 +36,7 @@ def test_every_benchmark_command_parses():
     commands = _variables(text)
     assert set(commands) == {"E2E_GEN", "E2E_AB", "E2E_FULL", "E2E_COMPILE", "E2E_FP8", "E2E_FLAT", "LAYER",
                              "PASS_TIME", "TUNE_FP8", "TUNE_BF16", "L2", "CG", "CG_QWEN3", "SLOT_DOWN", "W8A16",
-                             "BREAKDOWN", "EPILOGUE", "DG_HINT", "SCALE_SCRATCH", "TAIL_ROWS_AB"}
+                             "BREAKDOWN", "EPILOGUE", "DG_HINT", "SCALE_SCRATCH"}
     e2e, cudagraphs = load_bench("e2e_model"), load_bench("generate_cudagraphs")
     for name in ("E2E_GEN", "E2E_AB", "E2E_COMPILE", "L2"):
         args = e2e.parse_args(commands[name][1:])
@@ -64,10 +64,6 @@ def test_every_benchmark_command_parses():
     w8a16 = load_bench("fused_activation").parse_args(commands["W8A16"][1:])
     # decode sizes, up to 64 rows per expert (Mixtral T=256) with W8A16 on up to 64
     assert w8a16.switch == "w8a16" and w8a16.on == "64" and max(int(t) for t in w8a16.tokens.split(",")) <= 256
-    # tail_rows: the shapes at 128 and 256 rows per expert (T / 4 for Mixtral and the shard, T / 16 for Qwen3)
-    tail = load_bench("fused_activation").parse_args(commands["TAIL_ROWS_AB"][1:])
-    assert tail.switch == "tail_rows" and {"mixtral", "qwen3"} <= set(tail.shapes.split(","))
-    assert {512, 1024, 2048, 4096} <= {int(t) for t in tail.tokens.split(",")}
     # dg_switches: the DeepGEMM switches, each over the sizes where its layout runs under auto (and controls)
     for name, switch in (("DG_HINT", "dg_hint"), ("SCALE_SCRATCH", "scale_scratch")):
         dg_switch = load_bench("fused_activation").parse_args(commands[name][1:])

@@ -52,7 +52,7 @@ GEMM = {"GROUP_M": 8, "E_POW2": 128, "EVEN_K": True, "UPCAST": False, "s_ak": 1,
         "TOPK": 1, "ROUTE_W": False, "SWAP_AB": False, "DEVICE_TMA": False, "FLATTEN": False}
 #: masked_gemm_kernel's epilogue activation and fp8 weights off (the bf16 kernel's extra constants)
 NO_ACT = {"ACT_FUSED": False, "ACT": 0, "GATED": False, "INTERLEAVED": False, "HAS_LIMIT": False, "B_FP8": False,
-          "bs_ptr": None, "SLOTS": False, "ids_ptr": None, "PAIR_HALVES": False, "TAIL_M": 0}
+          "bs_ptr": None, "SLOTS": False, "ids_ptr": None, "PAIR_HALVES": False}
 #: Inductor types Python float arguments as fp64 (seen on torch 2.11): the kernels must compile with those
 ACT_FLOATS = {"alpha": "fp64", "limit": "fp64", "up_offset": "fp64"}
 
@@ -502,35 +502,3 @@ def test_bf16_activations_fp8_weights_gemm_compiles(form, bm, bn, bk, warps, sta
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.rn.bf16x2.f32" in ptx
     assert ("cp.async.bulk.tensor" if device_tma else "cp.async") in ptx, "main loop not pipelined"
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
-
-
-@pytest.mark.parametrize(
-    "form,device_tma,stages",
-    [
-        ("silu", False, 3),   # GEMM1: tokens gathered through pointers, gate/up rows paired, routing weights
-        ("gpt_oss", False, 4),  # interleaved gate/up, biases, clamp
-        ("none", True, 4),    # GEMM2: sorted rows through device descriptors, the tail through a box of its height
-    ],
-)
-def test_gemm_with_tail_rows_compiles_two_pipelined_loops(form, device_tma, stages):
-    """The prefill tile with 32 tail rows (``grouped_gemm.TAIL_ROWS``): a tile with a tail runs its own k loop with a
-    second, swapped MMA (wgmma on the weight rows), both loops pipelined, no spills, within the shared memory
-    :meth:`TileConfig.smem_bytes` counts with the tail's rows; the tiles without a tail keep the loop and MMAs of the
-    kernel compiled without tails."""
-    from moe_fx.lowering.triton.configs import TileConfig
-
-    cfg = TileConfig(128, 256, 64, 8, 8, stages, 1, tma=device_tma, tail_m=32)
-    fn, types, consts = _activation_gemm(form, 128, 256, 64, device_tma, False, PAIR_HALVES=form == "silu")
-    if form == "silu":
-        types["rw_ptr"] = "*fp32"
-        del consts["rw_ptr"]
-        consts["ROUTE_W"] = True
-    with_tail = _compile(fn, types, {**consts, "TAIL_M": 32}, 8, stages)
-    without = _compile(fn, types, consts, 8, stages).asm["ptx"]
-    ptx = with_tail.asm["ptx"]
-    # 128x256 tile: 4 k16 wgmmas a 64-wide k step; the 256x32 swapped tail: 2 x 4 more (two warpgroups of M=128)
-    assert without.count("wgmma.mma_async") == 4 and ptx.count("wgmma.mma_async") == 4 + 4 + 8
-    load = "cp.async.bulk.tensor" if device_tma else "cp.async.cg"
-    assert ptx.count(load) > 1.5 * without.count(load), "the tail's loop is not pipelined"
-    _assert_fits(with_tail, cfg, False)
-    assert with_tail.metadata.shared > TileConfig(128, 256, 64, 8, 8, stages, 1).smem_bytes(2)

@@ -43,11 +43,8 @@ def _minf(a, b):
 
 
 @triton.jit
-def _valid_tiles(rows, M, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr = 0):
+def _valid_tiles(rows, M, BLOCK_M: tl.constexpr):
     """Rows and row tiles of every expert from its loaded count: (rows, tiles, inclusive cumsum of tiles).
-
-    TAIL_M: an expert whose rows run 1 to TAIL_M past a whole tile (after at least one) has no tile for
-    them: its last whole tile absorbs them (``masked_gemm_kernel``'s TAIL_M).
 
     The kernels load ``masked_m`` themselves and pass the values: Inductor's mutation analysis of
     user kernels follows a helper's arguments as if it could write through them, so a pointer handed
@@ -55,8 +52,6 @@ def _valid_tiles(rows, M, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr = 0):
     """
     rows = tl.minimum(tl.maximum(rows, 0), M)  # never trust a count beyond the buffer
     tiles = (rows + BLOCK_M - 1) // BLOCK_M
-    if TAIL_M > 0:
-        tiles -= ((rows > BLOCK_M) & ((rows - 1) % BLOCK_M < TAIL_M)).to(tiles.dtype)
     return rows, tiles, tl.associative_scan(tiles, 0, _add)
 
 
@@ -134,36 +129,6 @@ def _dot(a, b, SWAP_AB: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _epilogue_values(acc, acc_u, rw, bias, bias_u, alpha, limit, up_offset, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     ROUTE_W: tl.constexpr, HAS_BIAS: tl.constexpr, ACT_FUSED: tl.constexpr, ACT: tl.constexpr,
-                     GATED: tl.constexpr, INTERLEAVED: tl.constexpr, PAIRED: tl.constexpr, HALVES: tl.constexpr,
-                     HAS_LIMIT: tl.constexpr, INTERP: tl.constexpr):
-    """``masked_gemm_kernel``'s epilogue on one tile's fp32 products ``acc`` (and the up half's ``acc_u`` with
-    HALVES), ``ROWS`` rows: the routing weights ``rw`` (``[ROWS]``), the bias (``[BLOCK_N]`` loaded values), then
-    the activation. Values only (the kernel loads and stores: see :func:`_valid_tiles`), so a tile and the tail rows
-    it absorbs run the same epilogue."""
-    if ROUTE_W:  # weights on the input: (w x) W^T = w (x W^T)
-        acc = acc * rw[:, None]
-        if HALVES:
-            acc_u = acc_u * rw[:, None]
-    if HAS_BIAS:
-        acc += bias[None, :]
-        if HALVES:
-            acc_u += bias_u[None, :]
-    if ACT_FUSED and GATED and (INTERLEAVED or PAIRED):  # half the tile's columns are gate, half up
-        if INTERLEAVED:  # columns (2j, 2j + 1) of the tile: (gate, up) of output column j
-            g, u = tl.split(tl.reshape(acc, (ROWS, BLOCK_N // 2, 2)))
-        else:  # columns j and BLOCK_N / 2 + j
-            g, u = tl.split(tl.permute(tl.reshape(acc, (ROWS, 2, BLOCK_N // 2)), (0, 2, 1)))
-        acc = _act_epilogue(g, u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, INTERP)
-    elif HALVES:
-        acc = _act_epilogue(acc, acc_u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, INTERP)
-    elif ACT_FUSED:
-        acc = _act_epilogue(acc, acc, alpha, limit, up_offset, ACT, False, HAS_LIMIT, INTERP)
-    return acc
-
-
-@triton.jit
 def masked_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -224,7 +189,6 @@ def masked_gemm_kernel(
     NUM_W=0,
     SLOTS: tl.constexpr = False,
     PAIR_HALVES: tl.constexpr = False,
-    TAIL_M: tl.constexpr = 0,
 ):
     """c[g, :m_g, :] = a[g, :m_g, :] @ b[g]^T (+ bias[g]), fp32 accumulation, stored in c's dtype.
 
@@ -261,12 +225,6 @@ def masked_gemm_kernel(
     FLATTEN: one software pipeline over every (tile, k step) of a program instead of one per tile
     (``tl.range(flatten=True)``); the epilogue then stages through up to 32 KB more shared memory
     (:meth:`~moe_fx.lowering.triton.configs.TileConfig.smem_bytes`). The interpreter runs it as the nested loops.
-
-    TAIL_M (SORTED, not SLOTS, SWAP_AB, HALVES, B_FP8 or FLATTEN; a power of two, at least 16): an expert whose rows
-    run 1 to TAIL_M past its last whole tile has no tile for them (:func:`_valid_tiles`); that last tile runs a
-    second loop in which each k step also multiplies the tail's ``[TAIL_M, BLOCK_K]`` rows by the weight tile already
-    loaded (a swapped MMA: the weight rows are its M), into a second accumulator stored through the same epilogue.
-    The tail costs TAIL_M / BLOCK_M of a tile's MMAs and no second read of the weights.
     """
     # Written out in both GEMM kernels on purpose: a pointer handed to a helper counts as written in
     # Inductor's mutation analysis, which would then copy the weights before every launch.
@@ -284,9 +242,6 @@ def masked_gemm_kernel(
                                               block_shape=[1, BLOCK_N, BLOCK_K])
         if not GATHER_A:
             if SORTED:  # one group of rows (its group stride is never used)
-                if TAIL_M > 0:  # the tail rows a last tile absorbs: a box of their height
-                    at_desc = tl.make_tensor_descriptor(a_ptr, shape=[1, M, K], strides=[M * s_am, s_am, 1],
-                                                        block_shape=[1, TAIL_M, BLOCK_K])
                 a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[1, M, K], strides=[M * s_am, s_am, 1],
                                                   block_shape=[1, BLOCK_M, BLOCK_K])
             else:
@@ -296,8 +251,6 @@ def masked_gemm_kernel(
     # of gate and up rows (PAIRED)
     HALVES: tl.constexpr = ACT_FUSED and GATED and not INTERLEAVED and not PAIR_HALVES
     PAIRED: tl.constexpr = ACT_FUSED and GATED and not INTERLEAVED and PAIR_HALVES
-    tl.static_assert(TAIL_M == 0 or (SORTED and not (SLOTS or SWAP_AB or HALVES or B_FP8 or FLATTEN)),
-                     "TAIL_M: sorted bf16 tiles, not swapped, flattened, in slot order or with gate/up halves")
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
@@ -305,7 +258,7 @@ def masked_gemm_kernel(
         slot_w = tl.load(ids_ptr + _slot_offsets(offs_e, s_it, s_ik, TOPK), mask=offs_e < E, other=-1)
         rows, tiles, cum = _valid_tiles(((slot_w >= 0) & (slot_w < NUM_W)).to(tl.int32), M, BLOCK_M)
     else:
-        rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M, TAIL_M)
+        rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
     if ACT_FUSED and (INTERLEAVED or PAIRED):  # tiles walk b's 2N rows; each gives BLOCK_N // 2 output columns
         NB = 2 * N
     else:
@@ -358,136 +311,78 @@ def masked_gemm_kernel(
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         if HALVES:  # the up accumulator (acc + 0.0: a new tensor of its shape)
             acc_u = acc + 0.0
-        if TAIL_M > 0:  # the rows this tile absorbs past its own (> 0 on an expert's last tile only: _valid_tiles)
-            tail_rows = m_e - (pid_m + 1) * BLOCK_M
-            tail_rows = tl.where(tail_rows <= TAIL_M, tail_rows, 0)
-            offs_t = tl.arange(0, TAIL_M)
-            mask_t = offs_t < tail_rows
-            srow_t = m0 + BLOCK_M + offs_t  # sorted rows (m0: the tile's first)
-            ct_idx = srow_t.to(tl.int64)
-            if GATHER_A:
-                slot_t = tl.load(sorted_ptr + srow_t, mask=mask_t, other=0)
-                at_idx = (slot_t // TOPK).to(tl.int64)
+        for k0 in range(0, K, BLOCK_K):
+            if TMA and not GATHER_A:
+                a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
+            elif EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
             else:
-                slot_t = srow_t
-                at_idx = ct_idx
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+            if TMA and PAIRED:
+                b = b_ptr.load([e, 0, pid_n * (BLOCK_N // 2), k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif TMA:
+                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+                if HALVES:
+                    u = b_ptr.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif EVEN_K:
+                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+                if HALVES:
+                    u = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
+                if HALVES:
+                    u = tl.load(u_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
+            if UPCAST:  # the CPU interpreter's dot mis-reads bf16 / fp8 operands; fp32 is exact there
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+                if HALVES:
+                    u = u.to(tl.float32)
+            if B_FP8:  # W8A16 (one k group per step): the weight tile dequantised into a's dtype, then a plain MMA
+                # the block scale multiplies the weights, not the product, so the MMAs chain on one accumulator as
+                # the bf16 kernel's do (a product scaled per k step would wait for each MMA before the next)
+                bs_k = bs_ptr + e64 * s_bsg + (k0 // 128) * s_bsk
+                bsc = tl.load(bs_k + (offs_n // 128) * s_bsn, mask=mask_n, other=0.0)
+                acc = _mma(acc, a, (b.to(tl.float32) * bsc[None, :]).to(a.dtype), SWAP_AB, IEEE or UPCAST)
+                if HALVES:
+                    usc = tl.load(bs_k + ((N + offs_n) // 128) * s_bsn, mask=mask_n, other=0.0)
+                    acc_u = _mma(acc_u, a, (u.to(tl.float32) * usc[None, :]).to(a.dtype), SWAP_AB, IEEE or UPCAST)
+            else:
+                acc = _mma(acc, a, b, SWAP_AB, IEEE or UPCAST)
+                if HALVES:
+                    acc_u = _mma(acc_u, a, u, SWAP_AB, IEEE or UPCAST)
             if not (TMA and not GATHER_A):
-                at_ptrs = a_ptr + e64 * s_ag + at_idx[:, None] * s_am + offs_k[None, :] * s_ak
-            acc_t = tl.full((BLOCK_N, TAIL_M), 0.0, tl.float32)  # swapped: the weight rows are the MMA's M
-        else:
-            tail_rows: tl.constexpr = 0  # constexpr: the tail's branches compile away
-        if tail_rows > 0:
-            # The k loop of a tile with a tail: the main loop below (bf16 weights, no halves) plus the tail's loads
-            # and MMA, written out (a helper would take the operands' pointers: see _valid_tiles); a loop of its own,
-            # so the tiles without a tail keep their one MMA a step.
-            for k0 in range(0, K, BLOCK_K):
-                if TMA and not GATHER_A:
-                    a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
-                    a_t = at_desc.load([0, m0 + BLOCK_M, k0]).reshape(TAIL_M, BLOCK_K)
-                elif EVEN_K:
-                    a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                    a_t = tl.load(at_ptrs, mask=mask_t[:, None], other=0.0)
-                else:
-                    a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-                    a_t = tl.load(at_ptrs, mask=mask_t[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-                if TMA and PAIRED:
-                    b = b_ptr.load([e, 0, pid_n * (BLOCK_N // 2), k0]).reshape(BLOCK_N, BLOCK_K).T
-                elif TMA:
-                    b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-                elif EVEN_K:
-                    b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-                else:
-                    b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    a_t = a_t.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = _mma(acc, a, b, False, IEEE or UPCAST)
-                acc_t = _mma(acc_t, a_t, b, True, IEEE or UPCAST)
-                if not (TMA and not GATHER_A):
-                    a_ptrs += BLOCK_K * s_ak
-                    at_ptrs += BLOCK_K * s_ak
-                if not TMA:
-                    b_ptrs += BLOCK_K * s_bk
-        else:
-            for k0 in range(0, K, BLOCK_K):
-                if TMA and not GATHER_A:
-                    a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
-                elif EVEN_K:
-                    a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                else:
-                    a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-                if TMA and PAIRED:
-                    b = b_ptr.load([e, 0, pid_n * (BLOCK_N // 2), k0]).reshape(BLOCK_N, BLOCK_K).T
-                elif TMA:
-                    b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-                    if HALVES:
-                        u = b_ptr.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-                elif EVEN_K:
-                    b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-                    if HALVES:
-                        u = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
-                else:
-                    b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
-                    if HALVES:
-                        u = tl.load(u_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k0), other=0.0)
-                if UPCAST:  # the CPU interpreter's dot mis-reads bf16 / fp8 operands; fp32 is exact there
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                    if HALVES:
-                        u = u.to(tl.float32)
-                if B_FP8:  # W8A16 (one k group per step): the weight tile dequantised into a's dtype, then a plain MMA
-                    # the block scale multiplies the weights, not the product, so the MMAs chain on one accumulator as
-                    # the bf16 kernel's do (a product scaled per k step would wait for each MMA before the next)
-                    bs_k = bs_ptr + e64 * s_bsg + (k0 // 128) * s_bsk
-                    bsc = tl.load(bs_k + (offs_n // 128) * s_bsn, mask=mask_n, other=0.0)
-                    acc = _mma(acc, a, (b.to(tl.float32) * bsc[None, :]).to(a.dtype), SWAP_AB, IEEE or UPCAST)
-                    if HALVES:
-                        usc = tl.load(bs_k + ((N + offs_n) // 128) * s_bsn, mask=mask_n, other=0.0)
-                        acc_u = _mma(acc_u, a, (u.to(tl.float32) * usc[None, :]).to(a.dtype), SWAP_AB,
-                                     IEEE or UPCAST)
-                else:
-                    acc = _mma(acc, a, b, SWAP_AB, IEEE or UPCAST)
-                    if HALVES:
-                        acc_u = _mma(acc_u, a, u, SWAP_AB, IEEE or UPCAST)
-                if not (TMA and not GATHER_A):
-                    a_ptrs += BLOCK_K * s_ak
-                if not TMA:
-                    b_ptrs += BLOCK_K * s_bk
-                    if HALVES:
-                        u_ptrs += BLOCK_K * s_bk
+                a_ptrs += BLOCK_K * s_ak
+            if not TMA:
+                b_ptrs += BLOCK_K * s_bk
+                if HALVES:
+                    u_ptrs += BLOCK_K * s_bk
         if SWAP_AB:
             acc = tl.trans(acc)
             if HALVES:
                 acc_u = tl.trans(acc_u)
-        if not HALVES:
-            acc_u = acc
-        rw = 0.0
         if ROUTE_W:  # each row's routing weight rw[slot // TOPK, slot % TOPK] (weights on the input)
             rw = tl.load(rw_ptr + _slot_offsets(slot, s_rwt, s_rwk, TOPK), mask=mask_m, other=0.0).to(tl.float32)
-        bias = 0.0
-        bias_u = 0.0
-        if HAS_BIAS:  # bias [G, rows of b], contiguous along them
-            bias = tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            acc = acc * rw[:, None]
             if HALVES:
-                bias_u = tl.load(bias_ptr + e64 * s_biasg + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        acc = _epilogue_values(acc, acc_u, rw, bias, bias_u, alpha, limit, up_offset, BLOCK_M, BLOCK_N, ROUTE_W,
-                               HAS_BIAS, ACT_FUSED, ACT, GATED, INTERLEAVED, PAIRED, HALVES, HAS_LIMIT, UPCAST)
-        if ACT_FUSED and GATED and (INTERLEAVED or PAIRED):  # BLOCK_N / 2 output columns
+                acc_u = acc_u * rw[:, None]
+        if HAS_BIAS:  # bias [G, rows of b], contiguous along them
+            acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if HALVES:
+                acc_u += tl.load(bias_ptr + e64 * s_biasg + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if ACT_FUSED and GATED and (INTERLEAVED or PAIRED):  # half the tile's columns are gate, half up
+            if INTERLEAVED:  # columns (2j, 2j + 1) of the tile: (gate, up) of output column j
+                g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+            else:  # columns j and BLOCK_N / 2 + j
+                g, u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            acc = _act_epilogue(g, u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
             offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             mask_n = offs_n < N
+        elif HALVES:
+            acc = _act_epilogue(acc, acc_u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
+        elif ACT_FUSED:
+            acc = _act_epilogue(acc, acc, alpha, limit, up_offset, ACT, False, HAS_LIMIT, UPCAST)
         c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-        if tail_rows > 0:  # the absorbed rows, through the same epilogue (their own routing weights)
-            tail = tl.trans(acc_t)
-            rw_t = 0.0
-            if ROUTE_W:
-                rw_t = tl.load(rw_ptr + _slot_offsets(slot_t, s_rwt, s_rwk, TOPK), mask=mask_t,
-                               other=0.0).to(tl.float32)
-            tail = _epilogue_values(tail, tail, rw_t, bias, bias_u, alpha, limit, up_offset, TAIL_M, BLOCK_N, ROUTE_W,
-                                    HAS_BIAS, ACT_FUSED, ACT, GATED, INTERLEAVED, PAIRED, False, HAS_LIMIT, UPCAST)
-            ct_ptrs = c_ptr + e64 * s_cg + ct_idx[:, None] * s_cm + offs_n[None, :] * s_cn
-            tl.store(ct_ptrs, tail.to(c_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_n[None, :])
 
 
 @triton.jit

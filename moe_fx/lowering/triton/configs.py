@@ -73,10 +73,6 @@ class TileConfig:
     #: next tile's loads run during a tile's epilogue, where the nested loops fill and drain the pipeline
     #: per tile (short-K GEMMs and decode GEMVs of several tiles per program pay that every tile)
     flatten: bool = False
-    #: rows 1 to ``tail_m`` past an expert's last whole tile run in that tile, as a second (swapped) MMA on its weight
-    #: tile, instead of in a tile of their own (``masked_gemm_kernel``'s TAIL_M; sorted bf16 launches, not flattened).
-    #: Set per launch from ``grouped_gemm.TAIL_ROWS``, not tuned; 0: none
-    tail_m: int = 0
 
     def smem_bytes(self, elem_bytes: int, b_tiles: int = 1) -> int:
         """Shared memory the pipelined A and B tiles take (the kernel's dominant use).
@@ -88,11 +84,9 @@ class TileConfig:
         over its 192 KB of tiles (triton 3.6 on an H200, 2026-12-04). A flattened loop's epilogue stages
         its tile through shared memory: 2-32 KB more in every tile compiled for sm_90 with triton 3.6
         (128x256 and 128x128: 32 KB; 64x128: 8 KB; 16x64 swapped: 2 KB), counted as ``min(2 BM BN, 32 KB)``.
-        A tile absorbing a tail (``tail_m``) pipelines the tail's rows beside its own.
         """
-        rows = self.block_m + self.tail_m + b_tiles * self.block_n
-        tiles = rows * self.block_k * elem_bytes * self.num_stages
-        tiles += rows * self.block_k * 2 if elem_bytes >= 4 else 0
+        tiles = (self.block_m + b_tiles * self.block_n) * self.block_k * elem_bytes * self.num_stages
+        tiles += (self.block_m + b_tiles * self.block_n) * self.block_k * 2 if elem_bytes >= 4 else 0
         return tiles + (min(2 * self.block_m * self.block_n, FLATTEN_EPILOGUE_SMEM) if self.flatten else 0)
 
 

@@ -33,11 +33,6 @@ PREFETCH_FP8_SCALES = False
 #: the tile (a swapped tile: two weight tiles). Read at every launch: ``bench/fused_activation.py --switch
 #: pair_halves`` times both: 1.00-1.02x on the H200 (bench/results/pair_halves_2026-12-05.md).
 PAIR_GATE_UP = True
-#: rows past an expert's last whole tile that the tile absorbs (``configs.TileConfig.tail_m``; 0: off), in sorted bf16
-#: launches of 64+ row tiles (:func:`_with_tail`): at ~256 rows per expert about half the experts run 1-32 rows into a
-#: third 128-row tile, which this turns into a quarter-height MMA on the weight tile already loaded. Read at every
-#: launch: ``bench/fused_activation.py --switch tail_rows`` times both sides.
-TAIL_ROWS = 0
 _FP8 = FP8_DTYPE
 
 
@@ -288,22 +283,6 @@ def _gemm_config(kind: str, a: torch.Tensor, n: int, k: int, hints: dict, layout
     return configs.fit_smem(cfg, a.element_size()) if kind in ("bf16", "w8a16") else cfg
 
 
-def _with_tail(cfg: configs.TileConfig, kind: str, rows: object, epilogue: dict | None,
-               elem_bytes: int) -> configs.TileConfig:
-    """``cfg`` with :data:`TAIL_ROWS` rows of tail in its last tiles where the kernel supports them: a sorted layout
-    (:class:`SortedRows`), bf16 weights, an unswapped tile of 64+ rows and at least twice the tail, no gate/up halves in
-    two accumulators; the loop then is not flattened (a tile with a tail runs a loop of its own) and its stages fit
-    the tail's rows too. Else ``cfg`` without a tail."""
-    tail = TAIL_ROWS
-    halves = epilogue is not None and _halves(epilogue) and not epilogue["PAIR_HALVES"]
-    if (tail <= 0 or kind != "bf16" or not isinstance(rows, SortedRows) or cfg.swap_ab or halves
-            or cfg.block_m < max(64, 2 * tail)):
-        return replace(cfg, tail_m=0) if cfg.tail_m else cfg
-    if tail < 16 or tail & (tail - 1):
-        raise ValueError(f"grouped_gemm.TAIL_ROWS must be 0 or a power of two of at least 16, got {tail}")
-    return configs.fit_smem(replace(cfg, tail_m=tail, flatten=False), elem_bytes)
-
-
 def _launch_gemm(
     kind: str, a, a_scale, b, b_scale, masked_m, out, groups: int, m: object, n: int, k: int,
     cfg: configs.TileConfig, tile_bound: object, *, a_strides: tuple, as_strides: tuple, c_strides: tuple,
@@ -315,7 +294,6 @@ def _launch_gemm(
 
     ``epilogue``: the activation's kernel arguments (:func:`moe_fx.lowering.triton.act_args.epilogue_args`)
     when GEMM1 applies it (bf16 kinds only)."""
-    cfg = _with_tail(cfg, kind, sorted_rows, epilogue, a.element_size())
     # a swapped tile with gate/up halves in two accumulators loads the gate's and the up's weight tiles
     b_tiles = 2 if epilogue and _halves(epilogue) and not epilogue["PAIR_HALVES"] and cfg.swap_ab else 1
     nprog = num_programs(a.device, cfg, tile_bound, configs.resident_programs(cfg, a.element_size(), b_tiles))
@@ -360,7 +338,7 @@ def _launch_gemm(
             a_in, b_in, out, masked_m,
             groups, m, n, k,
             *a_strides, *b.stride(), *c_strides,
-            IEEE=a.dtype == torch.float32, TAIL_M=cfg.tail_m, **common, **(epilogue or {}), **w8a16,
+            IEEE=a.dtype == torch.float32, **common, **(epilogue or {}), **w8a16,
         )  # fmt: skip
 
 
