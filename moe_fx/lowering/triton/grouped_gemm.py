@@ -559,8 +559,6 @@ def sorted_gemm(
         raise ValueError(f"{name}: route_weights apply to the gathered GEMM (the first) only")
     epilogue, n_out = None, n
     if activation is not None:
-        if w8a16:
-            raise ValueError(f"{name}: the activation epilogue runs on bf16/fp16/fp32 or fp8 x fp8 GEMMs, not W8A16")
         if activation.gated and n % 2:
             raise ValueError(f"{name}: a gated activation needs an even number of weight rows, got {n}")
         epilogue = epilogue_args(activation, name)
