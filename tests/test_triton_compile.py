@@ -83,7 +83,8 @@ def test_gemm_compiles_pipelined(fp8, bm, bn, bk, warps, stages, tma):
     types["c_ptr"] = "*bf16"
     if fp8:
         fn = k.masked_gemm_fp8_kernel
-        types.update({"as_ptr": "*fp32", "bs_ptr": "*fp32"})
+        types.update({"as_ptr": "*fp32", "bs_ptr": "*fp32", **ACT_FLOATS})
+        consts.update(FP8_NO_ACT)
         consts["s_ask"] = 1
         consts["SCALAR_BS"] = bn <= 128
         consts["PREFETCH_SCALES"] = True

@@ -512,12 +512,14 @@ def masked_gemm_fp8_kernel(
         if PAIRED:  # b's rows of the tile: BLOCK_N / 2 gate rows, then the up rows N below them
             col = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
             offs_n = (tl.arange(0, BLOCK_N) // (BLOCK_N // 2)) * N + col
-            mask_n = col < N
         else:
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # b's rows of the tile
-            mask_n = offs_n < NB
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < m_e
+        if PAIRED:
+            mask_n = col < N
+        else:
+            mask_n = offs_n < NB
         srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
         c_idx = srow.to(tl.int64)
         if GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
