@@ -128,7 +128,8 @@ def test_op_with_the_fp8_epilogue_matches_the_activation_kernel(form, device, mo
                              gate_up_layout=spec.gate_up_layout, alpha=spec.alpha, limit=spec.limit,
                              up_offset=spec.up_offset)
             plan = plan_experts(a)
-            assert plan.activation_epilogue == (on and rows == t), (on, rows)
+            assert plan.activation_epilogue == plan.quantized_activation_epilogue == (on and rows == t), (on, rows)
+            assert ("fp8 quantisation in GEMM1's epilogue" in plan.summary()) == (on and rows == t)
             outs[on, rows] = run_experts(a, plan)
             assert rel_err(outs[on, rows], reference_of(a)) < 8e-2
     assert rel_err(outs[True, t], outs[False, t]) < 4e-2
