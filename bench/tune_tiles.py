@@ -208,11 +208,15 @@ def _sorted_cell(shape: str, t: int, kind: str, gemm: int, cache: dict):
         a, a_s = (cache["a2q"][0].unsqueeze(0), cache["a2q"][1].unsqueeze(0)) if fp8 else (cache["a2"], None)
         w, w_s, gather = w2, s2, False
     n_, k_ = w.shape[1], w.shape[2]
-    out = torch.empty(1, t * k, n_ // 2 if activation is not None else n_, device=DEVICE, dtype=torch.bfloat16)
+    n_out = n_ // 2 if activation is not None else n_
+    # a W8A8 epilogue (pipeline.FUSE_FP8_ACTIVATION) writes fp8 codes and their 1x128 scales
+    quantized = fp8 and activation is not None
+    out = torch.empty(1, t * k, n_out, device=DEVICE, dtype=torch.float8_e4m3fn if quantized else torch.bfloat16)
+    out_scale = torch.empty(1, t * k, -(-n_out // 128), device=DEVICE) if quantized else None
 
     def run(cfg):
         return sorted_gemm(a, w, rows, out, a_scale=a_s, b_scale=w_s, gather=gather, regime=regime, config=cfg,
-                           activation=activation)
+                           activation=activation, out_scale=out_scale)
 
     return run, n_, k_, regime, 2 * t * k * n_ * k_
 
