@@ -102,7 +102,7 @@
 #                  W8A16 GPU tests first, then where a W8A16 decode step's time goes (kernel_breakdown, Qwen3 and
 #                  GPT-OSS at T = 1 and 16)
 #   fp8_epilogue   W8A8 GEMM1 applying the activation and quantising it per 1x128 group in its epilogue
-#                  (masked_experts.pipeline.FUSE_FP8_ACTIVATION, off: built in the thirty-third session, which got no GPU)
+#                  (masked_experts.pipeline.FUSE_FP8_ACTIVATION, off: built in the thirty-third session, no GPU then)
 #                  against its bf16 product and the activation kernel: its GPU tests, then bench/fused_activation.py
 #                  --switch fp8_epilogue, Qwen3, Mixtral, GPT-OSS, the DeepSeek-V3 shard, T = 256 / 1024 / 4096 (Qwen3
 #                  T=256 is 16 rows per expert: both sides the same, a control). A first form (two accumulators of

@@ -27,10 +27,10 @@ from moe_fx.ops import ExpertActivation
 from moe_fx.ops.masked_experts import dequantize_activations
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["COMBINE_IN_GRAPH", "FUSE_ACTIVATION", "FUSE_FP8_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT", "SLOT_DOWN_COMBINE", "SLOT_ROWS_MAX_TOKENS",
-           "W8A16_MAX_ROWS", "ExpertWeights", "GemmHints", "MaskedGemms", "combine_in_graph", "fuse_activation",
-           "fuse_down_combine", "quantize_activations", "quantize_tokens_in_sort", "run_masked_experts",
-           "run_sorted_experts", "slot_rows"]
+__all__ = ["COMBINE_IN_GRAPH", "FUSE_ACTIVATION", "FUSE_FP8_ACTIVATION", "FUSE_FP8_FROM_REGIME",
+           "QUANTIZE_TOKENS_IN_SORT", "SLOT_DOWN_COMBINE", "SLOT_ROWS_MAX_TOKENS", "W8A16_MAX_ROWS", "ExpertWeights",
+           "GemmHints", "MaskedGemms", "combine_in_graph", "fuse_activation", "fuse_down_combine",
+           "quantize_activations", "quantize_tokens_in_sort", "run_masked_experts", "run_sorted_experts", "slot_rows"]
 
 #: Whether the sorted layout may apply the activation in GEMM1's epilogue (where :func:`fuse_activation`
 #: says it wins). Read when a call runs (so when a graph is compiled, for compiled code); benchmarks set

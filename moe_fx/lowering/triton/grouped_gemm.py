@@ -523,8 +523,8 @@ def sorted_gemm(
             unfused GEMM's tile (:func:`_split_columns`, :func:`fp8_epilogue_tile` make the launch's from it).
             fp8 (W8A8): the activation is quantised per 1x128 group as the activation kernel does it, the output
             holds its float8_e4m3fn codes and ``out_scale`` its scales (what GEMM2 reads).
-        out_scale: fp32 ``[1, N, ceil(N_out' / 128)]`` (any strides) for the scales of an fp8 ``activation``'s
-            output; required there, refused elsewhere.
+        out_scale: fp32 ``[1, N, ceil(C / 128)]`` (any strides), ``C`` the output's columns: the scales of an fp8
+            ``activation``'s output; required there, refused elsewhere.
 
     Returns:
         ``[1, N, N_out]`` (``N_out / 2`` columns with a gated ``activation``).
@@ -569,8 +569,9 @@ def sorted_gemm(
         want = (1, num_rows, cdiv(n_out, FP8_BLOCK))
         if (out_scale is None or out_scale.dtype != torch.float32 or tuple(out_scale.shape) != want
                 or out_scale.device != a.device):
+            got = None if out_scale is None else (out_scale.dtype, list(out_scale.shape), out_scale.device)
             raise ValueError(f"{name}: an fp8 activation epilogue writes its scales to out_scale, fp32 {list(want)} "
-                             f"on {a.device}; got {None if out_scale is None else (out_scale.dtype, list(out_scale.shape))}")
+                             f"on {a.device}; got {got}")
     elif out_scale is not None:
         raise ValueError(f"{name}: out_scale is for the scales of an fp8 activation epilogue")
     out_dtype = (FP8_DTYPE if activation is not None else torch.bfloat16) if fp8 else a.dtype
