@@ -370,11 +370,7 @@ def masked_gemm_kernel(
             if HALVES:
                 acc_u += tl.load(bias_ptr + e64 * s_biasg + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if ACT_FUSED and GATED and (INTERLEAVED or PAIRED):  # half the tile's columns are gate, half up
-            if INTERLEAVED:  # columns (2j, 2j + 1) of the tile: (gate, up) of output column j
-                g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-            else:  # columns j and BLOCK_N / 2 + j
-                g, u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            acc = _act_epilogue(g, u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
+            acc = _gate_up_act(acc, alpha, limit, up_offset, ACT, INTERLEAVED, HAS_LIMIT, UPCAST, BLOCK_M, BLOCK_N)
             offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             mask_n = offs_n < N
         elif HALVES:
@@ -606,12 +602,8 @@ def masked_gemm_fp8_kernel(
         if HAS_BIAS:  # bias [G, N], contiguous along N
             acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if ACT_FUSED:  # the activation, quantised per 1x128 group: the tile's output columns are one group
-            if GATED and INTERLEAVED:  # columns (2j, 2j + 1) of the tile: (gate, up) of output column j
-                g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-                v = _act_epilogue(g, u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
-            elif GATED:  # columns j and BLOCK_N / 2 + j
-                g, u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-                v = _act_epilogue(g, u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
+            if GATED:  # half the tile's columns are gate, half up
+                v = _gate_up_act(acc, alpha, limit, up_offset, ACT, INTERLEAVED, HAS_LIMIT, UPCAST, BLOCK_M, BLOCK_N)
             else:
                 v = _act_epilogue(acc, acc, alpha, limit, up_offset, ACT, False, HAS_LIMIT, UPCAST)
             offs_o = pid_n * OUT_N + tl.arange(0, OUT_N)
@@ -714,6 +706,19 @@ def _act_epilogue(g, u, alpha, limit, up_offset, ACT: tl.constexpr, GATED: tl.co
             g = tl.clamp(g, -limit, limit)
         v = _act(g, alpha, ACT)
     return v
+
+
+@triton.jit
+def _gate_up_act(acc, alpha, limit, up_offset, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                 INTERP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The gated activation of one accumulator tile ``[BLOCK_M, BLOCK_N]`` that holds gate and up columns:
+    ``[BLOCK_M, BLOCK_N // 2]`` of :func:`_act_epilogue`. INTERLEAVED: columns ``(2j, 2j + 1)`` are output column
+    ``j``'s (gate, up); else columns ``j`` and ``BLOCK_N / 2 + j`` (a paired tile). Both GEMM kernels' epilogues."""
+    if INTERLEAVED:
+        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+    else:
+        g, u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    return _act_epilogue(g, u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, INTERP)
 
 
 @triton.jit
