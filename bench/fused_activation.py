@@ -18,8 +18,6 @@
 * ``--switch bitonic_sort``: bf16 weights, the one-launch sort's program 0 sorting up to 1024 slots by a bitonic
   network vs blocks of pairwise ranks (``moe_fx.lowering.triton.sort.BITONIC_SORT_SLOTS`` 1024 vs 0): T * K
   between the pairwise tile (128 slots at 128 experts) and 1024 differs;
-* ``--switch fp8_epilogue``: fp8 weights (W8A8), GEMM1 applying the activation and its 1x128 quantisation in its
-  epilogue vs its bf16 product and the activation kernel (``pipeline.FUSE_FP8_ACTIVATION``): above 16 rows per expert;
 * ``--switch scale_scratch`` (DeepGEMM): fp8 weights, the aligned contiguous layout's copy writing its scales to a
   row-major scratch moved by ``copy_scales`` vs straight into DeepGEMM's MN-major layout
   (``moe_fx.lowering.triton.sort.SCALE_SCRATCH``): above 256 rows per expert, where ``auto`` takes that layout;
@@ -34,7 +32,7 @@ the switch is read when a call runs, so each capture launches its own kernels), 
 matmul rate)`` with both limits measured in the same run, and the relative error of each variant against the
 fp32 reference (first routing set of the row), and of one variant against the other at every T.
 
-    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|fp8_epilogue|pair_halves|slot_rows|slot_down|bitonic_sort|scale_scratch|dg_hint] [--shapes qwen3,mixtral,gpt_oss]
+    python bench/fused_activation.py [--switch epilogue|sort_quant|w8a16|fp8_scales|pair_halves|slot_rows|slot_down|bitonic_sort|scale_scratch|dg_hint] [--shapes qwen3,mixtral,gpt_oss]
                                      [--tokens 1,16,256,1024,4096] [--rounds 3]
     python bench/fused_activation.py --smoke   # CPU, Triton interpreter, tiny shapes: checks the script end to end
 
@@ -120,10 +118,6 @@ SWITCHES = {
     "slot_down": ("masked_experts.pipeline.SLOT_DOWN_COMBINE", True, False, False,
                   ("one token: GEMM2 and the combine in one launch (on) vs GEMM2, then the combine kernel (off), bf16 "
                    "(T=1 rows only differ)")),
-    "fp8_epilogue": ("masked_experts.pipeline.FUSE_FP8_ACTIVATION", True, False, True,
-                     ("fp8 weights, W8A8: GEMM1 applies the activation and quantises it per 1x128 group in its "
-                      "epilogue (on) vs GEMM1's bf16 product, then the activation kernel (off) (more than 16 rows per "
-                      "expert only)")),
     "scale_scratch": ("triton.sort.SCALE_SCRATCH", True, False, True,
                       ("fp8 weights, DeepGEMM's aligned contiguous layout: the copy's scales through a row-major "
                        "scratch and `copy_scales` (on) vs stored straight into the MN-major layout (off) (above 256 "

@@ -101,12 +101,6 @@
 #                  T = 1 / 16 / 64 / 256 (its first form lost 1.45-1.83x on the H200, w8a16_2026-12-04.md); the
 #                  W8A16 GPU tests first, then where a W8A16 decode step's time goes (kernel_breakdown, Qwen3 and
 #                  GPT-OSS at T = 1 and 16)
-#   fp8_epilogue   W8A8 GEMM1 applying the activation and quantising it per 1x128 group in its epilogue
-#                  (masked_experts.pipeline.FUSE_FP8_ACTIVATION, off: built in the thirty-third session, no GPU then)
-#                  against its bf16 product and the activation kernel: its GPU tests, then bench/fused_activation.py
-#                  --switch fp8_epilogue, Qwen3, Mixtral, GPT-OSS, the DeepSeek-V3 shard, T = 256 / 1024 / 4096 (Qwen3
-#                  T=256 is 16 rows per expert: both sides the same, a control). A first form (two accumulators of
-#                  128 columns, halves only) measured 0.93-1.035x on an H100 in the fifteenth session and was removed
 #   peer_vllm      one layer against the peer in .ext/vllm_peer.py (carried; never committed: docs/performance.md
 #                  "How the vLLM comparison is made"), Qwen3 and Mixtral, bf16 and fp8, T = 1 ... 16384
 #   peer_vllm_more the same for the DeepSeek-V3 shard and GPT-OSS
@@ -416,13 +410,6 @@ for name in "$@"; do
       timeout 100 python3 $BREAKDOWN --shapes qwen3,gpt_oss --tokens 1,16 --fp8 --tag decode_fp8_w8a16 \
         --set masked_experts.pipeline.W8A16_MAX_ROWS=16 >> "$OUT/log_$name.txt" 2>&1
       grep -h -E "^\| (qwen3|gpt_oss)" "$OUT"/kernel_breakdown_*decode_fp8_w8a16.md 2>/dev/null | cut -c1-400 ;;
-    fp8_epilogue)
-      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_fp8_epilogue.py \
-        > "$OUT/pytest_gpu_$name.log" 2>&1
-      grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -10
-      timeout 420 python3 bench/fused_activation.py --switch fp8_epilogue --shapes qwen3,mixtral,gpt_oss,dsv3 \
-        --tokens 256,1024,4096 --rounds 3 --out "$OUT" --tag $name > "$OUT/log_$name.txt" 2>&1
-      grep -h -E "^\| (qwen3|mixtral|dsv3|gpt_oss)" "$OUT"/fp8_epilogue_*.md 2>/dev/null | cut -c1-220 ;;
     full_mixtral)
       timeout 590 python3 $E2E_FULL --tokens 16,1024,4096 --rounds 3 --no-generate --tag full_mixtral \
         > "$OUT/log_$name.txt" 2>&1

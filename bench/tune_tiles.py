@@ -170,7 +170,6 @@ def _sorted_cell(shape: str, t: int, kind: str, gemm: int, cache: dict):
     from moe_fx.lowering.quant import quantize_fp8_blockwise
     from moe_fx.lowering.triton.grouped_gemm import SlotRows, sorted_gemm
     from moe_fx.lowering.triton.sort import quantize_rows, sort_by_expert
-    from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
     _, e, k, h, i = SHAPES[shape]
     if cache.get("shape") != shape:
@@ -209,15 +208,11 @@ def _sorted_cell(shape: str, t: int, kind: str, gemm: int, cache: dict):
         a, a_s = (cache["a2q"][0].unsqueeze(0), cache["a2q"][1].unsqueeze(0)) if fp8 else (cache["a2"], None)
         w, w_s, gather = w2, s2, False
     n_, k_ = w.shape[1], w.shape[2]
-    n_out = n_ // 2 if activation is not None else n_
-    # a W8A8 epilogue (pipeline.FUSE_FP8_ACTIVATION) writes fp8 codes and their 1x128 scales
-    quantized = fp8 and activation is not None
-    out = torch.empty(1, t * k, n_out, device=DEVICE, dtype=FP8_DTYPE if quantized else torch.bfloat16)
-    out_scale = torch.empty(1, t * k, cdiv(n_out, FP8_BLOCK), device=DEVICE) if quantized else None
+    out = torch.empty(1, t * k, n_ // 2 if activation is not None else n_, device=DEVICE, dtype=torch.bfloat16)
 
     def run(cfg):
         return sorted_gemm(a, w, rows, out, a_scale=a_s, b_scale=w_s, gather=gather, regime=regime, config=cfg,
-                           activation=activation, out_scale=out_scale)
+                           activation=activation)
 
     return run, n_, k_, regime, 2 * t * k * n_ * k_
 

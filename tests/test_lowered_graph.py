@@ -10,8 +10,6 @@ The GPU tests (test_compiled_gpu.py) check the code Inductor generates from it a
 
 from __future__ import annotations
 
-import operator
-
 
 import pytest
 import torch
@@ -144,33 +142,6 @@ def test_fp8_weights_trace_to_fp8_kernels(sm90, monkeypatch):
             assert args["B_FP8"] and args["ACT_FUSED"] == act_fused and "bs_ptr" in node.kwargs["kwargs"]
             assert set(node.kwargs["tensors_to_clone"]) == {"c_ptr"}  # the fp8 weights and scales are only read
             _assert_every_parameter_passed(node)
-
-
-def test_fp8_activation_epilogue_traces_to_one_gemm1_that_writes_codes_and_scales(sm90, monkeypatch):
-    """pipeline.FUSE_FP8_ACTIVATION on, above 16 rows per expert: no activation kernel; GEMM1's launch writes the fp8
-    codes and their scales (the two tensors Inductor must treat as written), and GEMM2 reads both."""
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-
-    from moe_fx.lowering.masked_experts import pipeline
-
-    monkeypatch.setattr(pipeline, "FUSE_FP8_ACTIVATION", True)
-    gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), t=512, fp8=True))
-    launches = _launches(gm)
-    assert [_kernel_name(n) for n in launches] == ["expert_counts_kernel", "sort_slots_kernel", "quantize_rows_kernel",
-                                                   "masked_gemm_fp8_kernel", "masked_gemm_fp8_kernel",
-                                                   "unpermute_kernel"]
-    gemm1, gemm2 = launches[3:5]
-    args = {**kernel_side_table.get_constant_args(gemm1.kwargs["constant_args_idx"]), **gemm1.kwargs["kwargs"]}
-    assert args["ACT_FUSED"] and args["PAIR_HALVES"] and args["BLOCK_N"] == 256 and not args["SCALAR_BS"]
-    assert set(gemm1.kwargs["tensors_to_clone"]) == {"c_ptr", "cs_ptr"}
-    _assert_every_parameter_passed(gemm1)
-    # GEMM2's operands are what GEMM1's launch returns for the tensors it wrote (the functional graph's getitems)
-    for name in ("a_ptr", "as_ptr"):
-        read = gemm2.kwargs["kwargs"][name]
-        assert read.target is operator.getitem and read.args[0] is gemm1, (name, read)
-    # at 16 rows per expert or fewer the activation kernel still runs (the decode tiles are swapped)
-    gm = _trace(_experts_fp8, _inputs(FakeTensorMode(), t=16, fp8=True))
-    assert "activation_kernel" in [_kernel_name(n) for n in _launches(gm)]
 
 
 def test_deepgemm_gemms_are_extern_calls_between_triton_launches(sm90, monkeypatch):

@@ -385,29 +385,6 @@ def test_tuning_times_gemm1_as_the_pipeline_runs_it(family, monkeypatch):
     assert torch.allclose(one[0], ref1, rtol=3e-2, atol=3e-2)
 
 
-def test_tuning_times_the_fp8_epilogue_where_the_pipeline_runs_it(monkeypatch):
-    """With pipeline.FUSE_FP8_ACTIVATION on, an fp8 GEMM1 cell above 16 rows per expert times the fused GEMM: fp8 codes
-    of the activation and their 1x128 scales (what GEMM2 reads), here on CPU; at decode sizes the unfused GEMM."""
-    from helpers import load_bench
-
-    from moe_fx.lowering.masked_experts import pipeline
-
-    tune = load_bench("tune_tiles")
-    monkeypatch.setattr(pipeline, "FUSE_FP8_ACTIVATION", True)
-    monkeypatch.setattr(tune, "DEVICE", "cpu")
-    monkeypatch.setitem(tune.SHAPES, "tiny", ("custom", 4, 2, 128, 64))
-    assert tune.epilogue_activation("tiny", "fp8", 1) is None and tune.epilogue_activation("tiny", "fp8", 2)
-    cache: dict = {}
-    run, n, k, regime, _ = tune._sorted_cell("tiny", 40, "fp8", 1, cache)  # 20 rows per expert
-    assert (n, k, regime) == (128, 128, 2)
-    out = run(TileConfig(64, 128, 128, 8, 4, 3, 2))
-    assert out.dtype == torch.float8_e4m3fn and out.shape == (1, 80, 64)
-    total = int(cache["rows"].total.item())
-    assert torch.isfinite(out[0, :total].float()).all() and out[0, :total].float().abs().amax(-1).eq(448).all()
-    run16, *_ = tune._sorted_cell("tiny", 8, "fp8", 1, cache)  # 4 rows per expert: the unfused GEMM's bf16 product
-    assert run16(TileConfig(16, 64, 128, 1, 4, 1, 1)).dtype == torch.bfloat16
-
-
 def test_tune_takes_a_users_layer_shape():
     import argparse
 

@@ -89,13 +89,6 @@ class ExpertsPlan:
             self.problem.activation, self.problem.fp8_block is not None, self.problem.regime)
 
     @property
-    def quantized_activation_epilogue(self) -> bool:
-        """GEMM1's epilogue also quantises the activation per 1x128 group for GEMM2 (fp8 weights, W8A8: the
-        :attr:`activation_epilogue` of ``pipeline.FUSE_FP8_ACTIVATION``)."""
-        fp8 = self.problem.fp8_block is not None
-        return self.activation_epilogue and quantize_activations(fp8, self.problem.regime)
-
-    @property
     def bf16_activations_fp8_weights(self) -> bool:
         """fp8 weights meet unquantised bf16 activations (W8A16, sorted layout at decode sizes:
         :func:`~moe_fx.lowering.masked_experts.pipeline.quantize_activations`, which the run asks too)."""
@@ -128,8 +121,7 @@ class ExpertsPlan:
             ", rows in slot order (no sort)" if self.slot_rows else "") + (
             ", GEMM2 and the combine in one launch" if self.down_combined else "") + (
             ", bf16 activations x fp8 weights" if self.bf16_activations_fp8_weights else "") + (
-            (", activation and its fp8 quantisation in GEMM1's epilogue" if self.quantized_activation_epilogue
-             else ", activation in GEMM1's epilogue") if self.activation_epilogue else "") + (
+            ", activation in GEMM1's epilogue" if self.activation_epilogue else "") + (
             ", combine fused by Inductor in compiled graphs" if self.combine_in_graph else "")
 
     def raise_if_unrunnable(self, what: str) -> ExpertsPlan:

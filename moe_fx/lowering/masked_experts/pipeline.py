@@ -25,27 +25,17 @@ import torch
 from moe_fx.lowering.quant import quantize_fp8_per_token_group
 from moe_fx.ops import ExpertActivation
 from moe_fx.ops.masked_experts import dequantize_activations
-from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
+from moe_fx.ops.recipe import FP8_DTYPE
 
-__all__ = ["COMBINE_IN_GRAPH", "FUSE_ACTIVATION", "FUSE_FP8_ACTIVATION", "FUSE_FP8_FROM_REGIME",
-           "QUANTIZE_TOKENS_IN_SORT", "SLOT_DOWN_COMBINE", "SLOT_ROWS_MAX_TOKENS", "W8A16_MAX_ROWS", "ExpertWeights",
-           "GemmHints", "MaskedGemms", "combine_in_graph", "fuse_activation", "fuse_down_combine",
-           "quantize_activations", "quantize_tokens_in_sort", "run_masked_experts", "run_sorted_experts", "slot_rows"]
+__all__ = ["COMBINE_IN_GRAPH", "FUSE_ACTIVATION", "QUANTIZE_TOKENS_IN_SORT", "SLOT_DOWN_COMBINE", "SLOT_ROWS_MAX_TOKENS",
+           "W8A16_MAX_ROWS", "ExpertWeights", "GemmHints", "MaskedGemms", "combine_in_graph", "fuse_activation",
+           "fuse_down_combine", "quantize_activations", "quantize_tokens_in_sort", "run_masked_experts",
+           "run_sorted_experts", "slot_rows"]
 
 #: Whether the sorted layout may apply the activation in GEMM1's epilogue (where :func:`fuse_activation`
 #: says it wins). Read when a call runs (so when a graph is compiled, for compiled code); benchmarks set
 #: it False to time the separate activation kernel beside it (bench/fused_activation.py).
 FUSE_ACTIVATION = True
-#: Whether a W8A8 call (fp8 weights, activations quantised per 1x128 group) on the sorted layout applies the
-#: activation and its quantisation in GEMM1's epilogue (``masked_gemm_fp8_kernel``'s ACT_FUSED; the tile:
-#: ``grouped_gemm.fp8_epilogue_tile``) from :data:`FUSE_FP8_FROM_REGIME` on, instead of the activation kernel:
-#: GEMM1's ``[N, 2I]`` bf16 product is neither stored nor read back (Qwen3-30B-A3B at T=4096: 200 MB and the
-#: activation kernel's 50 of 681 µs on an H100, bench/results/kernel_breakdown_2026-12-06_prefill_fp8_s16_h100.md).
-#: Read when a call runs; ``bench/fused_activation.py --switch fp8_epilogue`` times both sides.
-FUSE_FP8_ACTIVATION = False
-#: The first rows-per-expert regime whose W8A8 GEMM1 may fuse (:data:`FUSE_FP8_ACTIVATION`): more than 16 rows per
-#: expert, where the tuned fp8 tiles are unswapped (the fused tile cannot be: its columns hold the scale group).
-FUSE_FP8_FROM_REGIME = 2
 #: Rows per expert up to which a gate/up-halves GEMM1 takes the epilogue (see :func:`fuse_activation`); None, the
 #: measured choice since 2026-12-06: at every size (``bash bench/gpu_recipes.sh epilogue_prefill`` times it).
 FUSE_HALVES_MAX_ROWS: int | None = None
@@ -284,10 +274,8 @@ def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bo
     Halves (Qwen3, Mixtral) kept two accumulators of half the tuned tile then: 1.01-1.06x up to 64 rows per
     expert, 0.95-0.98x at prefill sizes (Mixtral T >= 1024, Qwen3 T = 4096), where the separate kernel
     stayed. Not gated: the unfused tile and one accumulator, only the store and a launch saved. fp8
-    weights with quantised activations (:func:`quantize_activations`): GEMM2 needs the activation quantised per
-    1x128 group, which the epilogue then does too, while :data:`FUSE_FP8_ACTIVATION` says so and from
-    :data:`FUSE_FP8_FROM_REGIME` on (else the activation kernel's job); with bf16 activations (W8A16) as bf16
-    weights.
+    weights with quantised activations (:func:`quantize_activations`) never: GEMM2 needs the activation
+    quantised per 1x128 group, the activation kernel's job; with bf16 activations (W8A16) as bf16 weights.
     Halves now run one tile of gate and up rows by default (``grouped_gemm.PAIR_GATE_UP``, the unfused tile's MMA
     shape; 1.00-1.02x up to 256 tokens, bench/results/pair_halves_2026-12-05.md), and with it the epilogue wins at
     prefill sizes too: 1.04-1.11x at T = 1024, 4096, 16384 for Qwen3 and Mixtral (one H100, 2026-12-06,
@@ -298,10 +286,8 @@ def fuse_activation(spec: ExpertActivation, fp8: bool, regime: int | None) -> bo
     """
     from moe_fx.lowering.problem import regime_bounds
 
-    if not FUSE_ACTIVATION:
+    if not FUSE_ACTIVATION or quantize_activations(fp8, regime):
         return False
-    if quantize_activations(fp8, regime):
-        return FUSE_FP8_ACTIVATION and regime is not None and regime >= FUSE_FP8_FROM_REGIME
     if not spec.gated or spec.gate_up_layout == "interleaved" or FUSE_HALVES_MAX_ROWS is None:
         return True
     if regime is None:
@@ -357,14 +343,10 @@ def run_sorted_experts(
         x = hidden.to(weights.w13.dtype)
     # GEMM1's bias is per expert: added in its epilogue (after the routing weight, as (w x) W^T + b)
     if fuse_activation(spec, weights.fp8, hints.regime):
-        # the activation in GEMM1's epilogue: the [N, 2I] product is never stored, one launch fewer (W8A8: the
-        # epilogue quantises it per 1x128 group too, its scales here)
+        # the activation in GEMM1's epilogue: the [N, 2I] product is never stored, one launch fewer
+        a2 = gemms.sorted_gemm(x, None, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias, hints=hints,
+                               gather=True, route_weights=route_weights, activation=spec)
         a2_scale = None
-        if quantized:
-            a2_scale = torch.empty((1, rows.num_rows, cdiv(weights.w2.shape[2], FP8_BLOCK)), dtype=torch.float32,
-                                   device=hidden.device)
-        a2 = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias, hints=hints,
-                               gather=True, route_weights=route_weights, activation=spec, out_scale=a2_scale)
     else:  # the separate activation kernel (W8A8: it quantises its output per 1x128 group for GEMM2)
         gate_up = gemms.sorted_gemm(x, x_scale, weights.w13, weights.w13_scale, rows, bias=weights.w13_bias,
                                     hints=hints, gather=True, route_weights=route_weights)

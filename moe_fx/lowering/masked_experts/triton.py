@@ -99,15 +99,14 @@ class TritonGemms:
         gather: bool,
         route_weights: torch.Tensor | None,
         activation: ExpertActivation | None = None,
-        out_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The contiguous layout's GEMM (:func:`~moe_fx.lowering.triton.grouped_gemm.sorted_gemm`): ``[T * K, N]``
-        (``activation``: applied in the epilogue, ``[T * K, I]``; fp8: quantised, its scales into ``out_scale``)."""
+        (``activation``: applied in the epilogue, ``[T * K, I]``)."""
         from moe_fx.lowering.triton.grouped_gemm import sorted_gemm
 
         return sorted_gemm(a, w, rows, a_scale=a_scale, b_scale=w_scale, gather=gather, route_weights=route_weights,
                            bias=bias, expected_m=hints.expected_m, active_groups=hints.active_groups,
-                           regime=hints.regime, activation=activation, out_scale=out_scale)
+                           regime=hints.regime, activation=activation)
 
 
 GEMMS = TritonGemms()

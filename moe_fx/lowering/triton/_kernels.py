@@ -370,7 +370,11 @@ def masked_gemm_kernel(
             if HALVES:
                 acc_u += tl.load(bias_ptr + e64 * s_biasg + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if ACT_FUSED and GATED and (INTERLEAVED or PAIRED):  # half the tile's columns are gate, half up
-            acc = _gate_up_act(acc, alpha, limit, up_offset, ACT, INTERLEAVED, HAS_LIMIT, UPCAST, BLOCK_M, BLOCK_N)
+            if INTERLEAVED:  # columns (2j, 2j + 1) of the tile: (gate, up) of output column j
+                g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+            else:  # columns j and BLOCK_N / 2 + j
+                g, u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            acc = _act_epilogue(g, u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, UPCAST)
             offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             mask_n = offs_n < N
         elif HALVES:
@@ -432,18 +436,6 @@ def masked_gemm_fp8_kernel(
     DEVICE_TMA: tl.constexpr = False,
     FLATTEN: tl.constexpr = False,
     PREFETCH_SCALES: tl.constexpr = False,
-    ACT_FUSED: tl.constexpr = False,
-    ACT: tl.constexpr = 0,
-    GATED: tl.constexpr = False,
-    INTERLEAVED: tl.constexpr = False,
-    HAS_LIMIT: tl.constexpr = False,
-    alpha=1.0,
-    limit=0.0,
-    up_offset=0.0,
-    PAIR_HALVES: tl.constexpr = False,
-    cs_ptr=None,
-    s_csm=0,
-    s_csn=0,
 ):
     """fp8 x fp8 -> bf16 (+ bias[g]): a with 1x128 per-row group scales, b with 128x128 block scales.
 
@@ -456,33 +448,13 @@ def masked_gemm_fp8_kernel(
     instead of its MMA alone (the loads of the step's own scales are not pipelined by Triton: they were issued just
     before the MMA and waited for right after it).
     TMA, SORTED, GATHER_A, ROUTE_W, SWAP_AB, FLATTEN: as in :func:`masked_gemm_kernel` (``as`` rows follow ``a``'s).
-
-    ACT_FUSED (GEMM1 of a W8A8 layer, not swapped): the expert activation in the epilogue, as in
-    :func:`masked_gemm_kernel` (``b`` holds ``2N`` gate and up rows when GATED: as one tile of BLOCK_N / 2 gate
-    rows and the up rows N below them, PAIR_HALVES, or BLOCK_N interleaved rows), then quantised per 1x128 group
-    (:func:`_quant_groups`): ``c`` gets fp8 codes of ``N`` columns and ``cs[row, n // 128]`` (strides ``s_csm``,
-    ``s_csn``) their fp32 scales, what GEMM2 reads. A tile's output columns are one group: BLOCK_N is 256 gated,
-    128 not. The weight scales are then per column of the tile (its gate and up rows lie in different blocks).
     """
-    # gate/up in the epilogue: one tile of BLOCK_N / 2 gate rows and the up rows N below them (PAIRED)
-    PAIRED: tl.constexpr = ACT_FUSED and GATED and not INTERLEAVED
-    OUT_N: tl.constexpr = BLOCK_N // 2 if ACT_FUSED and GATED else BLOCK_N  # output columns of a tile
-    tl.static_assert(not (ACT_FUSED and SWAP_AB), "the fused activation runs on unswapped tiles")
-    tl.static_assert(not PAIRED or PAIR_HALVES, "fp8 gate/up halves run as paired tiles")
-    tl.static_assert(not ACT_FUSED or OUT_N == 128, "a fused fp8 tile gives one 1x128 group of output columns")
     # Written out in both GEMM kernels on purpose: a pointer handed to a helper counts as written in
     # Inductor's mutation analysis, which would then copy the weights before every launch.
     if DEVICE_TMA:  # tensor descriptors made on the device (what Inductor-launched kernels can use)
         # the unit last stride is written as a literal (the host checked it): TMA needs it static
-        if PAIRED:  # gate and up rows j, N + j: one box of both
-            b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, 2, N, K], strides=[s_bg, N * s_bn, s_bn, 1],
-                                              block_shape=[1, 2, BLOCK_N // 2, BLOCK_K])
-        elif ACT_FUSED and GATED:  # interleaved gate and up: 2N rows
-            b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, 2 * N, K], strides=[s_bg, s_bn, 1],
-                                              block_shape=[1, BLOCK_N, BLOCK_K])
-        else:
-            b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[s_bg, s_bn, 1],
-                                              block_shape=[1, BLOCK_N, BLOCK_K])
+        b_ptr = tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[s_bg, s_bn, 1],
+                                          block_shape=[1, BLOCK_N, BLOCK_K])
         if not GATHER_A:
             if SORTED:  # one group of rows (its group stride is never used)
                 a_ptr = tl.make_tensor_descriptor(a_ptr, shape=[1, M, K], strides=[M * s_am, s_am, 1],
@@ -494,28 +466,17 @@ def masked_gemm_fp8_kernel(
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, E_POW2)
     rows, tiles, cum = _valid_tiles(tl.load(masked_m_ptr + offs_e, mask=offs_e < E, other=0), M, BLOCK_M)
-    if ACT_FUSED and GATED:  # tiles walk b's 2N rows; each gives BLOCK_N // 2 output columns
-        NB = 2 * N
-    else:
-        NB = N
-    num_n = (NB + BLOCK_N - 1) // BLOCK_N
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(tiles, 0, _add) * num_n
     starts = tl.associative_scan(rows, 0, _add) - rows  # first sorted row of each expert (SORTED)
     for t in tl.range(pid, total, nprog, flatten=FLATTEN):  # FLATTEN: see masked_gemm_kernel
         e, m_e, pid_m, pid_n = _tile_coords(t, offs_e, rows, tiles, cum, num_n, GROUP_M)
         e64 = e.to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        if PAIRED:  # b's rows of the tile: BLOCK_N / 2 gate rows, then the up rows N below them
-            col = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
-            offs_n = (tl.arange(0, BLOCK_N) // (BLOCK_N // 2)) * N + col
-        else:
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # b's rows of the tile
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < m_e
-        if PAIRED:
-            mask_n = col < N
-        else:
-            mask_n = offs_n < NB
+        mask_n = offs_n < N
         srow, g0, m0 = _row_index(e, offs_m, pid_m, starts, offs_e, BLOCK_M, SORTED)
         c_idx = srow.to(tl.int64)
         if GATHER_A:  # the row's (token, k) slot, loaded here (a pointer passed to a helper counts as written)
@@ -546,14 +507,12 @@ def masked_gemm_fp8_kernel(
         for k0 in range(0, K, BLOCK_K):
             if TMA and not GATHER_A:
                 a = a_ptr.load([g0, m0, k0]).reshape(BLOCK_M, BLOCK_K)
+                b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
             elif TMA:  # gathered A through pointers (masked at a K tail, as TMA zero-fills b's), b through TMA
                 if EVEN_K:
                     a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
                 else:
                     a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-            if TMA and PAIRED:
-                b = b_ptr.load([e, 0, pid_n * (BLOCK_N // 2), k0]).reshape(BLOCK_N, BLOCK_K).T
-            elif TMA:
                 b = b_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
             elif EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
@@ -601,21 +560,8 @@ def masked_gemm_fp8_kernel(
             acc = acc * rw.to(tl.float32)[:, None]
         if HAS_BIAS:  # bias [G, N], contiguous along N
             acc += tl.load(bias_ptr + e64 * s_biasg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if ACT_FUSED:  # the activation, quantised per 1x128 group: the tile's output columns are one group
-            if GATED:  # half the tile's columns are gate, half up
-                v = _gate_up_act(acc, alpha, limit, up_offset, ACT, INTERLEAVED, HAS_LIMIT, UPCAST, BLOCK_M, BLOCK_N)
-            else:
-                v = _act_epilogue(acc, acc, alpha, limit, up_offset, ACT, False, HAS_LIMIT, UPCAST)
-            offs_o = pid_n * OUT_N + tl.arange(0, OUT_N)
-            mask_o = offs_o < N
-            # columns past N (a partial last group) count as zeros in the group's amax, as the activation kernel's
-            q, scale = _quant_groups(tl.where(mask_o[None, :], v, 0.0), BLOCK_M, OUT_N, UPCAST)
-            c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_o[None, :] * s_cn
-            tl.store(c_ptrs, q.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_o[None, :])
-            tl.store(cs_ptr + c_idx * s_csm + pid_n * s_csn, tl.reshape(scale, (BLOCK_M,)), mask=mask_m)
-        else:
-            c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        c_ptrs = c_ptr + e64 * s_cg + c_idx[:, None] * s_cm + offs_n[None, :] * s_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -706,19 +652,6 @@ def _act_epilogue(g, u, alpha, limit, up_offset, ACT: tl.constexpr, GATED: tl.co
             g = tl.clamp(g, -limit, limit)
         v = _act(g, alpha, ACT)
     return v
-
-
-@triton.jit
-def _gate_up_act(acc, alpha, limit, up_offset, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                 INTERP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The gated activation of one accumulator tile ``[BLOCK_M, BLOCK_N]`` that holds gate and up columns:
-    ``[BLOCK_M, BLOCK_N // 2]`` of :func:`_act_epilogue`. INTERLEAVED: columns ``(2j, 2j + 1)`` are output column
-    ``j``'s (gate, up); else columns ``j`` and ``BLOCK_N / 2 + j`` (a paired tile). Both GEMM kernels' epilogues."""
-    if INTERLEAVED:
-        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-    else:
-        g, u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-    return _act_epilogue(g, u, alpha, limit, up_offset, ACT, True, HAS_LIMIT, INTERP)
 
 
 @triton.jit

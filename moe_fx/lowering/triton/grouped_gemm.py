@@ -19,8 +19,8 @@ from moe_fx.lowering.triton.act_args import epilogue_args
 from moe_fx.ops import ExpertActivation
 from moe_fx.ops.recipe import FP8_BLOCK, FP8_DTYPE, cdiv
 
-__all__ = ["SLOT_DOWN_MAX_TOPK", "SLOT_DOWN_TILE", "SlotRows", "SortedRows", "check_offsets", "fp8_epilogue_tile",
-           "masked_gemm", "masked_gemm_fp8", "num_programs", "slot_down_combine", "sorted_gemm", "tune_masked_gemm"]
+__all__ = ["SLOT_DOWN_MAX_TOPK", "SLOT_DOWN_TILE", "SlotRows", "SortedRows", "check_offsets", "masked_gemm",
+           "masked_gemm_fp8", "num_programs", "slot_down_combine", "sorted_gemm", "tune_masked_gemm"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 #: fp8 GEMMs load each k step's scales one step ahead (``masked_gemm_fp8_kernel``'s PREFETCH_SCALES); read at every
@@ -287,15 +287,13 @@ def _launch_gemm(
     kind: str, a, a_scale, b, b_scale, masked_m, out, groups: int, m: object, n: int, k: int,
     cfg: configs.TileConfig, tile_bound: object, *, a_strides: tuple, as_strides: tuple, c_strides: tuple,
     bias, sorted_rows: SortedRows | None, gather: bool, route_weights, epilogue: dict | None = None,
-    out_scale: torch.Tensor | None = None,
 ) -> None:
     """One launch of the masked / sorted GEMM kernel of ``kind`` (the layouts differ only in row offsets):
     ``"bf16"`` (bf16/fp16/fp32 operands), ``"fp8"`` (fp8 x fp8, 1x128 / 128x128 scales) or ``"w8a16"``
     (bf16 activations x fp8 weights with 128x128 scales, dequantised in the kernel).
 
     ``epilogue``: the activation's kernel arguments (:func:`moe_fx.lowering.triton.act_args.epilogue_args`)
-    when GEMM1 applies it; with ``"fp8"`` the kernel also quantises it per 1x128 group, codes into ``out`` and
-    scales into ``out_scale``."""
+    when GEMM1 applies it (bf16 kinds only)."""
     # a swapped tile with gate/up halves in two accumulators loads the gate's and the up's weight tiles
     b_tiles = 2 if epilogue and _halves(epilogue) and not epilogue["PAIR_HALVES"] and cfg.swap_ab else 1
     nprog = num_programs(a.device, cfg, tile_bound, configs.resident_programs(cfg, a.element_size(), b_tiles))
@@ -325,16 +323,12 @@ def _launch_gemm(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if kind == "fp8":
-        # a fused gated tile's gate and up rows lie in different scale blocks: per-column weight scales
-        scalar_bs = FP8_BLOCK % cfg.block_n == 0 and not (epilogue and epilogue["GATED"])
-        quant_out = {} if epilogue is None else {
-            "cs_ptr": out_scale, "s_csm": out_scale.stride(1), "s_csn": out_scale.stride(2), **epilogue}
         launch(
             "masked_gemm_fp8_kernel", a.device, (nprog,),
             a_in, a_scale, b_in, b_scale, out, masked_m,
             groups, m, n, k,
             *a_strides, *as_strides, *b.stride(), *b_scale.stride(), *c_strides,
-            SCALAR_BS=scalar_bs, PREFETCH_SCALES=PREFETCH_FP8_SCALES, **common, **quant_out,
+            SCALAR_BS=FP8_BLOCK % cfg.block_n == 0, PREFETCH_SCALES=PREFETCH_FP8_SCALES, **common,
         )  # fmt: skip
     else:
         w8a16 = {} if kind != "w8a16" else {"bs_ptr": b_scale, "s_bsg": b_scale.stride(0), "s_bsn": b_scale.stride(1),
@@ -496,7 +490,6 @@ def sorted_gemm(
     regime: int | None = None,
     config: configs.TileConfig | None = None,
     activation: ExpertActivation | None = None,
-    out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped GEMM on the contiguous layout: each sorted row times its expert's ``b[e]^T``.
 
@@ -516,15 +509,11 @@ def sorted_gemm(
         a_scale: fp32 ``[T, K/128]`` or ``[1, N, K/128]`` (a's rows), any strides.
         route_weights: ``[T, K]`` routing weights that multiply each row (weights on the input).
         bias: float ``[E, N_out]``. expected_m, active_groups, regime, config: as in :func:`masked_gemm`.
-        activation: the expert activation, applied in the epilogue: the output
+        activation: the expert activation, applied in the epilogue (bf16/fp16/fp32 only): the output
             is then ``[1, N, N_out / 2]`` of ``act(gate) * (up + up_offset)`` (gated; ``b`` holds gate and
             up rows, ``bias`` too) or ``[1, N, N_out]`` of ``act(h)``, from the fp32 products: the GEMM1
             product is never stored and the activation kernel does not run. ``config`` is then the
-            unfused GEMM's tile (:func:`_split_columns`, :func:`fp8_epilogue_tile` make the launch's from it).
-            fp8 (W8A8): the activation is quantised per 1x128 group as the activation kernel does it, the output
-            holds its float8_e4m3fn codes and ``out_scale`` its scales (what GEMM2 reads).
-        out_scale: fp32 ``[1, N, ceil(C / 128)]`` (any strides), ``C`` the output's columns: the scales of an fp8
-            ``activation``'s output; required there, refused elsewhere.
+            unfused GEMM's tile (:func:`_split_columns` makes the launch's from it).
 
     Returns:
         ``[1, N, N_out]`` (``N_out / 2`` columns with a gated ``activation``).
@@ -559,24 +548,15 @@ def sorted_gemm(
         raise ValueError(f"{name}: route_weights apply to the gathered GEMM (the first) only")
     epilogue, n_out = None, n
     if activation is not None:
+        if fp8:
+            raise ValueError(f"{name}: the activation epilogue runs on bf16/fp16/fp32 GEMMs, not fp8")
         if activation.gated and n % 2:
             raise ValueError(f"{name}: a gated activation needs an even number of weight rows, got {n}")
         epilogue = epilogue_args(activation, name)
-        # fp8 halves run as paired tiles only (the kernel keeps one accumulator)
-        epilogue["PAIR_HALVES"] = _halves(epilogue) and (PAIR_GATE_UP or fp8)
+        epilogue["PAIR_HALVES"] = _halves(epilogue) and PAIR_GATE_UP
         n_out = n // 2 if activation.gated else n
-    if fp8 and activation is not None:
-        want = (1, num_rows, cdiv(n_out, FP8_BLOCK))
-        if (out_scale is None or out_scale.dtype != torch.float32 or tuple(out_scale.shape) != want
-                or out_scale.device != a.device):
-            got = None if out_scale is None else (out_scale.dtype, list(out_scale.shape), out_scale.device)
-            raise ValueError(f"{name}: an fp8 activation epilogue writes its scales to out_scale, fp32 {list(want)} "
-                             f"on {a.device}; got {got}")
-    elif out_scale is not None:
-        raise ValueError(f"{name}: out_scale is for the scales of an fp8 activation epilogue")
-    out_dtype = (FP8_DTYPE if activation is not None else torch.bfloat16) if fp8 else a.dtype
-    out = _out(name, out, (1, num_rows, n_out), out_dtype, a.device)
-    check_offsets(name, a if a.dim() == 3 else a.unsqueeze(0), out, out_scale)
+    out = _out(name, out, (1, num_rows, n_out), torch.bfloat16 if fp8 else a.dtype, a.device)
+    check_offsets(name, a if a.dim() == 3 else a.unsqueeze(0), out)
     if _known_empty(num_rows, n):
         return out
     kind = "fp8" if fp8 else "w8a16" if w8a16 else "bf16"
@@ -584,9 +564,7 @@ def sorted_gemm(
     cfg = config or _gemm_config(kind, a, n, k, hints, "sorted")
     if b_scale is not None:
         _check_fp8_block_k(name, cfg)
-    if epilogue is not None and fp8:
-        cfg = fp8_epilogue_tile(cfg, activation.gated)
-    elif epilogue is not None and activation.gated and not epilogue["PAIR_HALVES"]:
+    if epilogue is not None and activation.gated and not epilogue["PAIR_HALVES"]:
         cfg = _split_columns(cfg, activation.gate_up_layout)
     # group strides 0: row offsets come from the expert's start (the kernels' SORTED mode)
     a_strides = (0, *a.stride()) if gather else (0, *a.stride()[1:])
@@ -598,7 +576,7 @@ def sorted_gemm(
     _launch_gemm(kind, a, a_scale, b, b_scale, index, out, groups, num_rows, n_out, k, cfg,
                  _tile_bound(groups, group_rows, tile_cols, cfg, num_rows), a_strides=a_strides, as_strides=as_strides,
                  c_strides=(0, *out.stride()[1:]), bias=bias, sorted_rows=rows, gather=gather,
-                 route_weights=route_weights, epilogue=epilogue, out_scale=out_scale)
+                 route_weights=route_weights, epilogue=epilogue)
     return out
 
 
@@ -690,18 +668,6 @@ def _split_columns(cfg: configs.TileConfig, gate_up_layout: str) -> configs.Tile
     if cfg.swap_ab or gate_up_layout == "interleaved":
         return cfg
     return replace(cfg, block_n=max(16, cfg.block_n // 2))
-
-
-def fp8_epilogue_tile(cfg: configs.TileConfig, gated: bool) -> configs.TileConfig:
-    """The tile of an fp8 GEMM1 that applies the activation and quantises it per 1x128 group in its epilogue, from
-    the unfused GEMM's tuned tile ``cfg``: a tile's output columns are one scale group, so it multiplies 256 weight
-    rows (128 gate and 128 up, or 128 interleaved pairs) when ``gated``, else 128. A gated tile takes 64 rows and
-    two warp groups (each holds the fp32 accumulator and the step's product of 64 x 128 columns: a 128 x 256 tile's
-    would not fit the registers), one program an SM, at most 4 stages (160 KB of fp8 tiles). Never swapped."""
-    if not gated:
-        return replace(cfg, block_n=FP8_BLOCK, swap_ab=False)
-    return replace(cfg, block_m=64, block_n=2 * FP8_BLOCK, num_warps=8, num_stages=min(cfg.num_stages, 4),
-                   programs_per_sm=1, swap_ab=False)
 
 
 def tune_masked_gemm(
