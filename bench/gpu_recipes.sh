@@ -231,7 +231,7 @@ for name in "$@"; do
         || grep -l -E "^(from|import) expecttest" tests/*.py | sed 's/^/--ignore=/')
       # 8 workers ran out of memory on an 80 GB H100 (2026-12-05: 8 of 157 tests); 4 there
       workers=$(python3 -c "import torch; print(8 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 4)")
-      timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu -n $workers -rs $no_expecttest tests \
+      timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu -n $workers -rs $no_expecttest tests \
         > "$OUT/pytest_gpu_$name.log" 2>&1
       grep -E "FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest_gpu_$name.log" | cut -c1-200 | tail -30 ;;
     tests_compiled)
