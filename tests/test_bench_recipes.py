@@ -161,17 +161,21 @@ def test_pack_archives_each_recipe_as_it_ends(tmp_path):
 
 def test_peer_recipes_parse():
     """The vLLM-peer recipes' bench/peer_layer.py options: each call's shapes exist, and peer_issue's cells are issue
-    16's table (every shape it names, its token counts)."""
+    16's table (every shape it names, its token counts), and a recipe of chosen cells takes them from that table."""
     text = SCRIPT.read_text()
     peer_layer, layer_shapes = load_bench("peer_layer"), load_bench("moe_layer").SHAPES
     calls = re.findall(r'^      peer_run "\$name" (.+?) ;;$', text, flags=re.MULTILINE)
-    assert len(calls) == 4, calls
+    assert len(calls) == 5, calls
+    (cells,) = re.findall(r'^PEER_ISSUE_CELLS="([^"]+)"$', text, flags=re.MULTILINE)
+    issue_cells = peer_layer.parse_cells(cells, layer_shapes)
+    assert issue_cells == {
+        "qwen3": [1, 256, 1024, 4096], "mixtral": [64, 256, 4096], "dsv3": [64, 4096], "gpt_oss": [1, 256]}
     for call in calls:
         args = shlex.split(call.replace('"$PEER_ISSUE_CELLS"', "cells"))
         if "--shapes" in args:
             assert set(args[args.index("--shapes") + 1].split(",")) <= set(layer_shapes), call
-        else:
+        elif args[:2] == ["--cells", "cells"]:
             assert args == ["--cells", "cells"], call
-    (cells,) = re.findall(r'^PEER_ISSUE_CELLS="([^"]+)"$', text, flags=re.MULTILINE)
-    assert peer_layer.parse_cells(cells, layer_shapes) == {
-        "qwen3": [1, 256, 1024, 4096], "mixtral": [64, 256, 4096], "dsv3": [64, 4096], "gpt_oss": [1, 256]}
+        else:  # a recipe of a few of the issue's cells (peer_mixtral256)
+            chosen = peer_layer.parse_cells(args[args.index("--cells") + 1], layer_shapes)
+            assert all(set(ts) <= set(issue_cells[shape]) for shape, ts in chosen.items()), call
