@@ -107,7 +107,8 @@
 #   peer_issue     the rows of issue 16's vLLM table, bf16 and fp8, every shape in one call ($PEER_ISSUE_CELLS: the
 #                  call to make first when an H200 is scarce; peer_vllm and peer_vllm_more hold every T)
 #   peer_mixtral256 the one H200 row of that table where moe_fx's Triton was slower (Mixtral T=256 bf16, 1.010x in the
-#                  thirty-second session), bf16 only, 7 rounds: both sides run the same 128x256x64 tile there
+#                  thirty-second session), bf16 only, 7 rounds: both sides run the same 128x256x64 tile there;
+#                  --kernels lists each side's kernels of one replay, to place the difference
 #
 # The dg_* recipes need an importable DeepGEMM on the GPU machine (the GPU image has none; docs/deepgemm.md says how
 # to build one against its torch, outside this repository); each stops at once, saying why, where it does not import.
@@ -431,7 +432,7 @@ for name in "$@"; do
     peer_issue)
       peer_run "$name" --cells "$PEER_ISSUE_CELLS" ;;
     peer_mixtral256)
-      peer_run "$name" --cells mixtral:256 --dtypes bf16 --rounds 7 ;;
+      peer_run "$name" --cells mixtral:256 --dtypes bf16 --rounds 7 --kernels ;;
     dg_tests)
       need_deepgemm || continue
       timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 -rs tests/test_deepgemm_gpu.py \

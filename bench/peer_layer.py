@@ -23,10 +23,16 @@ run).
     python bench/peer_layer.py --peer .ext/vllm_peer.py [--shapes qwen3,mixtral,dsv3,gpt_oss]
         [--tokens 1,16,64,256,1024,4096,16384] [--dtypes bf16,fp8] [--auto] [--rounds 5] [--tag TAG]
     python bench/peer_layer.py --peer .ext/vllm_peer.py --cells "qwen3:1,256/mixtral:64,4096"   # chosen cells only
+    python bench/peer_layer.py --peer .ext/vllm_peer.py --cells mixtral:256 --dtypes bf16 --kernels  # where it goes
     TRITON_INTERPRET=1 python bench/peer_layer.py --peer .ext/vllm_peer.py --smoke --out /tmp/p   # CPU check
 
 Writes ``peer_layer_<date>[_tag].{md,json}`` to ``--out`` (default bench/results) after every cell, and at the end
 a plot of moe_fx's time over the peer's against T (``.png``). Needs CUDA.
+
+``--kernels`` also profiles a few replays of each side's graph after the timing (``torch.profiler``) and lists every
+kernel's mean GPU µs in launch order, both sides in one table: where a row's difference between the sides lies
+(GEMM1, GEMM2, the sort or the combine), not only how large it is. ``gaps`` is the side's replay time minus its
+kernels' sum (launch latency and idle time inside the graph).
 """
 
 from __future__ import annotations
@@ -123,6 +129,32 @@ def alternate_graph_us(fns: dict[str, Callable], sets: list, rounds: int,
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def replay_kernels(fn: Callable, sets: list) -> list[tuple[str, float]]:
+    """``(kernel, mean GPU µs)`` of one replay of ``fn``'s CUDA graph on ``sets[0]``, in launch order
+    (bench/kernel_breakdown.py's profile of ``PROFILED_REPLAYS`` replays)."""
+    from kernel_breakdown import PROFILED_REPLAYS, _profile, per_launch_us, short
+
+    graph = capture_graphs(fn, sets[:1])[0][0]
+    return [(short(n), d) for n, d in per_launch_us(_profile(graph.replay), PROFILED_REPLAYS)]
+
+
+def kernels_section(rows: list[dict]) -> str:
+    """The page's kernel table (``--kernels``): per row and side, each kernel's GPU µs in launch order, their sum and
+    the gaps (the side's replay µs minus that sum); nothing when no row was profiled."""
+    lines = []
+    for r in rows:
+        for side, kernels in r.get("kernels", {}).items():
+            total = sum(d for _, d in kernels)
+            listed = " · ".join(f"{n} {d:.1f}" for n, d in kernels)
+            lines.append(f"| {r['shape']} | {r['T']} | {r['dtype']} | {side} | {listed} | {total:.1f} | "
+                         f"{r['us'][side] - total:.1f} |")
+    if not lines:
+        return ""
+    return ("\n## Kernels of one replay (GPU µs, launch order)\n\n"
+            "| shape | T | dtype | side | kernels | sum µs | gaps µs |\n|---|---|---|---|---|---|---|\n"
+            + "\n".join(lines) + "\n")
+
+
 def floor_cell(t: int, ids, k: int, h: int, i: int, fp8: bool, limits: dict | None) -> dict[str, float | None]:
     """The layer's roofline for these routings (:func:`moe_layer.layer_floor`): floor µs (None without measured
     limits) and experts hit."""
@@ -186,7 +218,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         cells += [_num(r["floor_us"])] + [_pct(frac.get("peer"))] + [_pct(frac.get(n)) for n in mine]
         cells.append(", ".join(f"{n} {v:.1e}" if isinstance(v, float) else f"{n} {v}" for n, v in r["rel_err"].items()))
         lines.append(head + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + kernels_section(rows)
 
 
 def plot(path: str, meta: dict, rows: list[dict]) -> None:
@@ -249,7 +281,8 @@ def parse_cells(spec: str, known: dict) -> dict[str, list[int]]:
     return cells
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (the module docstring's options)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peer", required=True, help="the peer's Python file (git-ignored; see above)")
     ap.add_argument("--shapes", default=None, help=f"comma list of {', '.join(SHAPES)} (default: qwen3,mixtral,dsv3,"
@@ -263,11 +296,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtypes", default="bf16,fp8", help="weight dtypes: bf16, fp8 (128x128 blocks)")
     ap.add_argument("--auto", action="store_true", help="also time kernel_choice='auto' (DeepGEMM where it fits)")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per cell")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also profile each side's replay: every kernel's GPU µs, both sides in one table (needs CUDA)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no cell after this many seconds")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--tag", default="")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the cells the command line names, write the results page, its JSON and plot (the module docstring)."""
+    args = parse_args(argv)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.kernels and args.smoke:
+        raise SystemExit("--kernels profiles CUDA-graph replays: not with --smoke")
     if args.cells:
         if args.shapes or args.tokens:
             raise SystemExit("--cells names the shapes and their token counts: not with --shapes or --tokens")
@@ -368,8 +410,12 @@ def main(argv: list[str] | None = None) -> None:
                         finish({"shape": shape, "T": t, "dtype": dtype, "rel_err": errors,
                                 "error": f"not timed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"})
                         continue
-                finish(pair_row(shape, t, dtype, sides, errors,
-                                floor_cell(t, sets[0][1], k, h, i, dtype == "fp8", limits), peer.NAME))
+                row = pair_row(shape, t, dtype, sides, errors,
+                               floor_cell(t, sets[0][1], k, h, i, dtype == "fp8", limits), peer.NAME)
+                if args.kernels:
+                    with torch.no_grad():
+                        row["kernels"] = {name: replay_kernels(fn, sets) for name, fn in timed.items()}
+                finish(row)
                 if not args.smoke:
                     torch.cuda.empty_cache()
     save()

@@ -158,6 +158,22 @@ def test_results_page(peer_layer):
     assert "| shape | T | dtype | vllm_triton µs | moe_fx µs | moe_fx x | floor µs | frac vllm_triton | frac moe_fx |" in md
     assert "| qwen3 | 16 | bf16 | 40.0 | 30.0 | 0.750 | 24.0 | 60% | 80% | peer 4.0e-03, moe_fx 5.0e-03 |" in md
     assert "| qwen3 | 1024 | fp8 | not compared: {'peer': 'WRONG (9.9e-01)'} |" in md
+    assert "Kernels of one replay" not in md  # no row was profiled
+
+
+def test_kernels_table(peer_layer):
+    """``--kernels``: each profiled side's kernels in launch order, their sum and the gaps to the side's replay time,
+    one line per (row, side); ``--kernels`` with ``--smoke`` (no CUDA graphs) is refused."""
+    row = peer_layer.pair_row("mixtral", 256, "bf16", {"peer": 800.0, "moe_fx": 810.0}, {"peer": 4e-3, "moe_fx": 5e-3},
+                              {"floor_us": 600.0, "experts_hit": 8}, "vllm_triton")
+    row["kernels"] = {"peer": [("align", 5.0), ("fused_moe_kernel", 500.0), ("fused_moe_kernel", 280.0)],
+                      "moe_fx": [("sort", 4.0), ("gemm1", 520.0), ("gemm2", 275.5)]}
+    md = peer_layer.markdown({"peer_name": "vllm_triton", "limits": {"copy_tbs": 4.0}}, [row])
+    assert "## Kernels of one replay (GPU µs, launch order)" in md
+    assert "| mixtral | 256 | bf16 | peer | align 5.0 · fused_moe_kernel 500.0 · fused_moe_kernel 280.0 | 785.0 | 15.0 |" in md
+    assert "| mixtral | 256 | bf16 | moe_fx | sort 4.0 · gemm1 520.0 · gemm2 275.5 | 799.5 | 10.5 |" in md
+    with pytest.raises(SystemExit, match="--kernels profiles CUDA-graph replays: not with --smoke"):
+        peer_layer.main(["--peer", "p.py", "--smoke", "--kernels"])
 
 
 def test_main_needs_a_gpu_or_a_peer(peer_layer, tmp_path):

@@ -172,6 +172,7 @@ def test_peer_recipes_parse():
         "qwen3": [1, 256, 1024, 4096], "mixtral": [64, 256, 4096], "dsv3": [64, 4096], "gpt_oss": [1, 256]}
     for call in calls:
         args = shlex.split(call.replace('"$PEER_ISSUE_CELLS"', "cells"))
+        peer_layer.parse_args(["--peer", "p.py", *args])  # every option exists (argparse exits on one that does not)
         if "--shapes" in args:
             assert set(args[args.index("--shapes") + 1].split(",")) <= set(layer_shapes), call
         elif args[:2] == ["--cells", "cells"]:
