@@ -141,18 +141,16 @@ def replay_kernels(fn: Callable, sets: list) -> list[tuple[str, float]]:
 def kernels_section(rows: list[dict]) -> str:
     """The page's kernel table (``--kernels``): per row and side, each kernel's GPU µs in launch order, their sum and
     the gaps (the side's replay µs minus that sum); nothing when no row was profiled."""
-    lines = []
+    from kernel_breakdown import section
+
+    cells = []
     for r in rows:
         for side, kernels in r.get("kernels", {}).items():
             total = sum(d for _, d in kernels)
-            listed = " · ".join(f"{n} {d:.1f}" for n, d in kernels)
-            lines.append(f"| {r['shape']} | {r['T']} | {r['dtype']} | {side} | {listed} | {total:.1f} | "
-                         f"{r['us'][side] - total:.1f} |")
-    if not lines:
-        return ""
-    return ("\n## Kernels of one replay (GPU µs, launch order)\n\n"
-            "| shape | T | dtype | side | kernels | sum µs | gaps µs |\n|---|---|---|---|---|---|---|\n"
-            + "\n".join(lines) + "\n")
+            cells.append([r["shape"], r["T"], r["dtype"], side, " · ".join(f"{n} {d:.1f}" for n, d in kernels),
+                          f"{total:.1f}", f"{r['us'][side] - total:.1f}"])
+    return section("Kernels of one replay (GPU µs, launch order)",
+                   ["shape", "T", "dtype", "side", "kernels", "sum µs", "gaps µs"], cells)
 
 
 def floor_cell(t: int, ids, k: int, h: int, i: int, fp8: bool, limits: dict | None) -> dict[str, float | None]:
