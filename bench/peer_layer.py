@@ -32,7 +32,9 @@ a plot of moe_fx's time over the peer's against T (``.png``). Needs CUDA.
 ``--kernels`` also profiles a few replays of each side's graph after the timing (``torch.profiler``) and lists every
 kernel's mean GPU µs in launch order, both sides in one table: where a row's difference between the sides lies
 (GEMM1, GEMM2, the sort or the combine), not only how large it is. ``gaps`` is the side's replay time minus its
-kernels' sum (launch latency and idle time inside the graph).
+kernels' sum (launch latency and idle time inside the graph); the profile is of 5 replays of the first routing set's
+graph, after the timing, so a negative gap means those replays ran longer than the timed rotation: compare kernels, not
+gaps, where one shows.
 """
 
 from __future__ import annotations
