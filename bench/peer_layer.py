@@ -29,12 +29,11 @@ run).
 Writes ``peer_layer_<date>[_tag].{md,json}`` to ``--out`` (default bench/results) after every cell, and at the end
 a plot of moe_fx's time over the peer's against T (``.png``). Needs CUDA.
 
-``--kernels`` also profiles a few replays of each side's graph after the timing (``torch.profiler``) and lists every
-kernel's mean GPU µs in launch order, both sides in one table: where a row's difference between the sides lies
-(GEMM1, GEMM2, the sort or the combine), not only how large it is. ``gaps`` is the side's replay time minus its
-kernels' sum (launch latency and idle time inside the graph); the profile is of 5 replays of the first routing set's
-graph, after the timing, so a negative gap means those replays ran longer than the timed rotation: compare kernels, not
-gaps, where one shows.
+``--kernels`` also profiles each side's timed graphs after the timing (``torch.profiler``: 5 rotations over the routing
+sets, as timed) and lists every kernel's mean GPU µs in launch order, both sides in one table: where a row's difference
+between the sides lies (GEMM1, GEMM2, the sort or the combine), not only how large it is. ``gaps`` is the side's replay
+time minus its kernels' sum (launch latency and idle time inside the graph); the profiled rotations run after the timed
+ones, so a small negative gap is drift between the two, not time saved.
 """
 
 from __future__ import annotations
@@ -119,10 +118,13 @@ def fp32_reference(w13, w2, **op_kwargs) -> Callable:
 
 def alternate_graph_us(fns: dict[str, Callable], sets: list, rounds: int,
                        timer: Callable[[list], float] = replay_us,
-                       capture: Callable[[Callable, list], tuple[list, list]] = capture_graphs) -> dict[str, float]:
+                       capture: Callable[[Callable, list], tuple[list, list]] = capture_graphs,
+                       graphs: dict[str, list] | None = None) -> dict[str, float]:
     """Median µs of one replay per side: each side's CUDA graphs (one per input set) replayed in rotation,
-    the sides alternating over ``rounds`` rounds with the first side alternating too."""
-    graphs = {name: capture(fn, sets)[0] for name, fn in fns.items()}
+    the sides alternating over ``rounds`` rounds with the first side alternating too. ``graphs``, when given,
+    receives each side's captured graphs (for :func:`replay_kernels`, which profiles the timed graphs)."""
+    graphs = {} if graphs is None else graphs
+    graphs.update({name: capture(fn, sets)[0] for name, fn in fns.items()})
     names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
@@ -131,13 +133,19 @@ def alternate_graph_us(fns: dict[str, Callable], sets: list, rounds: int,
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def replay_kernels(fn: Callable, sets: list) -> list[tuple[str, float]]:
-    """``(kernel, mean GPU µs)`` of one replay of ``fn``'s CUDA graph on ``sets[0]``, in launch order
-    (bench/kernel_breakdown.py's profile of ``PROFILED_REPLAYS`` replays)."""
+def replay_kernels(graphs: list, profile: Callable[[Callable], list] | None = None) -> list[tuple[str, float]]:
+    """``(kernel, mean GPU µs)`` of one replay, in launch order: the side's timed CUDA graphs (one per routing set)
+    replayed in the timed rotation ``PROFILED_REPLAYS`` times under bench/kernel_breakdown.py's profiler, each
+    kernel's time the mean over every set, so the sum compares with the timed figure. ``profile`` stands in for
+    the profiler (tests)."""
     from kernel_breakdown import PROFILED_REPLAYS, _profile, per_launch_us, short
 
-    graph = capture_graphs(fn, sets[:1])[0][0]
-    return [(short(n), d) for n, d in per_launch_us(_profile(graph.replay), PROFILED_REPLAYS)]
+    def rotation() -> None:
+        for graph in graphs:
+            graph.replay()
+
+    events = (profile or _profile)(rotation)
+    return [(short(n), d) for n, d in per_launch_us(events, PROFILED_REPLAYS * len(graphs))]
 
 
 def kernels_section(rows: list[dict]) -> str:
@@ -402,10 +410,11 @@ def main(argv: list[str] | None = None) -> None:
                     if "peer" not in timed or "moe_fx" not in timed:
                         finish({"shape": shape, "T": t, "dtype": dtype, "error": f"not compared: {errors}"})
                         continue
+                    graphs: dict[str, list] = {}
                     try:
                         sides = (alternate_graph_us(timed, sets, args.rounds, timer=call_us,
                                                     capture=lambda fn, inputs: ([(fn, s) for s in inputs], None))
-                                 if args.smoke else alternate_graph_us(timed, sets, args.rounds))
+                                 if args.smoke else alternate_graph_us(timed, sets, args.rounds, graphs=graphs))
                     except RuntimeError as err:  # a side that cannot be captured (a host sync): the row says so
                         finish({"shape": shape, "T": t, "dtype": dtype, "rel_err": errors,
                                 "error": f"not timed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"})
@@ -414,7 +423,8 @@ def main(argv: list[str] | None = None) -> None:
                                floor_cell(t, sets[0][1], k, h, i, dtype == "fp8", limits), peer.NAME)
                 if args.kernels:
                     with torch.no_grad():
-                        row["kernels"] = {name: replay_kernels(fn, sets) for name, fn in timed.items()}
+                        row["kernels"] = {name: replay_kernels(graphs[name]) for name in timed}
+                del graphs
                 finish(row)
                 if not args.smoke:
                     torch.cuda.empty_cache()
