@@ -2,8 +2,8 @@
 ``torch.ops.moe_fx.experts`` (Triton), against the layer's floor and each GEMM's own bandwidth floor.
 
 For each shape and token count T the layer (bf16 or fp8 weights, moe_layer's SHAPES and forms) is captured
-in CUDA graphs over rotating routing sets; the replay is timed (median), then a few replays are profiled
-(``torch.profiler``) and each kernel's mean GPU time is listed in launch order. ``gaps`` is the replay time
+in CUDA graphs over rotating routing sets; the replay is timed (median), then the same graphs are profiled in the
+same rotation (``torch.profiler``) and each kernel's mean GPU time over the sets is listed in launch order. ``gaps`` is the replay time
 minus the kernels' sum: launch latency and idle time between kernels inside the graph. ``kernels µs`` is that sum
 and the floor's share of it: what the layer's own kernels reach, without the latency of launching a graph of one
 layer (a model's graph or wrapper pays that once for all its layers; the short gaps between its kernels it still
@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -139,6 +140,20 @@ def _profile(step) -> list[tuple[str, float, float]]:
             if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def graph_kernels(graphs: list, profile: Callable[[Callable], list] | None = None) -> list[tuple[str, float]]:
+    """``(kernel, mean GPU µs)`` of one replay, in launch order: ``graphs`` (one per routing set, as timed by
+    ``replay_us``) replayed in that rotation ``PROFILED_REPLAYS`` times under the profiler, each kernel's time the
+    mean over every set, so the sum compares with the timed figure. ``profile`` stands in for :func:`_profile`
+    (tests)."""
+
+    def rotation() -> None:
+        for graph in graphs:
+            graph.replay()
+
+    events = (profile or _profile)(rotation)
+    return [(short(n), d) for n, d in per_launch_us(events, PROFILED_REPLAYS * len(graphs))]
+
+
 def plain_calls(run, sets) -> dict:
     """The same layer called from Python, no CUDA graph (the op's kernels launched one by one): µs per call
     over the rotating sets, each kernel's mean GPU µs and the gaps, to set beside the graph's replay. The graphs
@@ -188,8 +203,7 @@ def sort_ab(run, sets, rounds: int = 6) -> dict:
             times[name].append(replay_us(new if name == "pairwise" else old))
     out = {f"{n}_us": statistics.median(v) for n, v in times.items()}
     for n, g in (("pairwise", new), ("two_pass", old)):
-        out[f"{n}_sort_kernel_us"] = sum(d for k, d in per_launch_us(_profile(g[0]), PROFILED_REPLAYS)
-                                        if k.startswith("sort_small"))
+        out[f"{n}_sort_kernel_us"] = sum(d for k, d in graph_kernels(g) if k.startswith("sort_small"))
     return out
 
 
@@ -253,12 +267,12 @@ def main(argv: list[str] | None = None) -> None:
                     continue
             graphs, _ = capture_graphs(run, sets)
             us = replay_us(graphs)
-            launches = per_launch_us(_profile(graphs[0].replay), PROFILED_REPLAYS)
+            launches = graph_kernels(graphs)
             metrics = row_metrics(us, sets[:1], e, k, h, i, args.fp8, limits)
             g1, g2 = gemm_floors_us(metrics["experts_hit"], h, i, args.fp8, limits["copy_tbs"])
             row = {"shape": shape, "T": t, "fp8": args.fp8, "pair": args.pair or choice_label(args.kernel_choice),
                    "replay_us": us, "floor_us": metrics["floor_us"],
-                   "kernels": [(short(n), d) for n, d in launches], "gemm1_floor_us": g1, "gemm2_floor_us": g2,
+                   "kernels": launches, "gemm1_floor_us": g1, "gemm2_floor_us": g2,
                    "gaps_us": us - sum(d for _, d in launches), "experts_hit": metrics["experts_hit"]}
             if args.sort_ab:
                 row["sort_ab"] = sort_ab(run, sets)

@@ -133,21 +133,6 @@ def alternate_graph_us(fns: dict[str, Callable], sets: list, rounds: int,
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def replay_kernels(graphs: list, profile: Callable[[Callable], list] | None = None) -> list[tuple[str, float]]:
-    """``(kernel, mean GPU µs)`` of one replay, in launch order: the side's timed CUDA graphs (one per routing set)
-    replayed in the timed rotation ``PROFILED_REPLAYS`` times under bench/kernel_breakdown.py's profiler, each
-    kernel's time the mean over every set, so the sum compares with the timed figure. ``profile`` stands in for
-    the profiler (tests)."""
-    from kernel_breakdown import PROFILED_REPLAYS, _profile, per_launch_us, short
-
-    def rotation() -> None:
-        for graph in graphs:
-            graph.replay()
-
-    events = (profile or _profile)(rotation)
-    return [(short(n), d) for n, d in per_launch_us(events, PROFILED_REPLAYS * len(graphs))]
-
-
 def kernels_section(rows: list[dict]) -> str:
     """The page's kernel table (``--kernels``): per row and side, each kernel's GPU µs in launch order, their sum and
     the gaps (the side's replay µs minus that sum); nothing when no row was profiled."""
@@ -422,8 +407,10 @@ def main(argv: list[str] | None = None) -> None:
                 row = pair_row(shape, t, dtype, sides, errors,
                                floor_cell(t, sets[0][1], k, h, i, dtype == "fp8", limits), peer.NAME)
                 if args.kernels:
+                    from kernel_breakdown import graph_kernels
+
                     with torch.no_grad():
-                        row["kernels"] = {name: replay_kernels(graphs[name]) for name in timed}
+                        row["kernels"] = {name: graph_kernels(graphs[name]) for name in timed}
                 del graphs
                 finish(row)
                 if not args.smoke:
