@@ -37,30 +37,37 @@ def test_per_launch_refuses_events_that_are_not_identical_replays(mod):
 
 def test_graph_kernels_profile_every_set_in_the_timed_rotation(mod):
     """One graph per routing set, replayed in rotation ``PROFILED_REPLAYS`` times: each kernel's time is its mean
-    over the sets and rotations, names shortened, launch order kept."""
+    over the sets and rotations, names shortened, launch order kept; graphs whose launches differ give the first
+    graph's kernels alone."""
 
     class Graph:
-        def __init__(self, gemm_us):
-            self.gemm_us, self.replays = gemm_us, 0
+        def __init__(self, gemm_us, gemm="gemm1"):
+            self.gemm_us, self.gemm, self.replays = gemm_us, gemm, 0
 
         def replay(self):
             self.replays += 1
 
+    def profiler(graphs):
+        def profile(step):  # what the profiler records: each replay's two kernels, back to back
+            events, clock = [], 0.0
+            for _ in range(mod.PROFILED_REPLAYS):
+                before = [g.replays for g in graphs]
+                step()
+                for g, b in zip(graphs, before):
+                    for _ in range(g.replays - b):
+                        events += [("void sort<int>(int*)", clock, clock + 2.0), (g.gemm, clock + 2.0, clock + 2.0 + g.gemm_us)]
+                        clock += 100.0
+            return events
+
+        return profile
+
     graphs = [Graph(10.0), Graph(20.0), Graph(30.0)]
-
-    def profile(step):  # what the profiler records: each replay's two kernels, back to back
-        events, clock = [], 0.0
-        for _ in range(mod.PROFILED_REPLAYS):
-            before = [g.replays for g in graphs]
-            step()
-            for g, b in zip(graphs, before):
-                for _ in range(g.replays - b):
-                    events += [("void sort<int>(int*)", clock, clock + 2.0), ("gemm1", clock + 2.0, clock + 2.0 + g.gemm_us)]
-                    clock += 100.0
-        return events
-
-    assert mod.graph_kernels(graphs, profile=profile) == [("sort", pytest.approx(2.0)), ("gemm1", pytest.approx(20.0))]
+    assert mod.graph_kernels(graphs, profile=profiler(graphs)) == [("sort", pytest.approx(2.0)),
+                                                                   ("gemm1", pytest.approx(20.0))]
     assert [g.replays for g in graphs] == [mod.PROFILED_REPLAYS] * 3
+    differing = [Graph(10.0), Graph(20.0), Graph(30.0, gemm="gemm1_other")]
+    assert mod.graph_kernels(differing, profile=profiler(differing)) == [("sort", pytest.approx(2.0)),
+                                                                         ("gemm1", pytest.approx(10.0))]
 
 
 def test_gemm_floors_and_short_names(mod):
