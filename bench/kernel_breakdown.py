@@ -3,11 +3,11 @@
 
 For each shape and token count T the layer (bf16 or fp8 weights, moe_layer's SHAPES and forms) is captured
 in CUDA graphs over rotating routing sets; the replay is timed (median), then the same graphs are profiled in the
-same rotation (``torch.profiler``) and each kernel's mean GPU time over the sets is listed in launch order. ``gaps`` is the replay time
-minus the kernels' sum: launch latency and idle time between kernels inside the graph. ``kernels µs`` is that sum
-and the floor's share of it: what the layer's own kernels reach, without the latency of launching a graph of one
-layer (a model's graph or wrapper pays that once for all its layers; the short gaps between its kernels it still
-pays, so the share is an upper bound of the layer's inside a model). GEMM floors are the
+same rotation (``torch.profiler``) and each kernel's mean GPU time over the sets is listed in launch order. ``gaps``
+is the replay time minus the kernels' sum: launch latency and idle time between kernels inside the graph.
+``kernels µs`` is that sum and the floor's share of it: what the layer's own kernels reach, without the latency of
+launching a graph of one layer (a model's graph or wrapper pays that once for all its layers; the short gaps between
+its kernels it still pays, so the share is an upper bound of the layer's inside a model). GEMM floors are the
 bytes of the weights of the experts hit over the copy rate measured in the same run; the layer's floor is
 moe_layer's (``max(bytes / copy rate, flops / matmul rate)``).
 

@@ -122,7 +122,7 @@ def alternate_graph_us(fns: dict[str, Callable], sets: list, rounds: int,
                        graphs: dict[str, list] | None = None) -> dict[str, float]:
     """Median µs of one replay per side: each side's CUDA graphs (one per input set) replayed in rotation,
     the sides alternating over ``rounds`` rounds with the first side alternating too. ``graphs``, when given,
-    receives each side's captured graphs (for :func:`replay_kernels`, which profiles the timed graphs)."""
+    receives each side's captured graphs (``--kernels`` profiles them: ``kernel_breakdown.graph_kernels``)."""
     graphs = {} if graphs is None else graphs
     graphs.update({name: capture(fn, sets)[0] for name, fn in fns.items()})
     names = list(fns)

@@ -55,7 +55,8 @@ def test_graph_kernels_profile_every_set_in_the_timed_rotation(mod):
                 step()
                 for g, b in zip(graphs, before):
                     for _ in range(g.replays - b):
-                        events += [("void sort<int>(int*)", clock, clock + 2.0), (g.gemm, clock + 2.0, clock + 2.0 + g.gemm_us)]
+                        events += [("void sort<int>(int*)", clock, clock + 2.0),
+                                   (g.gemm, clock + 2.0, clock + 2.0 + g.gemm_us)]
                         clock += 100.0
             return events
 
