@@ -149,6 +149,45 @@ def test_near_misses_untouched(variant):
     assert not report.matched and report.reason
 
 
+class HashRoutedDense(torch.nn.Module):
+    """A dense-bmm block whose ``[T, E]`` combine matrix is scattered from ids that are not a top-k's (hash
+    routing: a token's ids may repeat). ``scatter`` keeps one weight per repeated id, ``scatter_add`` sums them."""
+
+    def __init__(self, accumulate: bool, h: int = 32, i: int = 16, e: int = 4, k: int = 2):
+        super().__init__()
+        self.h, self.e, self.k, self.accumulate = h, e, k, accumulate
+        self.router = torch.nn.Linear(h, e, bias=False)
+        self.gate_up = torch.nn.Parameter(torch.randn(e, 2 * i, h) * 0.3)
+        self.down = torch.nn.Parameter(torch.randn(e, h, i) * 0.3)
+
+    def forward(self, x, tokens):
+        probs = torch.softmax(self.router(x), -1)
+        ids = torch.stack([(tokens * (j + 3)) % self.e for j in range(self.k)], -1)
+        w = probs.gather(1, ids)
+        zeros = torch.zeros(x.shape[0], self.e)
+        dense = zeros.scatter_add(1, ids, w) if self.accumulate else zeros.scatter(1, ids, w)
+        g, u = torch.bmm(x.unsqueeze(0).expand(self.e, -1, -1), self.gate_up.transpose(1, 2)).chunk(2, -1)
+        y = torch.bmm(torch.nn.functional.silu(g) * u, self.down.transpose(1, 2))
+        return (y * dense.t().unsqueeze(-1)).sum(0)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_dense_scatter_of_ids_that_may_repeat_untouched(accumulate):
+    """A combine matrix scattered from ids the graph does not prove distinct per token (not a top-k's) is left as
+    written: the op sums every slot, ``scatter`` keeps the last write where ids repeat (tokens 0 and 4 here)."""
+    torch.manual_seed(0)
+    x, tokens = torch.randn(8, 32), torch.arange(8)
+    model = HashRoutedDense(accumulate)
+    out, cap = run_captured(model, x, tokens)
+    ref_out, plain = run_captured(model, x, tokens, passes=False)
+    assert cap.count(OP) == 0
+    assert cap.code == plain.code
+    assert torch.equal(out, ref_out)
+    (report,) = cap.reports
+    assert not report.matched
+    assert ("not a top-k's, so they may repeat" in report.reason) != accumulate
+
+
 def test_titan_near_miss_activation_untouched():
     torch.manual_seed(0)
     x = torch.randn(6, 32, dtype=torch.bfloat16)

@@ -742,6 +742,11 @@ class _Reader:
         base, dim, src = self.value(n.args[0]), _arg(n, 1, "dim"), self.value(_arg(n, 3, "src", _arg(n, 3, "value")))
         if isinstance(base, _Const) and base.value == 0.0 and dim in (1, -1) and isinstance(src, _Routing) \
                 and not src.dense and n.kwargs.get("reduce") is None:
+            index = _arg(n, 2, "index")
+            if not (isinstance(index, fx.Node) and distinct_row_ids(index)):
+                # scatter keeps one weight where a row's ids repeat; the op sums every slot
+                raise _NearMiss(f"{n.name}: scatters the routing weights into a [T, E] matrix (the last write wins "
+                                "where a token's ids repeat) by ids that are not a top-k's, so they may repeat")
             return _Routing(dense=True), "routing weights"  # zeros.scatter(1, ids, weights): dense [T, E]
         raise _NearMiss(self.unsupported(n, op_name(n)))
 
@@ -1268,6 +1273,28 @@ _ID_KEEPS = frozenset({"to", "long", "int", "type", "contiguous", "clone", "deta
                        "unsqueeze", "squeeze", "expand", "getitem", "narrow"})
 #: Ops whose ids are positions along their input's ``dim``: the argument position of ``dim``, its default.
 _ID_SOURCES = {"topk": (2, -1), "argmax": (1, None), "max": (1, None), "sort": (1, -1), "argsort": (1, -1)}
+
+
+#: Ops through which each row of ids keeps its values in place (casts and copies).
+_ID_CASTS = frozenset({"to", "long", "int", "type", "contiguous", "clone", "detach"})
+
+
+def distinct_row_ids(ids: fx.Node) -> bool:
+    """Whether the graph proves each row of ``ids`` holds distinct values: the indices of a ``topk``, ``sort`` or
+    ``argsort`` along the last axis, through casts and copies only."""
+    n = ids
+    while op_name(n) in _ID_CASTS and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    if op_name(n) == "getitem" and isinstance(n.args[0], fx.Node) and n.args[1] == 1:
+        n = n.args[0]
+    elif op_name(n) != "argsort":
+        return False
+    if op_name(n) not in ("topk", "sort", "argsort"):
+        return False
+    pos, default = _ID_SOURCES[op_name(n)]
+    src = _shape(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+    dim = _arg(n, pos, "dim", default)
+    return src is not None and isinstance(dim, int) and dim in (-1, len(src) - 1)
 
 
 def expert_id_bound(ids: fx.Node) -> tuple[int | None, str]:
