@@ -30,6 +30,8 @@ def compile(model: Callable, config: MoEConfig | None = None, **torch_compile_kw
 
     if "backend" in torch_compile_kwargs:
         raise TypeError("moe_fx.compile() picks the backend itself; pass other torch.compile arguments only")
+    if config is not None and not isinstance(config, MoEConfig):
+        raise TypeError(f"moe_fx.compile(): config must be a MoEConfig or None, got {type(config).__name__}")
     config = config or MoEConfig()
     enable_capture()
     _capture_modules(model, config)

@@ -272,6 +272,8 @@ def test_cli_explain_prints_report(capsys):
 def test_compile_rejects_backend_kwarg_and_bad_config():
     with pytest.raises(TypeError, match="picks the backend itself"):
         moe_fx.compile(DenseBmmMoE(), backend="inductor")
+    with pytest.raises(TypeError, match="config must be a MoEConfig or None, got dict"):
+        moe_fx.compile(DenseBmmMoE(), config={"kernel": "triton"})
     with pytest.raises(ValueError, match="MoEConfig.kernel"):
         moe_fx.MoEConfig(kernel="cublas")
 
