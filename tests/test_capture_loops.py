@@ -135,6 +135,18 @@ def test_numerics_are_required():
     assert not report.matched and "verify='never'" in report.reason
 
 
+def test_dtype_the_op_does_not_take_keeps_its_forward():
+    """float64 experts (the numerical check runs in float32 and would pass) keep their own forward, with the dtype
+    as the reason, instead of an op call that fails when Dynamo traces it."""
+    experts = HitLoopExperts().double()
+    (report,) = capture_expert_loops(experts)
+    assert not report.matched and report.reason == (
+        "expert weights are float64: moe_fx::experts takes float32/bfloat16/float16")
+    assert "forward" not in vars(experts)
+    (report,) = capture_expert_loops(HitLoopExperts())
+    assert report.matched
+
+
 def test_traceable_transformers_experts_are_left_to_the_graph_pass():
     grouped = tiny_family_model("mixtral", experts_implementation="grouped_mm")
     assert list(loop_experts_candidates(grouped)) == []

@@ -53,6 +53,7 @@ from moe_fx.capture.patch import patch_forward, patched_with, release_patched
 from moe_fx.capture.record_forward import RecordedForward, record_forward
 from moe_fx.config import MoEConfig
 from moe_fx.ops import ExpertActivation
+from moe_fx.ops.checks import FLOAT_DTYPES
 from moe_fx.passes.recognize.read_form import Boundary, FormReading, WeightView, read_form
 from moe_fx.passes.report import RegionReport
 from moe_fx.verify.check_numerics import (
@@ -453,6 +454,12 @@ def match_loop_experts(module: nn.Module, config: MoEConfig | None = None) -> Lo
     layouts = _layouts(params) or _split_layouts(module, params)
     if not layouts:
         return _no_layout_reason(params)
+    dtypes = {params[lay.w13].dtype for lay in layouts}
+    if not dtypes & set(FLOAT_DTYPES):
+        # checked here, not by the op at trace time: the probe runs in float32 and would pass
+        names = "/".join(str(d).replace("torch.", "") for d in FLOAT_DTYPES)
+        return f"expert weights are {', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))}: " \
+               f"moe_fx::experts takes {names}"
     reasons: list[tuple[int, str]] = []
     with torch.no_grad():
         for lay in layouts:
