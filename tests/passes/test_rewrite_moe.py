@@ -25,9 +25,9 @@ def _inputs(transposed=False):
     return [torch.randn(T, H, generator=g), ids, torch.rand(T, K, generator=g), w13, w2]
 
 
-def _routed_inputs():
+def _routed_inputs(transposed=False):
     """Inputs of :func:`graphs.routed` forms: ``h, scores [T, E], w13, w2`` (top-k ids without ties)."""
-    h, _, _, w13, w2 = _inputs()
+    h, _, _, w13, w2 = _inputs(transposed)
     return [h, torch.randperm(T * E, generator=torch.Generator().manual_seed(1)).float().view(T, E) / (T * E), w13, w2]
 
 
@@ -94,11 +94,22 @@ def test_ids_that_are_a_graph_input_must_be_skipped_as_the_op_skips_them():
 
 
 def test_transposed_stacked_weights_are_passed_as_views():
-    inputs = _inputs(transposed=True)
-    gm, _, count, (report,) = _rewrite(dense_transposed, inputs)
+    inputs = _routed_inputs(transposed=True)
+    fn = routed(dense_transposed, K)
+    gm, _, count, (report,) = _rewrite(fn, inputs)
     assert count == 1 and report.form == "dense_bmm"
-    assert ops(gm) == ["transpose", "transpose", "experts.default"]  # views of the weights, never a copy
-    torch.testing.assert_close(gm(*inputs), dense_transposed(*inputs), rtol=1e-4, atol=1e-5)
+    # views of the weights, never a copy
+    assert ops(gm) == ["topk", "getitem", "getitem", "transpose", "transpose", "experts.default"]
+    torch.testing.assert_close(gm(*inputs), fn(*inputs), rtol=1e-4, atol=1e-5)
+
+
+def test_dense_scatter_of_graph_input_ids_is_left_as_written():
+    """The dense matrix's ``scatter`` keeps one weight where a token's ids repeat and the op sums every slot: ids
+    that are a graph input are not proven distinct, so the region stays as written."""
+    inputs = _inputs(transposed=True)
+    gm, before, count, (report,) = _rewrite(dense_transposed, inputs)
+    assert count == 0 and gm.code == before
+    assert "not a top-k's, so they may repeat" in report.reason, report.reason
 
 
 def test_what_follows_the_combine_stays_outside_the_region():
